@@ -1,0 +1,72 @@
+"""Every environment variable mkrt reads, in one table (the README lists the same table).
+
+Variables are read when used, not at import, so a test or an IPython session can change
+them. Tuning knobs belong on ops and specs, not here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+def _flag(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    parse: Callable[[str], object]
+    doc: str
+
+    def get(self):
+        return self.parse(os.environ.get(self.name, self.default))
+
+
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("MKRT_JIT_CACHE_DIR", str(Path.home() / ".cache" / "mkrt"), Path,
+           "Folder of compiled kernels (cubin), their rendered sources and resource reports."),
+    EnvVar("MKRT_JIT_PTXAS_CHECK", "0", _flag,
+           "1: a kernel that spills registers fails to build (CompileError). "
+           "`python -m mkrt compile` and the tests always check."),
+    EnvVar("MKRT_JIT_DEBUG", "0", _flag,
+           "1: log every compile (spec, options, time, registers) at INFO on `mkrt.jit`."),
+    EnvVar("MKRT_JIT_ARCH", "sm_90a", str,
+           "Target architecture of every compile."),
+    EnvVar("MKRT_WAIT_TIMEOUT_MS", "10000", float,
+           "Default bound of every device-side wait, in milliseconds; a wait past it "
+           "aborts the kernel and the host raises mkrt.CommTimeout. Ops take timeout_ms= too."),
+    EnvVar("MKRT_SYNC_CHECK", "0", _flag,
+           "1: synchronize after every op and raise its device errors at once (debugging)."),
+    EnvVar("MKRT_EMULATE", "", str,
+           "Layout 'NxG' that mkrt.init() emulates when it is not given one and runs "
+           "without mpiexec (default: 1 node x every visible GPU)."),
+    EnvVar("MKRT_WORLD_RANKS_PER_NODE", "0", int,
+           "Under mpiexec: treat every N consecutive ranks of a host as one node "
+           "(0: a node is a host). Splits one host into nodes that talk through the proxy."),
+    EnvVar("MKRT_LOG_LEVEL", "WARNING", str,
+           "Level of the `mkrt` loggers (DEBUG, INFO, WARNING, ...)."),
+)}
+
+
+def get(name: str):
+    """Value of one mkrt variable, parsed; unknown names are a programming error."""
+    try:
+        return VARIABLES[name].get()
+    except KeyError:
+        raise KeyError(f"mkrt.envs: no variable {name!r}; known: {sorted(VARIABLES)}") from None
+    except ValueError as error:
+        raise ValueError(f"mkrt.envs: {name}={os.environ.get(name)!r} is invalid: {error}") from None
+
+
+def markdown_table() -> str:
+    """The table the README carries (a test keeps the two equal)."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for var in VARIABLES.values():
+        default = var.default if var.name != "MKRT_JIT_CACHE_DIR" else "~/.cache/mkrt"
+        rows.append(f"| `{var.name}` | `{default}` | {var.doc} |")
+    return "\n".join(rows)

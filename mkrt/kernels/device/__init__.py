@@ -1,0 +1,7 @@
+"""Shared CUDA device code, one string module per topic, included by name.
+
+Importing this package registers every piece with mkrt.jit.render, so a template's
+``requires=("sync",)`` finds it.
+"""
+
+from mkrt.kernels.device import base, sync  # noqa: F401
