@@ -1,0 +1,326 @@
+"""Command layout and ring buffers shared by the GPU (producer) and the host proxy.
+
+The command is defined ONCE, here, as a numpy dtype (:data:`COMMAND_DTYPE`). From it come
+  * the C struct ``mkrt::Command`` (:func:`command_struct_source`) compiled into kernels,
+    with ``static_assert`` on every offset, and
+  * the (word, shift, mask) constants the compiled proxy loop decodes with
+    (:data:`FIELDS`), so C, the proxy loop and Python cannot drift.
+
+A command is 64 bytes (8 u64 words). Word 0 (``valid``) is written last by the producer
+with a release store and holds ``ticket + 1``: the proxy expecting ticket ``t`` at slot
+``t % slots`` takes it only when ``valid == t + 1``, so a slot left from the previous lap
+never looks ready and slots never need clearing.
+
+Queue header (per queue, :data:`HEADER_WORDS` u64 words in host memory the GPU maps):
+  [TAIL]        commands the proxy has consumed (the producer's space bound)
+  [DONE]        commands whose transport work has completed
+  [ERROR]       0, or the proxy error code | detail << 8 (producers' waits check it)
+  [ERROR_TICKET] ticket of the command that failed
+  [HOST_HEAD]   the claim counter of host-side producers (GPU producers use device memory)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from dataclasses import dataclass
+
+import numpy as np
+
+# ---- opcodes ---------------------------------------------------------------------------
+OP_NOP = 0
+OP_PUT = 1          # copy bytes: (src rank = queue's rank, src_region, src_offset) -> (dst_rank, dst_region, dst_offset)
+OP_PUT_SIGNAL = 2   # put, then write signal_value at (dst_rank, signal_region, signal_offset)
+OP_SIGNAL = 3       # write signal_value at (dst_rank, signal_region, signal_offset)
+OP_FENCE = 4        # earlier commands of this queue complete first; optional signal after
+OP_BARRIER = 5      # fence, then signal every rank r at (r, signal_region, signal_offset + 8 * my_rank)
+OPCODE_NAMES = {OP_NOP: "nop", OP_PUT: "put", OP_PUT_SIGNAL: "put_signal", OP_SIGNAL: "signal",
+                OP_FENCE: "fence", OP_BARRIER: "barrier"}
+NO_REGION = 0xFFFF  # "no signal" in signal_region (fence without completion signal)
+
+COMMAND_DTYPE = np.dtype([
+    ("valid", "<u8"),           # ticket + 1, release-stored last
+    ("opcode", "<u2"),
+    ("dst_rank", "<u2"),
+    ("src_region", "<u2"),
+    ("dst_region", "<u2"),
+    ("src_offset", "<u8"),
+    ("dst_offset", "<u8"),
+    ("bytes", "<u8"),
+    ("signal_offset", "<u8"),
+    ("signal_value", "<u8"),
+    ("signal_region", "<u2"),
+    ("flags", "<u2"),
+    ("reserved", "<u4"),
+])
+COMMAND_BYTES = 64
+COMMAND_WORDS = COMMAND_BYTES // 8
+if COMMAND_DTYPE.itemsize != COMMAND_BYTES:  # import-time layout guard
+    raise ImportError(f"mkrt.proxy: command is {COMMAND_DTYPE.itemsize} bytes, expected 64")
+
+
+def _field_constants(dtype: np.dtype) -> dict[str, tuple[int, int, int]]:
+    out = {}
+    for name, (sub, offset) in dtype.fields.items():
+        word, byte = divmod(offset, 8)
+        if byte + sub.itemsize > 8:
+            raise ImportError(f"mkrt.proxy: field {name} crosses a u64 word ({offset=})")
+        mask = (1 << (8 * sub.itemsize)) - 1
+        out[name] = (word, 8 * byte, mask)
+    return out
+
+
+#: field -> (u64 word, bit shift, mask); what the compiled loop decodes with
+FIELDS = _field_constants(COMMAND_DTYPE)
+
+# ---- queue header ----------------------------------------------------------------------
+HEADER_WORDS = 32            # 256 bytes per queue; hot words on separate 64-byte lines
+H_TAIL = 0
+H_DONE = 8
+H_ERROR = 9
+H_ERROR_TICKET = 10
+H_HOST_HEAD = 16
+
+# ---- proxy error codes (low 8 bits of the error word; detail above) --------------------
+E_OPCODE = 1
+E_RANK = 2
+E_REGION = 3
+E_BOUNDS = 4
+E_ALIGN = 5
+E_TRANSPORT = 6
+E_STOPPED = 7
+ERROR_NAMES = {E_OPCODE: "unknown opcode", E_RANK: "destination rank out of range",
+               E_REGION: "region not registered", E_BOUNDS: "offset out of the region",
+               E_ALIGN: "signal offset not 8-byte aligned", E_TRANSPORT: "transport failure",
+               E_STOPPED: "proxy stopped"}
+
+# ---- region table ----------------------------------------------------------------------
+REGION_DEVICE = 0
+REGION_HOST = 1
+REGION_WORDS = 4             # base, size, kind, registered
+
+
+def new_region_table(ranks: int, regions: int) -> np.ndarray:
+    """(rank, region) -> [base address, size, kind, registered] as u64 words."""
+    if ranks < 1 or regions < 1 or ranks > 0xFFFF or regions >= NO_REGION:
+        raise ValueError(f"mkrt.proxy: region table needs 1 <= ranks <= 65535 and "
+                         f"1 <= regions < {NO_REGION}; got {ranks=}, {regions=}")
+    return np.zeros((ranks, regions, REGION_WORDS), dtype=np.uint64)
+
+
+def set_region(table: np.ndarray, rank: int, region: int, base: int, size: int,
+               kind: int = REGION_DEVICE) -> None:
+    """Register memory the proxy may read or write: what memory.py fills per buffer."""
+    ranks, regions, _ = table.shape
+    if not (0 <= rank < ranks and 0 <= region < regions):
+        raise ValueError(f"mkrt.proxy: region ({rank=}, {region=}) outside the table "
+                         f"({ranks} ranks x {regions} regions)")
+    if base <= 0 or size <= 0:
+        raise ValueError(f"mkrt.proxy: region ({rank=}, {region=}) needs base > 0 and size > 0; "
+                         f"got {base=:#x}, {size=}")
+    if kind not in (REGION_DEVICE, REGION_HOST):
+        raise ValueError(f"mkrt.proxy: region kind must be 0 (device) or 1 (host); got {kind=}")
+    table[rank, region] = (base, size, kind, 1)
+
+
+# ---- the C side, generated from the dtype ----------------------------------------------
+_C_TYPES = {np.dtype("<u2"): "unsigned short", np.dtype("<u4"): "unsigned int",
+            np.dtype("<u8"): "unsigned long long"}
+
+
+def command_struct_source() -> str:
+    """``struct Command`` and the constants above, as C for namespace mkrt."""
+    lines = ["struct __align__(64) Command {"]
+    for name, (sub, _) in COMMAND_DTYPE.fields.items():
+        lines.append(f"    {_C_TYPES[sub]} {name};")
+    lines.append("};")
+    lines.append(f"static_assert(sizeof(Command) == {COMMAND_BYTES}, \"mkrt::Command size\");")
+    for name, (_, offset) in COMMAND_DTYPE.fields.items():
+        lines.append(f"static_assert(offsetof(Command, {name}) == {offset}, \"Command.{name}\");")
+    constants = {
+        "OP_NOP": OP_NOP, "OP_PUT": OP_PUT, "OP_PUT_SIGNAL": OP_PUT_SIGNAL, "OP_SIGNAL": OP_SIGNAL,
+        "OP_FENCE": OP_FENCE, "OP_BARRIER": OP_BARRIER, "NO_REGION": NO_REGION,
+        "QUEUE_HEADER_WORDS": HEADER_WORDS, "QUEUE_TAIL": H_TAIL, "QUEUE_DONE": H_DONE,
+        "QUEUE_ERROR": H_ERROR,
+    }
+    lines += [f"constexpr unsigned {k} = {v}u;" for k, v in constants.items()]
+    return "\n".join(lines)
+
+
+#: the descriptor a kernel gets per queue (device memory), mirrored in C as mkrt::Queue
+QUEUE_DESC_DTYPE = np.dtype([
+    ("ring", "<u8"),         # Command* in mapped host memory (device address)
+    ("header", "<u8"),       # u64* queue header, mapped host memory (device address)
+    ("head", "<u8"),         # u64* claim counter, device memory
+    ("tail_cache", "<u8"),   # u64* last tail seen, device memory
+    ("slots", "<u8"),
+    ("rank", "<u8"),
+])
+
+
+# ---- memory ----------------------------------------------------------------------------
+class HostMemory:
+    """Page-aligned, zeroed host memory: anonymous mmap, or a named shared segment."""
+
+    def __init__(self, nbytes: int, *, shared_name: str | None = None, create: bool = True):
+        if nbytes <= 0:
+            raise ValueError(f"mkrt.proxy: host memory needs nbytes > 0; got {nbytes=}")
+        self.nbytes = nbytes
+        self._shm = None
+        if shared_name is not None:
+            from multiprocessing import shared_memory
+            self._shm = shared_memory.SharedMemory(name=shared_name, create=create, size=nbytes)
+            if create:
+                # the creator unlinks; keep the resource tracker from doing it twice
+                _untrack(self._shm)
+            else:
+                _untrack(self._shm)
+            buffer = self._shm.buf
+        else:
+            self._map = mmap.mmap(-1, nbytes)
+            buffer = self._map
+        self.array = np.frombuffer(buffer, dtype=np.uint8, count=nbytes)
+        self.address = self.array.ctypes.data
+        self.name = shared_name
+
+    def close(self, unlink: bool = False):
+        self.array = None
+        if self._shm is not None:
+            self._shm.close()
+            if unlink:
+                self._shm.unlink()
+            self._shm = None
+
+
+def _untrack(shm):
+    try:
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(shm._name, "shared_memory")
+    except Exception:  # pragma: no cover - tracker internals differ across versions
+        pass
+
+
+class PinnedMemory:
+    """cudaHostAlloc(mapped | portable) memory; under UVA its device address is its host address."""
+
+    def __init__(self, nbytes: int):
+        import cupy
+        if nbytes <= 0:
+            raise ValueError(f"mkrt.proxy: pinned memory needs nbytes > 0; got {nbytes=}")
+        runtime = cupy.cuda.runtime
+        self.nbytes = nbytes
+        self.address = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
+        self.device_address = runtime.hostGetDevicePointer(self.address, 0)
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.address))
+        self.array[:] = 0
+
+    def close(self, unlink: bool = False):
+        if self.address:
+            import cupy
+            self.array = None
+            cupy.cuda.runtime.freeHost(self.address)
+            self.address = 0
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass
+class QueueViews:
+    ring: np.ndarray       # flat u64: queues * slots * 8 words
+    header: np.ndarray     # flat u64: queues * HEADER_WORDS
+    commands: np.ndarray   # structured view (queues, slots) of COMMAND_DTYPE
+
+
+class QueueSet:
+    """`queues` rings of `slots` commands each, plus their headers, in one allocation.
+
+    ``memory``: "host" (anonymous mmap, CPU tests), "shared" (a named shared segment other
+    processes attach with ``attach=True``), or "pinned" (mapped pinned memory for GPUs).
+    ``ranks[q]`` is the rank whose regions queue ``q``'s sources are (its producer).
+    """
+
+    def __init__(self, queues: int, slots: int, ranks, *, memory: str = "host",
+                 shared_name: str | None = None, attach: bool = False):
+        if queues < 1:
+            raise ValueError(f"mkrt.proxy: a queue set needs queues >= 1; got {queues=}")
+        if slots < 2 or slots & (slots - 1):
+            raise ValueError(f"mkrt.proxy: slots must be a power of two >= 2; got {slots=}")
+        ranks = np.asarray(list(ranks) if not np.isscalar(ranks) else [ranks] * queues,
+                           dtype=np.int64)
+        if ranks.shape != (queues,) or (ranks < 0).any():
+            raise ValueError(f"mkrt.proxy: ranks must give one rank >= 0 per queue; "
+                             f"got {ranks.tolist()} for {queues=}")
+        self.queues, self.slots, self.ranks, self.memory_kind = queues, slots, ranks, memory
+        header_bytes = _round_up(queues * HEADER_WORDS * 8, 4096)
+        ring_bytes = queues * slots * COMMAND_BYTES
+        total = header_bytes + ring_bytes
+        if memory == "host":
+            self.memory = HostMemory(total)
+        elif memory == "shared":
+            if not shared_name:
+                raise ValueError("mkrt.proxy: memory='shared' needs shared_name")
+            self.memory = HostMemory(total, shared_name=shared_name, create=not attach)
+        elif memory == "pinned":
+            self.memory = PinnedMemory(total)
+        else:
+            raise ValueError(f"mkrt.proxy: memory must be 'host', 'shared' or 'pinned'; got {memory=}")
+        self.attached = attach
+        words = self.memory.array.view(np.uint64)
+        self.header = words[: queues * HEADER_WORDS]
+        self.ring = words[header_bytes // 8: header_bytes // 8 + queues * slots * COMMAND_WORDS]
+        self.commands = self.ring.view(COMMAND_DTYPE).reshape(queues, slots)
+        self.header_address = self.memory.address
+        self.ring_address = self.memory.address + header_bytes
+        self._device = None
+
+    # -- device descriptors (GPU producers) --
+    def device_descriptors(self):
+        """Per-queue ``mkrt::Queue`` descriptors in device memory (cupy u8 array), built once."""
+        if self._device is None:
+            import cupy
+            if self.memory_kind != "pinned":
+                raise ValueError(f"mkrt.proxy: GPU producers need memory='pinned'; "
+                                 f"this set has memory={self.memory_kind!r}")
+            counters = cupy.zeros(self.queues * 16, dtype=np.uint64)   # head, tail_cache on own lines
+            desc = np.zeros(self.queues, dtype=QUEUE_DESC_DTYPE)
+            base = self.memory.device_address
+            header_off = 0
+            ring_off = self.ring_address - self.memory.address
+            for q in range(self.queues):
+                desc[q]["ring"] = base + ring_off + q * self.slots * COMMAND_BYTES
+                desc[q]["header"] = base + header_off + q * HEADER_WORDS * 8
+                desc[q]["head"] = counters.data.ptr + q * 128
+                desc[q]["tail_cache"] = counters.data.ptr + q * 128 + 64
+                desc[q]["slots"] = self.slots
+                desc[q]["rank"] = self.ranks[q]
+            self._device = (counters, cupy.asarray(desc.view(np.uint8)))
+        return self._device[1]
+
+    def device_heads(self):
+        """How many commands each queue's GPU producers have claimed (synchronizes)."""
+        self.device_descriptors()
+        return self._device[0].reshape(self.queues, 16)[:, 0].get()
+
+    def tail(self, queue: int) -> int:
+        return int(self.header[queue * HEADER_WORDS + H_TAIL])
+
+    def done(self, queue: int) -> int:
+        return int(self.header[queue * HEADER_WORDS + H_DONE])
+
+    def error(self, queue: int) -> int:
+        return int(self.header[queue * HEADER_WORDS + H_ERROR])
+
+    def close(self):
+        self._device = None
+        if self.memory is not None:
+            self.memory.close(unlink=self.memory_kind == "shared" and not self.attached)
+            self.memory = None
+            self.ring = self.header = self.commands = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
