@@ -16,9 +16,9 @@ from mkrt.kernels.spec import KernelSpec
 
 PROBE = cuda_source("probe", r"""
 extern "C" __global__ void wait_for_flag(const mkrt::u64* flag, mkrt::u64 expected, int flag_id,
-                                         mkrt::u64* status, int slot, int rank,
-                                         mkrt::u64 timeout_ns, mkrt::u64* seen_out) {
-    const mkrt::Context ctx{status, slot, rank, timeout_ns, $KERNEL_ID};
+                                         mkrt::u64* status, mkrt::u64* host_flag, int slot,
+                                         int rank, mkrt::u64 timeout_ns, mkrt::u64* seen_out) {
+    const mkrt::Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
     if (threadIdx.x != 0) return;
     const bool ok = mkrt::wait_at_least(flag, expected, ctx, mkrt::ROLE_TEST, (int)blockIdx.x, flag_id);
     seen_out[blockIdx.x] = ok ? mkrt::ld_acquire_sys(flag) : ~0ull;

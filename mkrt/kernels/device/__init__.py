@@ -4,4 +4,4 @@ Importing this package registers every piece with mkrt.jit.render, so a template
 ``requires=("sync",)`` finds it.
 """
 
-from mkrt.kernels.device import base, sync  # noqa: F401
+from mkrt.kernels.device import base, copy, sync  # noqa: F401

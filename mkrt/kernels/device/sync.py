@@ -7,6 +7,9 @@ context's timeout (``%globaltimer``). Giving up writes a record into the status 
 every other wait on the device checks, so the whole launch drains instead of hanging.
 The host reads the block (mkrt/status.py) and raises ``mkrt.CommTimeout``.
 
+The block lives in device memory (atomics); a second word in pinned, mapped host memory
+(``host_flag``) mirrors the abort word so the host sees a failure without synchronizing.
+
 Status block layout, u64 words (mirrored by mkrt/status.py):
   [0] abort      nonzero once any wait on this device gave up
   [1] first      1 + slot of the first record written (0: none)
@@ -28,6 +31,7 @@ enum Role { ROLE_COMPUTE = 0, ROLE_INTRA = 1, ROLE_INTER = 2, ROLE_REDUCE = 3,
 // What a launch needs to report failures: where its status slot is and its deadline.
 struct Context {
     u64* status;        // the device's status block
+    u64* host_flag;     // pinned host word the host polls for free
     int slot;           // this rank's record in it
     int rank;
     u64 timeout_ns;
@@ -56,6 +60,7 @@ __device__ __noinline__ void report_timeout(const Context& ctx, int role, int ti
     atomicAdd((unsigned long long*)(ctx.status + 2), 1ull);
     __threadfence_system();
     st_release_sys(ctx.status, 1ull);
+    st_release_sys(ctx.host_flag, 1ull);
 }
 
 // Wait (one thread) until *flag >= expected. False: timed out or the launch aborted; the

@@ -1,0 +1,31 @@
+"""mkrt: multi-GPU, multi-node fused kernels (CuPy + Numba + mpi4py + pyverbs).
+
+    import mkrt
+    world = mkrt.init(emulate="1x2")        # or mkrt.init() under mpiexec
+    out = mkrt.allgather([x0, x1])          # one array per rank this process holds
+"""
+
+import logging as _logging
+
+from mkrt import envs as _envs
+from mkrt.errors import CommTimeout, CompileError, MkrtError, WaitRecord
+from mkrt.kernels.allgather import AllGather, allgather
+from mkrt.memory import SymmetricBuffer
+from mkrt.world import World, current_world, init
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "current_world", "World", "SymmetricBuffer", "AllGather", "allgather",
+           "CommTimeout", "CompileError", "MkrtError", "WaitRecord"]
+
+
+def _configure_logging() -> None:
+    logger = _logging.getLogger("mkrt")
+    if not logger.handlers:
+        handler = _logging.StreamHandler()
+        handler.setFormatter(_logging.Formatter("[mkrt %(name)s] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(_envs.get("MKRT_LOG_LEVEL").upper())
+
+
+_configure_logging()

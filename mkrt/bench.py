@@ -1,0 +1,75 @@
+"""Timing and result records shared by `python -m mkrt demo` and experiments/.
+
+Times are CUDA events on the caller's stream around each call (ops join their ranks'
+streams to it), after warm-up; reports take the median. Records are the JSON lines
+every experiment writes (experiments/results/<experiment>.jsonl).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+from statistics import median
+
+
+def time_calls(call, *, warmup: int = 5, iters: int = 50) -> list[float]:
+    """Milliseconds of each of `iters` calls of `call()`, each timed by its own events."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        call()
+    stream.synchronize()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+    for start, end in events:
+        start.record(stream)
+        call()
+        end.record(stream)
+    stream.synchronize()
+    return [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
+
+
+def median_ms(call, **kwargs) -> float:
+    return median(time_calls(call, **kwargs))
+
+
+def gpu_name() -> str:
+    try:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return "none"
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def record(experiment: str, case: str, metric: str, value: float, baseline: float | None,
+           unit: str, *, higher_is_better: bool = True, **extra) -> dict:
+    """One result line; ratio > 1 means mkrt is better than the baseline."""
+    ratio = None
+    if baseline:
+        ratio = value / baseline if higher_is_better else baseline / value
+    return {"experiment": experiment, "case": case, "metric": metric, "value": value,
+            "baseline": baseline, "ratio": ratio, "unit": unit, "gpu": gpu_name(),
+            "date": datetime.date.today().isoformat(), "commit": git_commit(),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), **extra}
+
+
+def append_jsonl(path: str | Path, records: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        for item in records:
+            handle.write(json.dumps(item) + "\n")

@@ -1,0 +1,1 @@
+"""Fused kernels, one module each: template, spec, launcher/op, reference, cases."""

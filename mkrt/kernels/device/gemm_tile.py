@@ -1,0 +1,378 @@
+"""The GEMM engine: a persistent, warp-specialised tile loop on TMA + wgmma (sm_90a).
+
+Every GEMM-bearing kernel of mkrt computes its tiles with ``mkrt::gemm::run_tiles``:
+
+    C[m, n] = sum_k A[m, k] * B[k, n]      A row-major [M, K]; B [K, N] or [N, K]
+
+One CTA = one producer warpgroup + ``BM / 64`` consumer warpgroups.
+
+* **producer** (warpgroup 0, one thread): for each tile of the CTA's work list, for each
+  64-wide k-block, waits until a shared-memory stage is *empty*, announces its bytes on
+  the stage's *full* barrier and issues the TMA loads of the A and B boxes.
+* **consumers** (warpgroups 1..): wait until a stage is *full*, issue four
+  ``wgmma m64nBNk16`` (64 rows each, fp32 accumulators in registers), keep one batch in
+  flight, and mark the stage before it *empty*. After the last k-block of a tile they
+  hand the accumulators to the **epilogue**, while the producer already loads the next
+  tile's stages.
+
+Plugging in (what a fused kernel supplies):
+
+* a **work list**: any type with ``__device__ bool get(int i, Tile& tile) const`` giving
+  the i-th tile of *this* CTA (false past the end). Producer and consumers walk it
+  independently, so it must be a pure function of ``i``. Provided: ``RasterWork`` (tiles
+  in grouped raster order, CTA c takes c, c + ctas, ...) and ``ListWork`` (explicit tile
+  ids per CTA from a planner's arrays).
+* an **epilogue**: any type with
+  ``template <class Acc> __device__ void operator()(const Tile&, const Acc&, const ConsumerThread&)``
+  called by every consumer thread once per tile. ``Acc`` is ``Accumulator<BN>``:
+  ``acc.for_each_pair(thread, f)`` calls ``f(row, col, v0, v1)`` with tile-relative row
+  and column of two adjacent outputs. Provided: ``StoreEpilogue<T>`` (store with bounds,
+  to local or peer memory), ``AddEpilogue<T>`` (atomic add, e.g. into a peer buffer) and
+  ``FlagEpilogue<Inner>`` (run Inner, wait for all consumer threads, then one thread
+  release-stores ``epoch`` into ``flags[tile.index]``, system scope).
+
+The caller kernel is launched with ``Config::THREADS`` threads, ``Config::SMEM_BYTES`` of
+dynamic shared memory, and declared ``__launch_bounds__(Config::THREADS, 1)`` (so that
+``setmaxnreg`` takes effect). Named barrier 1 is used by the consumers; use others.
+"""
+
+from mkrt.jit.render import cuda_source
+
+GEMM_TILE = cuda_source("gemm_tile", r"""
+namespace mkrt {
+namespace gemm {
+
+// Compile-time shape of the engine. T: __nv_bfloat16 or __half.
+template <class T_, int BM_, int BN_, int STAGES_, bool B_K_MAJOR_>
+struct Config {
+    typedef T_ T;
+    static constexpr int BM = BM_;            // tile rows (64 per consumer warpgroup)
+    static constexpr int BN = BN_;            // tile columns (= wgmma N)
+    static constexpr int BK = 64;             // 64 two-byte elements = one 128-byte swizzle row
+    static constexpr int STAGES = STAGES_;
+    static constexpr bool B_K_MAJOR = B_K_MAJOR_;   // B stored [N, K] (true) or [K, N]
+    static constexpr int CONSUMERS = BM / 64;
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int A_STAGE_BYTES = BM * BK * 2;
+    static constexpr int B_STAGE_BYTES = BN * BK * 2;
+    static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
+    // 1024 of slack to align the stages (128B swizzle), then 2 barriers per stage.
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+    static constexpr int PRODUCER_REGISTERS = 40;
+    static constexpr int CONSUMER_REGISTERS = CONSUMERS == 1 ? 240 : 232;
+    static_assert(BM % 64 == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "BM is 64 or 128");
+    static_assert(BN % 64 == 0 && BN <= 256, "BN is a multiple of 64, at most 256");
+};
+
+// One output tile: its coordinates in tiles, and its index in the tile grid
+// (m * tiles_n + n), which fused kernels use to name flags.
+struct Tile { int m; int n; int index; };
+
+// ---- work lists ----------------------------------------------------------------------
+
+// All tiles of a tiles_m x tiles_n grid in grouped raster order (group_m tile rows at a
+// time, column by column inside the group, for L2 reuse); CTA `cta` of `ctas` takes
+// tiles cta, cta + ctas, ...
+struct RasterWork {
+    int tiles_m, tiles_n, group_m, cta, ctas;
+
+    __device__ __forceinline__ Tile tile_at(int t) const {
+        const int per_group = group_m * tiles_n;
+        const int group = t / per_group;
+        const int first_m = group * group_m;
+        const int rows = min(group_m, tiles_m - first_m);
+        const int local = t - group * per_group;
+        Tile tile;
+        tile.m = first_m + local % rows;
+        tile.n = local / rows;
+        tile.index = tile.m * tiles_n + tile.n;
+        return tile;
+    }
+    __device__ __forceinline__ bool get(int i, Tile& tile) const {
+        const int t = cta + i * ctas;
+        if (t >= tiles_m * tiles_n) return false;
+        tile = tile_at(t);
+        return true;
+    }
+};
+
+// Explicit per-CTA lists: CTA `cta` computes tiles[offsets[cta] .. offsets[cta + 1]),
+// each a tile index m * tiles_n + n (a planner's output, uploaded once).
+struct ListWork {
+    const int* tiles;
+    const int* offsets;
+    int tiles_n, cta;
+
+    __device__ __forceinline__ bool get(int i, Tile& tile) const {
+        const int position = offsets[cta] + i;
+        if (position >= offsets[cta + 1]) return false;
+        const int index = tiles[position];
+        tile.m = index / tiles_n;
+        tile.n = index - tile.m * tiles_n;
+        tile.index = index;
+        return true;
+    }
+};
+
+// ---- consumers and their accumulators ------------------------------------------------
+
+// Who a consumer thread is, for epilogues.
+template <int CONSUMERS>
+struct ConsumerThread {
+    int warpgroup;   // 0 .. CONSUMERS-1: which 64-row slice of the tile
+    int thread;      // 0 .. 128*CONSUMERS-1 among all consumer threads
+    static constexpr int COUNT = 128 * CONSUMERS;
+    // All consumer threads of the CTA (named barrier 1; the producer does not take part).
+    __device__ __forceinline__ void sync() const {
+        asm volatile("bar.sync 1, %0;" :: "n"(COUNT) : "memory");
+    }
+    __device__ __forceinline__ bool leader() const { return thread == 0; }
+};
+
+// A consumer warpgroup's 64 x BN slice of the tile, fp32 (wgmma's register layout).
+template <int BN>
+struct Accumulator {
+    static constexpr int COUNT = BN / 2;
+    float d[COUNT];
+
+    // f(row, col, v0, v1) for each pair of adjacent outputs this thread holds; row and
+    // col are relative to the tile (row in 0..BM-1, col even, in 0..BN-1).
+    template <int CONSUMERS, class F>
+    __device__ __forceinline__ void for_each_pair(const ConsumerThread<CONSUMERS>& who, F&& f) const {
+        const int lane = who.thread & 31;
+        const int row = who.warpgroup * 64 + ((who.thread >> 5) & 3) * 16 + (lane >> 2);
+        const int col = 2 * (lane & 3);
+        #pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            f(row, 8 * j + col, d[4 * j + 0], d[4 * j + 1]);
+            f(row + 8, 8 * j + col, d[4 * j + 2], d[4 * j + 3]);
+        }
+    }
+};
+
+template <class T> struct Pack;
+template <> struct Pack<__nv_bfloat16> {
+    typedef __nv_bfloat162 Pair;
+    __device__ static __forceinline__ Pair pair(float a, float b) { return __floats2bfloat162_rn(a, b); }
+    __device__ static __forceinline__ __nv_bfloat16 one(float a) { return __float2bfloat16_rn(a); }
+};
+template <> struct Pack<__half> {
+    typedef __half2 Pair;
+    __device__ static __forceinline__ Pair pair(float a, float b) { return __floats2half2_rn(a, b); }
+    __device__ static __forceinline__ __half one(float a) { return __float2half_rn(a); }
+};
+
+// ---- epilogues -----------------------------------------------------------------------
+
+// Store the tile into a row-major [rows, cols] matrix (leading dimension ld) at `out`,
+// which may be local or a peer's memory. Clips partial edge tiles.
+template <class T, int BM, int BN>
+struct StoreEpilogue {
+    T* out;
+    int rows, cols, ld;
+    bool pairs_aligned;   // ld and out allow 4-byte stores of column pairs
+
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
+                                               const ConsumerThread<CONSUMERS>& who) const {
+        const int row0 = tile.m * BM, col0 = tile.n * BN;
+        T* const base = out + (long long)row0 * ld + col0;
+        const int rows_left = rows - row0, cols_left = cols - col0;
+        if (pairs_aligned && rows_left >= BM && cols_left >= BN) {
+            acc.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+                *reinterpret_cast<typename Pack<T>::Pair*>(base + (long long)r * ld + c) =
+                    Pack<T>::pair(v0, v1);
+            });
+        } else {
+            acc.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+                if (r >= rows_left) return;
+                T* p = base + (long long)r * ld + c;
+                if (pairs_aligned && c + 1 < cols_left) {
+                    *reinterpret_cast<typename Pack<T>::Pair*>(p) = Pack<T>::pair(v0, v1);
+                } else {
+                    if (c < cols_left) p[0] = Pack<T>::one(v0);
+                    if (c + 1 < cols_left) p[1] = Pack<T>::one(v1);
+                }
+            });
+        }
+    }
+};
+
+// Add the tile into a row-major matrix with atomics (for example a peer's reduction
+// buffer). bf16x2 / f16x2 vector atomics need 4-byte alignment (pairs_aligned).
+template <class T, int BM, int BN>
+struct AddEpilogue {
+    T* out;
+    int rows, cols, ld;
+    bool pairs_aligned;
+
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
+                                               const ConsumerThread<CONSUMERS>& who) const {
+        const int row0 = tile.m * BM, col0 = tile.n * BN;
+        T* const base = out + (long long)row0 * ld + col0;
+        const int rows_left = rows - row0, cols_left = cols - col0;
+        acc.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+            if (r >= rows_left) return;
+            T* p = base + (long long)r * ld + c;
+            if (pairs_aligned && c + 1 < cols_left) {
+                atomicAdd(reinterpret_cast<typename Pack<T>::Pair*>(p), Pack<T>::pair(v0, v1));
+            } else {
+                if (c < cols_left) atomicAdd(p, Pack<T>::one(v0));
+                if (c + 1 < cols_left) atomicAdd(p + 1, Pack<T>::one(v1));
+            }
+        });
+    }
+};
+
+// Run `inner`, then publish the tile: every consumer thread fences its stores (system
+// scope: a peer or the host may read them), all consumers meet, and one thread
+// release-stores `epoch` into flags[tile.index]. Readers acquire-load the flag with
+// mkrt::wait_at_least.
+template <class Inner>
+struct FlagEpilogue {
+    Inner inner;
+    u64* flags;
+    u64 epoch;
+
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
+                                               const ConsumerThread<CONSUMERS>& who) const {
+        inner(tile, acc, who);
+        __threadfence_system();
+        who.sync();
+        if (who.leader()) st_release_sys(flags + tile.index, epoch);
+    }
+};
+
+// ---- the engine ----------------------------------------------------------------------
+
+// Shared memory of the pipeline, carved from the kernel's dynamic shared memory.
+template <class Cfg>
+struct Pipeline {
+    char* a;        // STAGES x [BM rows][64 k] (128B swizzle)
+    char* b;        // STAGES x [BN rows][64 k] (K-major) or [BN/64 chunks][64 k][64 n]
+    u64* full;      // stage loaded (TMA bytes landed)
+    u64* empty;     // stage consumed (one arrival per consumer warp)
+
+    __device__ __forceinline__ explicit Pipeline(char* dynamic_smem) {
+        char* base = reinterpret_cast<char*>(
+            (reinterpret_cast<unsigned long long>(dynamic_smem) + 1023) & ~1023ull);
+        a = base;
+        b = base + Cfg::STAGES * Cfg::A_STAGE_BYTES;
+        full = reinterpret_cast<u64*>(b + Cfg::STAGES * Cfg::B_STAGE_BYTES);
+        empty = full + Cfg::STAGES;
+    }
+    __device__ __forceinline__ char* a_stage(int s) const { return a + s * Cfg::A_STAGE_BYTES; }
+    __device__ __forceinline__ char* b_stage(int s) const { return b + s * Cfg::B_STAGE_BYTES; }
+};
+
+// Producer: one thread walks the work list and keeps the stages filled.
+template <class Cfg, class Work>
+__device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_a,
+                                        const TmaDescriptor* tma_b, int k_blocks,
+                                        const Work& work) {
+    int stage = 0;
+    u32 phase = 0;
+    Tile tile;
+    for (int i = 0; work.get(i, tile); ++i) {
+        for (int kb = 0; kb < k_blocks; ++kb) {
+            mbarrier_wait(&pipe.empty[stage], phase ^ 1);
+            mbarrier_arrive_expect_tx(&pipe.full[stage], Cfg::STAGE_BYTES);
+            const int k = kb * Cfg::BK;
+            tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.m * Cfg::BM, &pipe.full[stage]);
+            if (Cfg::B_K_MAJOR) {
+                tma_load_2d(pipe.b_stage(stage), tma_b, k, tile.n * Cfg::BN, &pipe.full[stage]);
+            } else {
+                // [K, N] storage: boxes of 64 n x 64 k, one per 64-column chunk.
+                #pragma unroll
+                for (int chunk = 0; chunk < Cfg::BN / 64; ++chunk)
+                    tma_load_2d(pipe.b_stage(stage) + chunk * 64 * Cfg::BK * 2, tma_b,
+                                tile.n * Cfg::BN + chunk * 64, k, &pipe.full[stage]);
+            }
+            if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+        }
+    }
+}
+
+// Consumer warpgroup `group`: the k-loop of one tile into `acc`.
+template <class Cfg>
+__device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int group, int k_blocks,
+                                             Accumulator<Cfg::BN>& acc, int& stage, u32& phase) {
+    typedef typename Cfg::T T;
+    constexpr int TRANSPOSE_B = Cfg::B_K_MAJOR ? 0 : 1;
+    // B's leading offset matters only MN-major: the distance between 64-wide N chunks.
+    constexpr u32 B_LEADING = Cfg::B_K_MAJOR ? 16 : 64 * Cfg::BK * 2;
+    // k16 step inside a 64-wide k-block: 32 bytes along a K-major row; 16 rows of 128
+    // bytes in an MN-major tile.
+    constexpr u32 B_K_STEP = Cfg::B_K_MAJOR ? 32 : 16 * 128;
+    const bool lane_leader = (threadIdx.x & 31) == 0;
+    int previous = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+        mbarrier_wait(&pipe.full[stage], phase);
+        const u32 a_address = smem_address(pipe.a_stage(stage)) + group * 64 * 128;
+        const u32 b_address = smem_address(pipe.b_stage(stage));
+        fence_accumulators(acc.d);
+        wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < Cfg::BK / 16; ++kk) {
+            const u64 da = smem_descriptor_sw128(a_address + kk * 32, 16, 1024);
+            const u64 db = smem_descriptor_sw128(b_address + kk * B_K_STEP, B_LEADING, 1024);
+            Mma64<T, Cfg::BN, TRANSPOSE_B>::run(acc.d, da, db, (kb | kk) != 0);
+        }
+        wgmma_commit();
+        fence_accumulators(acc.d);
+        // The batch before this one has finished reading its stage: hand it back.
+        wgmma_wait<1>();
+        if (previous >= 0 && lane_leader) mbarrier_arrive(&pipe.empty[previous]);
+        previous = stage;
+        if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+    }
+    wgmma_wait<0>();
+    fence_accumulators(acc.d);
+    if (previous >= 0 && lane_leader) mbarrier_arrive(&pipe.empty[previous]);
+}
+
+// The whole engine for one CTA. Every thread of the CTA calls it (Cfg::THREADS of them).
+// tma_a: A [M, K] as a 2-D map (inner K, box 64 x BM); tma_b: B [N, K] (inner K, box
+// 64 x BN) or B [K, N] (inner N, box 64 x 64); both 128B-swizzled, zero fill.
+template <class Cfg, class Work, class Epilogue>
+__device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaDescriptor* tma_b,
+                                          int k, const Work& work, const Epilogue& epilogue,
+                                          char* dynamic_smem) {
+    const Pipeline<Cfg> pipe(dynamic_smem);
+    const int warpgroup = threadIdx.x / 128;
+    const int k_blocks = (k + Cfg::BK - 1) / Cfg::BK;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < Cfg::STAGES; ++s) {
+            mbarrier_init(&pipe.full[s], 1);
+            mbarrier_init(&pipe.empty[s], Cfg::CONSUMERS * 4);
+        }
+        mbarrier_init_fence();
+        tma_prefetch_descriptor(tma_a);
+        tma_prefetch_descriptor(tma_b);
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        warpgroup_registers_decrease<Cfg::PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) produce<Cfg>(pipe, tma_a, tma_b, k_blocks, work);
+    } else {
+        warpgroup_registers_increase<Cfg::CONSUMER_REGISTERS>();
+        ConsumerThread<Cfg::CONSUMERS> who;
+        who.warpgroup = warpgroup - 1;
+        who.thread = threadIdx.x - 128;
+        Accumulator<Cfg::BN> acc;
+        int stage = 0;
+        u32 phase = 0;
+        Tile tile;
+        for (int i = 0; work.get(i, tile); ++i) {
+            consume_tile<Cfg>(pipe, who.warpgroup, k_blocks, acc, stage, phase);
+            epilogue(tile, acc, who);
+        }
+    }
+}
+
+}  // namespace gemm
+}  // namespace mkrt
+""", requires=("tma", "wgmma", "base"))

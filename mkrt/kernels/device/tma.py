@@ -1,0 +1,97 @@
+"""Asynchronous copies into shared memory: mbarriers and TMA tile loads (sm_90).
+
+Two pieces, both small:
+
+* ``mbarrier`` -- the shared-memory barrier that asynchronous copies complete on. A
+  barrier counts arrivals *and* bytes: the producer announces how many bytes a stage will
+  receive (``mbarrier_arrive_expect_tx``), the copy engine counts them down as they land,
+  and the phase flips when both reach zero. Waiters poll the phase *parity*.
+* ``tma`` -- ``cp.async.bulk.tensor`` 2-D tile loads described by a tensor map
+  (``TmaDescriptor``, the driver's 128-byte ``CUtensorMap``, built on the host by
+  ``mkrt.kernels.gemm.tma_descriptor_2d`` and passed as a ``__grid_constant__`` kernel
+  parameter). Elements outside the tensor are filled with zeros, which is what makes
+  partial edge tiles of a GEMM free: no bounds checks in the main loop.
+
+The waits here are local to one CTA (a stage of its own pipeline), so they need no
+timeout: the copy engine or a sibling warp always completes them.
+"""
+
+from mkrt.jit.render import cuda_source
+
+MBARRIER = cuda_source("mbarrier", r"""
+namespace mkrt {
+// 32-bit shared-window address of a generic pointer to shared memory (what PTX wants).
+__device__ __forceinline__ u32 smem_address(const void* pointer) {
+    return (u32)__cvta_generic_to_shared(pointer);
+}
+
+__device__ __forceinline__ void mbarrier_init(u64* barrier, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
+                 :: "r"(smem_address(barrier)), "r"(arrivals) : "memory");
+}
+
+// Make initialised barriers visible to the async proxy (TMA) and the other threads;
+// follow with a CTA barrier.
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(u64* barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];"
+                 :: "r"(smem_address(barrier)) : "memory");
+}
+
+// One arrival that also announces `bytes` still to land from asynchronous copies.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* barrier, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_address(barrier)), "r"(bytes) : "memory");
+}
+
+// Wait until the phase with this parity has completed. A fresh barrier is in phase 0,
+// so waiting for parity 1 returns at once ("the phase before the first" counts as done):
+// that is how a producer starts on empty slots without a special case.
+__device__ __forceinline__ void mbarrier_wait(u64* barrier, u32 parity) {
+    const u32 address = smem_address(barrier);
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" :: "r"(address), "r"(parity) : "memory");
+}
+}  // namespace mkrt
+""", requires=("base",))
+
+TMA = cuda_source("tma", r"""
+namespace mkrt {
+// The driver's CUtensorMap: opaque, 128 bytes, 64-byte aligned. Built on the host.
+struct alignas(64) TmaDescriptor { u64 words[16]; };
+
+// Pull the descriptor into the TMA unit's cache ahead of the first load.
+__device__ __forceinline__ void tma_prefetch_descriptor(const TmaDescriptor* descriptor) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(descriptor) : "memory");
+}
+
+// Load the box at element coordinates (inner, outer) of a 2-D tensor map into shared
+// memory at `destination` (aligned as the map's swizzle needs: 1024 B for 128B swizzle).
+// Completion is counted in bytes on `barrier`. Out-of-range elements arrive as zeros,
+// and the byte count is always the full box.
+__device__ __forceinline__ void tma_load_2d(void* destination, const TmaDescriptor* descriptor,
+                                            int inner, int outer, u64* barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];"
+        :: "r"(smem_address(destination)), "l"(descriptor), "r"(inner), "r"(outer),
+           "r"(smem_address(barrier))
+        : "memory");
+}
+
+// Ordinary shared-memory stores that TMA or the tensor cores read next need this fence
+// in each writing thread before the barrier that publishes them.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+}  // namespace mkrt
+""", requires=("mbarrier",))

@@ -1,0 +1,271 @@
+"""Ranks, nodes and GPUs: the real world under mpiexec, or an emulated one in one process.
+
+A *rank* is one participant of a fused op; a *node* is a set of ranks that reach each
+other's memory directly (peer pointers); ranks on different nodes talk only through the
+proxy. Under ``mpiexec`` each process holds one rank and a node is a host (or every
+``MKRT_WORLD_RANKS_PER_NODE`` ranks of it). ``mkrt.init(emulate="2x4")`` builds 2 nodes x
+4 ranks inside this process on the visible GPUs, several ranks per GPU allowed, each with
+its own stream and share of the SMs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+
+from mkrt import envs
+
+log = logging.getLogger("mkrt.world")
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_RANK")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    node: int
+    local_rank: int          # index inside its node
+    device: int | None       # CUDA device ordinal in the process that holds the rank
+
+
+@dataclass(eq=False)
+class World:
+    """Who is where. Ops take per-rank arguments in the order of ``world.local``."""
+
+    ranks: tuple[RankInfo, ...]
+    local: tuple[RankInfo, ...]            # the ranks this process holds
+    emulated: bool
+    comm: object = None                    # mpi4py communicator (None when emulated)
+    node_comm: object = None               # ranks of this process's node
+    _streams: dict = field(default_factory=dict, repr=False)
+    _status: dict = field(default_factory=dict, repr=False)
+    _regions: list = field(default_factory=list, repr=False)     # symmetric buffers (mkrt.memory)
+    _closed: bool = False
+
+    # ---- layout ---------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def nodes(self) -> int:
+        return 1 + max(r.node for r in self.ranks)
+
+    def node_ranks(self, node: int) -> list[int]:
+        return [r.rank for r in self.ranks if r.node == node]
+
+    @property
+    def ranks_per_node(self) -> int:
+        sizes = {len(self.node_ranks(n)) for n in range(self.nodes)}
+        if len(sizes) != 1:
+            raise ValueError(f"mkrt.world: nodes have different sizes {sorted(sizes)}")
+        return sizes.pop()
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.ranks[a].node == self.ranks[b].node
+
+    @property
+    def layout(self) -> str:
+        try:
+            return f"{self.nodes}x{self.ranks_per_node}"
+        except ValueError:
+            return "+".join(str(len(self.node_ranks(n))) for n in range(self.nodes))
+
+    def ranks_on_device(self, device: int) -> list[RankInfo]:
+        """Local ranks sharing `device` (they split its SMs)."""
+        return [r for r in self.local if r.device == device]
+
+    def device_slot(self, rank: int) -> int:
+        """Index of `rank` among the local ranks on its device (its status-block slot)."""
+        info = self.ranks[rank]
+        return [r.rank for r in self.ranks_on_device(info.device)].index(rank)
+
+    # ---- per-rank resources ---------------------------------------------------
+    def _require_device(self, rank: int) -> int:
+        device = self.ranks[rank].device
+        if device is None:
+            raise RuntimeError(f"mkrt.world: rank {rank} has no GPU (this machine has none); "
+                               "only planning and compile-only work here")
+        if self._closed:
+            raise RuntimeError("mkrt.world: the world is closed")
+        return device
+
+    def stream(self, rank: int):
+        """The CUDA stream every op of `rank` runs on (one per rank)."""
+        import cupy
+        if rank not in self._streams:
+            with cupy.cuda.Device(self._require_device(rank)):
+                self._streams[rank] = cupy.cuda.Stream(non_blocking=True)
+        return self._streams[rank]
+
+    def sm_count(self, rank: int) -> int:
+        """SMs this rank may fill: the device's, split evenly among ranks sharing it."""
+        import cupy
+        device = self._require_device(rank)
+        total = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+        return max(1, total // len(self.ranks_on_device(device)))
+
+    def status(self, device: int):
+        """The status block of `device` (see mkrt/status.py)."""
+        from mkrt.status import StatusBlock
+        if device not in self._status:
+            slots = len(self.ranks_on_device(device))
+            self._status[device] = StatusBlock(device, slots, self)
+        return self._status[device]
+
+    def check(self, *, synchronize: bool = False) -> None:
+        """Raise mkrt.CommTimeout if any device-side wait of this process's ranks gave up."""
+        if synchronize:
+            for rank in (r.rank for r in self.local):
+                if rank in self._streams:
+                    self._streams[rank].synchronize()
+        for block in list(self._status.values()):
+            block.raise_if_failed(blocking=synchronize)
+
+    def synchronize(self) -> None:
+        """Wait for every local rank's stream, then raise device-side errors, if any."""
+        self.check(synchronize=True)
+
+    def barrier(self) -> None:
+        """Host barrier across processes (a no-op in an emulated world)."""
+        if self.comm is not None:
+            self.comm.Barrier()
+
+    def close(self) -> None:
+        """Release streams and status blocks; the world cannot be used afterwards."""
+        if self._closed:
+            return
+        for rank in list(self._streams):
+            self._streams[rank].synchronize()
+        self._streams.clear()
+        for block in self._status.values():
+            block.close()
+        self._status.clear()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "emulated" if self.emulated else "mpi"
+        held = [r.rank for r in self.local]
+        devices = sorted({r.device for r in self.local if r.device is not None})
+        return f"World({kind} {self.layout}, size={self.size}, local ranks={held}, GPUs={devices})"
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text or "")
+    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise ValueError(f"mkrt.world: layout {text!r} is not 'NxG' (N nodes x G ranks per node, "
+                         "both >= 1), e.g. '2x4'")
+    return int(match.group(1)), int(match.group(2))
+
+
+def visible_gpus() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() if cupy.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def emulated_world(layout: str, *, gpus: int | None = None) -> World:
+    """N nodes x G ranks in this process; rank r runs on GPU r*gpus//size (blocks of ranks)."""
+    nodes, per_node = parse_layout(layout)
+    gpus = visible_gpus() if gpus is None else gpus
+    size = nodes * per_node
+    ranks = tuple(RankInfo(rank=r, node=r // per_node, local_rank=r % per_node,
+                           device=(r * gpus // size) if gpus else None) for r in range(size))
+    world = World(ranks=ranks, local=ranks, emulated=True)
+    if gpus > 1:
+        _enable_peer_access(sorted({r.device for r in ranks}))
+    return world
+
+
+def _enable_peer_access(devices: list[int]) -> None:
+    import cupy
+    for device in devices:
+        with cupy.cuda.Device(device):
+            for peer in devices:
+                if peer == device:
+                    continue
+                if not cupy.cuda.runtime.deviceCanAccessPeer(device, peer):
+                    raise RuntimeError(f"mkrt.world: GPU {device} cannot access GPU {peer} "
+                                       "directly; ranks on them cannot share a node")
+                try:
+                    cupy.cuda.runtime.deviceEnablePeerAccess(peer)
+                except cupy.cuda.runtime.CUDARuntimeError as error:
+                    if "AlreadyEnabled" not in str(error) and "already" not in str(error).lower():
+                        raise
+
+
+def mpi_world(comm=None, *, ranks_per_node: int | None = None, gpus: int | None = None) -> World:
+    """The real world: one rank per process, nodes from host names (or fixed-size groups)."""
+    from mpi4py import MPI
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hosts = comm.allgather(socket.gethostname())
+    # A node is a host, in order of first appearance; its ranks keep world order.
+    host_order = list(dict.fromkeys(hosts))
+    host_local = [hosts[:r].count(hosts[r]) for r in range(size)]
+    ranks_per_node = envs.get("MKRT_WORLD_RANKS_PER_NODE") if ranks_per_node is None else ranks_per_node
+    gpus = visible_gpus() if gpus is None else gpus
+    infos = []
+    node_of_group: dict[tuple[int, int], int] = {}
+    for r in range(size):
+        host = host_order.index(hosts[r])
+        group = host_local[r] // ranks_per_node if ranks_per_node else 0
+        node = node_of_group.setdefault((host, group), len(node_of_group))
+        infos.append((r, node, host_local[r]))
+    ranks = []
+    for r, node, on_host in infos:
+        local_rank = sum(1 for q, n, _ in infos[:r] if n == node)
+        # Every process sees all GPUs of its host: the host-local index picks one.
+        device = (on_host % gpus) if gpus else None
+        ranks.append(RankInfo(rank=r, node=node, local_rank=local_rank, device=device))
+    node_comm = comm.Split(color=ranks[rank].node, key=rank)
+    world = World(ranks=tuple(ranks), local=(ranks[rank],), emulated=False, comm=comm,
+                  node_comm=node_comm)
+    if gpus and visible_gpus():
+        import cupy
+        cupy.cuda.Device(ranks[rank].device).use()
+    return world
+
+
+def under_mpiexec() -> bool:
+    return any(name in os.environ for name in _MPI_ENV)
+
+
+_WORLD: World | None = None
+
+
+def init(emulate: str | None = None, *, comm=None, gpus: int | None = None) -> World:
+    """Build the world and make it the default for ops called without ``world=``.
+
+    - ``init(emulate="NxG")``: N nodes x G ranks in this process.
+    - ``init()`` under mpiexec (or with ``comm=``): one rank per process.
+    - ``init()`` otherwise: ``MKRT_EMULATE`` or 1 node x every visible GPU (at least 1 rank).
+    """
+    global _WORLD
+    if emulate is not None and comm is not None:
+        raise ValueError("mkrt.world: give emulate= or comm=, not both")
+    if emulate is None and (comm is not None or under_mpiexec()):
+        world = mpi_world(comm, gpus=gpus)
+    else:
+        layout = emulate or envs.get("MKRT_EMULATE") or f"1x{max(1, visible_gpus())}"
+        world = emulated_world(layout, gpus=gpus)
+    _WORLD = world
+    log.info("%s", world)
+    return world
+
+
+def current_world() -> World:
+    if _WORLD is None:
+        raise RuntimeError("mkrt.world: no world yet; call mkrt.init() (or pass world=)")
+    return _WORLD
