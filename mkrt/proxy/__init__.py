@@ -2,26 +2,41 @@
 and host proxy").
 
 Device side: ``mkrt/kernels/device/queue.py`` (``mkrt::post_put`` and friends).
-Host side: :class:`QueueSet` (rings + headers), a region table, :class:`Proxy` (compiled
-polling threads) and a transport (:class:`HostTransport`, ``CopyEngineTransport``,
-``VerbsTransport``).
+Host side: :class:`QueueSet` (rings + headers), a region table (:func:`new_region_table`,
+:func:`set_region`), :class:`Proxy` (compiled polling threads) and a transport
+(:class:`HostTransport`, :func:`copy_engine_transport`, ``transports.verbs``).
+
+Exports load lazily: kernels that include the queue's device code import
+``mkrt.proxy.queue`` (numpy only) without paying for Numba.
 """
 
-from mkrt.proxy.proxy import STAT_NAMES, Proxy, ProxyError
-from mkrt.proxy.queue import (COMMAND_DTYPE, NO_REGION, OP_BARRIER, OP_FENCE, OP_NOP, OP_PUT,
-                              OP_PUT_SIGNAL, OP_SIGNAL, REGION_DEVICE, REGION_HOST, QueueSet,
-                              new_region_table, set_region)
-from mkrt.proxy.transports.base import Transport, TransportUnavailable
-from mkrt.proxy.transports.host import HostTransport
+import importlib
+
+_EXPORTS = {
+    "Proxy": "mkrt.proxy.proxy", "ProxyError": "mkrt.proxy.proxy", "STAT_NAMES": "mkrt.proxy.proxy",
+    "COMMAND_DTYPE": "mkrt.proxy.queue", "NO_REGION": "mkrt.proxy.queue",
+    "OP_BARRIER": "mkrt.proxy.queue", "OP_FENCE": "mkrt.proxy.queue", "OP_NOP": "mkrt.proxy.queue",
+    "OP_PUT": "mkrt.proxy.queue", "OP_PUT_SIGNAL": "mkrt.proxy.queue",
+    "OP_SIGNAL": "mkrt.proxy.queue", "REGION_DEVICE": "mkrt.proxy.queue",
+    "REGION_HOST": "mkrt.proxy.queue", "QueueSet": "mkrt.proxy.queue",
+    "new_region_table": "mkrt.proxy.queue", "set_region": "mkrt.proxy.queue",
+    "Transport": "mkrt.proxy.transports.base",
+    "TransportUnavailable": "mkrt.proxy.transports.base",
+    "HostTransport": "mkrt.proxy.transports.host",
+    "CopyEngineTransport": "mkrt.proxy.transports.ce",
+}
+__all__ = sorted(_EXPORTS) + ["copy_engine_transport"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mkrt.proxy' has no attribute {name!r}")
 
 
 def copy_engine_transport(*args, **kwargs):
-    """The `ce` transport (needs libcuda); imported lazily."""
+    """The `ce` transport (needs libcuda)."""
     from mkrt.proxy.transports.ce import CopyEngineTransport
     return CopyEngineTransport(*args, **kwargs)
-
-
-__all__ = ["COMMAND_DTYPE", "HostTransport", "NO_REGION", "OP_BARRIER", "OP_FENCE", "OP_NOP",
-           "OP_PUT", "OP_PUT_SIGNAL", "OP_SIGNAL", "Proxy", "ProxyError", "QueueSet",
-           "REGION_DEVICE", "REGION_HOST", "STAT_NAMES", "Transport", "TransportUnavailable",
-           "copy_engine_transport", "new_region_table", "set_region"]

@@ -136,7 +136,7 @@ def command_struct_source() -> str:
     lines.append("};")
     lines.append(f"static_assert(sizeof(Command) == {COMMAND_BYTES}, \"mkrt::Command size\");")
     for name, (_, offset) in COMMAND_DTYPE.fields.items():
-        lines.append(f"static_assert(offsetof(Command, {name}) == {offset}, \"Command.{name}\");")
+        lines.append(f"static_assert(__builtin_offsetof(Command, {name}) == {offset}, \"Command.{name}\");")
     constants = {
         "OP_NOP": OP_NOP, "OP_PUT": OP_PUT, "OP_PUT_SIGNAL": OP_PUT_SIGNAL, "OP_SIGNAL": OP_SIGNAL,
         "OP_FENCE": OP_FENCE, "OP_BARRIER": OP_BARRIER, "NO_REGION": NO_REGION,

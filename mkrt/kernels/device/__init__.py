@@ -5,3 +5,4 @@ Importing this package registers every piece with mkrt.jit.render, so a template
 """
 
 from mkrt.kernels.device import base, copy, sync  # noqa: F401
+from mkrt.kernels.device import queue  # noqa: F401,E402  (command queue, mkrt/proxy)

@@ -1,0 +1,203 @@
+"""Device side of the command queue: comm CTAs post commands for the host proxy.
+
+The command struct is generated from the one numpy dtype in ``mkrt/proxy/queue.py``
+(``static_assert`` on size and every offset), so C and Python cannot drift.
+
+Posting (one thread; any number of CTAs and queues at once)::
+
+    const mkrt::Queue& q = queues[i];                 // descriptors from QueueSet.device_descriptors()
+    u64 t = mkrt::post_put_signal(q, ctx, dst_rank, dst_region, dst_offset,
+                                  src_region, src_offset, bytes,
+                                  flag_region, flag_offset, epoch);
+    if (t == mkrt::POST_FAILED) return;               // proxy error or timeout: recorded, abort set
+
+1. claim a ticket: ``atomicAdd`` on the queue's head (device memory);
+2. wait, bounded, for space: ``ticket < tail + slots`` — a cached tail in device memory
+   first, the proxy's tail in mapped host memory only when the cache says full; the wait
+   also leaves when the proxy's error word is set (``proxy_wait_at_least``);
+3. write words 1..7 of the slot, then release-store ``valid = ticket + 1``.
+
+Data a put reads must be visible at system scope before the post: the CTA writes,
+``__syncthreads()``, and the posting thread's release store orders it (add
+``__threadfence_system()`` when other CTAs wrote the data).
+
+Waits on flags the proxy writes should use ``proxy_wait_at_least`` (also checks the
+proxy's error word); a failure is recorded in the status block with
+flag = ``PROXY_ERROR_FLAG`` (-2) and seen = the proxy's error word, or as an ordinary
+timeout, and the abort word is raised, so the launch drains.
+"""
+
+from mkrt.jit.render import cuda_source
+from mkrt.proxy import queue as _layout
+
+#: recorded as the flag of a wait that ended because the proxy reported an error
+PROXY_ERROR_FLAG = -2
+#: recorded as the flag of a wait for ring space (the proxy's tail) that timed out
+QUEUE_TAIL_FLAG = -3
+
+QUEUE_LAYOUT = cuda_source("queue_layout", "namespace mkrt {\n" + _layout.command_struct_source()
+                           + "\n}  // namespace mkrt\n", requires=("base",))
+
+QUEUE = cuda_source("queue", r"""
+namespace mkrt {
+// Mirrors mkrt.proxy.queue.QUEUE_DESC_DTYPE.
+struct Queue {
+    Command* ring;      // mapped host memory
+    u64* header;        // mapped host memory: tail, done, error (QUEUE_* words)
+    u64* head;          // device memory: claim counter
+    u64* tail_cache;    // device memory: the largest tail any poster has seen
+    u64 slots;          // power of two
+    u64 rank;           // the rank whose regions this queue's sources are
+};
+static_assert(sizeof(Queue) == 48, "mkrt::Queue");
+
+constexpr int PROXY_ERROR_FLAG = -2;
+constexpr int QUEUE_TAIL_FLAG = -3;
+constexpr u64 POST_FAILED = ~0ull;
+
+__device__ __forceinline__ u64 queue_error(const Queue& q) {
+    return ld_relaxed_sys(q.header + QUEUE_ERROR);
+}
+
+// wait_at_least that also leaves when the queue's proxy reports an error.
+__device__ bool proxy_wait_at_least(const u64* flag, u64 expected, const Context& ctx,
+                                    const Queue& q, int role, int tile, int flag_id) {
+    u64 seen = ld_acquire_sys(flag);
+    if (seen >= expected) return true;
+    const u64 start = global_timer_ns();
+    u32 backoff = 0;
+    for (unsigned spin = 0;; ++spin) {
+        seen = ld_acquire_sys(flag);
+        if (seen >= expected) return true;
+        if ((spin & 63) == 63) {
+            if (aborted(ctx)) return false;
+            const u64 error = queue_error(q);
+            if (error != 0) {
+                report_timeout(ctx, role, tile, PROXY_ERROR_FLAG, expected, error);
+                return false;
+            }
+            if (global_timer_ns() - start > ctx.timeout_ns) {
+                report_timeout(ctx, role, tile, flag_id, expected, seen);
+                return false;
+            }
+            if (backoff < 256) backoff += 32;
+        }
+        if (backoff) sleep_ns(backoff);
+    }
+}
+
+// Bounded wait until slot `ticket` is free (the proxy consumed ticket - slots).
+__device__ __forceinline__ bool queue_reserve(const Queue& q, u64 ticket, const Context& ctx,
+                                              int role, int tile) {
+    if (ticket < q.slots) return true;
+    const u64 needed = ticket - q.slots + 1;
+    if (*(volatile const u64*)q.tail_cache >= needed) return true;
+    if (!proxy_wait_at_least(q.header + QUEUE_TAIL, needed, ctx, q, role, tile, QUEUE_TAIL_FLAG))
+        return false;
+    atomicMax((unsigned long long*)q.tail_cache, ld_relaxed_sys(q.header + QUEUE_TAIL));
+    return true;
+}
+
+__device__ __forceinline__ void st_v2_u64(u64* address, u64 a, u64 b) {
+    asm volatile("st.global.v2.u64 [%0], {%1, %2};" :: "l"(address), "l"(a), "l"(b) : "memory");
+}
+
+// Words 1..7, then valid = ticket + 1 with a release store (system scope).
+__device__ __forceinline__ void queue_write(const Queue& q, u64 ticket, const Command& c) {
+    u64* slot = reinterpret_cast<u64*>(q.ring + (ticket & (q.slots - 1)));
+    const u64* w = reinterpret_cast<const u64*>(&c);
+    asm volatile("st.global.u64 [%0], %1;" :: "l"(slot + 1), "l"(w[1]) : "memory");
+    st_v2_u64(slot + 2, w[2], w[3]);
+    st_v2_u64(slot + 4, w[4], w[5]);
+    st_v2_u64(slot + 6, w[6], w[7]);
+    st_release_sys(slot, ticket + 1);
+}
+
+// Post one command (one thread). Returns its ticket, or POST_FAILED (recorded, abort set).
+__device__ u64 post(const Queue& q, const Context& ctx, Command& c, int role, int tile) {
+    if (queue_error(q) != 0) {
+        report_timeout(ctx, role, tile, PROXY_ERROR_FLAG, 0, queue_error(q));
+        return POST_FAILED;
+    }
+    const u64 ticket = atomicAdd((unsigned long long*)q.head, 1ull);
+    if (!queue_reserve(q, ticket, ctx, role, tile)) return POST_FAILED;
+    c.valid = 0;
+    queue_write(q, ticket, c);
+    return ticket;
+}
+
+__device__ __forceinline__ Command make_command(unsigned opcode, unsigned dst_rank) {
+    Command c;
+    c.valid = 0; c.opcode = (unsigned short)opcode; c.dst_rank = (unsigned short)dst_rank;
+    c.src_region = 0; c.dst_region = 0; c.src_offset = 0; c.dst_offset = 0; c.bytes = 0;
+    c.signal_offset = 0; c.signal_value = 0; c.signal_region = (unsigned short)NO_REGION;
+    c.flags = 0; c.reserved = 0;
+    return c;
+}
+
+// Copy `bytes` from (q.rank, src_region, src_offset) to (dst_rank, dst_region, dst_offset).
+__device__ u64 post_put(const Queue& q, const Context& ctx, unsigned dst_rank,
+                        unsigned dst_region, u64 dst_offset, unsigned src_region,
+                        u64 src_offset, u64 bytes, int role = ROLE_INTER, int tile = -1) {
+    Command c = make_command(OP_PUT, dst_rank);
+    c.src_region = (unsigned short)src_region; c.dst_region = (unsigned short)dst_region;
+    c.src_offset = src_offset; c.dst_offset = dst_offset; c.bytes = bytes;
+    return post(q, ctx, c, role, tile);
+}
+
+// A put, then `value` written to the u64 at (dst_rank, signal_region, signal_offset),
+// delivered after the data.
+__device__ u64 post_put_signal(const Queue& q, const Context& ctx, unsigned dst_rank,
+                               unsigned dst_region, u64 dst_offset, unsigned src_region,
+                               u64 src_offset, u64 bytes, unsigned signal_region,
+                               u64 signal_offset, u64 value, int role = ROLE_INTER,
+                               int tile = -1) {
+    Command c = make_command(OP_PUT_SIGNAL, dst_rank);
+    c.src_region = (unsigned short)src_region; c.dst_region = (unsigned short)dst_region;
+    c.src_offset = src_offset; c.dst_offset = dst_offset; c.bytes = bytes;
+    c.signal_region = (unsigned short)signal_region; c.signal_offset = signal_offset;
+    c.signal_value = value;
+    return post(q, ctx, c, role, tile);
+}
+
+// `value` written to the u64 at (dst_rank, signal_region, signal_offset), after every
+// earlier put of this queue.
+__device__ u64 post_signal(const Queue& q, const Context& ctx, unsigned dst_rank,
+                           unsigned signal_region, u64 signal_offset, u64 value,
+                           int role = ROLE_INTER, int tile = -1) {
+    Command c = make_command(OP_SIGNAL, dst_rank);
+    c.signal_region = (unsigned short)signal_region; c.signal_offset = signal_offset;
+    c.signal_value = value;
+    return post(q, ctx, c, role, tile);
+}
+
+// Every earlier command of this queue completes before any later one starts; then, if
+// signal_region != NO_REGION, `value` is written at (dst_rank, signal_region, signal_offset).
+__device__ u64 post_fence(const Queue& q, const Context& ctx, unsigned dst_rank = 0,
+                          unsigned signal_region = NO_REGION, u64 signal_offset = 0,
+                          u64 value = 0, int role = ROLE_INTER, int tile = -1) {
+    Command c = make_command(OP_FENCE, dst_rank);
+    c.signal_region = (unsigned short)signal_region; c.signal_offset = signal_offset;
+    c.signal_value = value;
+    return post(q, ctx, c, role, tile);
+}
+
+// Fence, then `epoch` written at (r, signal_region, signal_offset + 8 * q.rank) on every
+// rank r that registered signal_region. Wait for all ranks with
+// proxy_wait_at_least on each u64 of your own (signal_region, signal_offset + 8 * r).
+__device__ u64 post_barrier(const Queue& q, const Context& ctx, unsigned signal_region,
+                            u64 signal_offset, u64 epoch, int role = ROLE_INTER, int tile = -1) {
+    Command c = make_command(OP_BARRIER, 0);
+    c.signal_region = (unsigned short)signal_region; c.signal_offset = signal_offset;
+    c.signal_value = epoch;
+    return post(q, ctx, c, role, tile);
+}
+
+// Wait (bounded) until command `ticket` and all before it are complete at the transport.
+__device__ bool queue_quiet(const Queue& q, const Context& ctx, u64 ticket,
+                            int role = ROLE_INTER, int tile = -1) {
+    return proxy_wait_at_least(q.header + QUEUE_DONE, ticket + 1, ctx, q, role, tile,
+                               QUEUE_TAIL_FLAG);
+}
+}  // namespace mkrt
+""", requires=("sync", "queue_layout"))
