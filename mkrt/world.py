@@ -119,9 +119,9 @@ class World:
     def check(self, *, synchronize: bool = False) -> None:
         """Raise mkrt.CommTimeout if any device-side wait of this process's ranks gave up."""
         if synchronize:
-            for rank in (r.rank for r in self.local):
-                if rank in self._streams:
-                    self._streams[rank].synchronize()
+            import cupy
+            for device in sorted({r.device for r in self.local if r.device is not None}):
+                cupy.cuda.Device(device).synchronize()
         for block in list(self._status.values()):
             block.raise_if_failed(blocking=synchronize)
 

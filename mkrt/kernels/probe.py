@@ -13,6 +13,7 @@ import numpy as np
 
 from mkrt.jit import cuda_source
 from mkrt.kernels.spec import KernelSpec
+from mkrt.status import kernel_id
 
 PROBE = cuda_source("probe", r"""
 extern "C" __global__ void wait_for_flag(const mkrt::u64* flag, mkrt::u64 expected, int flag_id,
@@ -29,7 +30,7 @@ extern "C" __global__ void set_flag(mkrt::u64* flag, mkrt::u64 value) {
 }
 """, requires=("sync",), register=False)
 
-KERNEL_ID = 0x70726F6265  # "probe"
+KERNEL_ID = kernel_id("probe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +49,16 @@ def default_specs():
     return [ProbeSpec()]
 
 
-def wait_for_flag(flag, expected: int, *, world_status, slot: int = 0, rank: int = 0,
-                  flag_id: int = 0, timeout_ms: float = 100.0, ctas: int = 1, stream=None):
-    """Launch `ctas` waiters on the u64 device word `flag` (a 1-element cupy array)."""
+def wait_for_flag(flag, expected: int, *, world_status: int, host_flag: int, slot: int = 0,
+                  rank: int = 0, flag_id: int = 0, timeout_ms: float = 100.0, ctas: int = 1,
+                  stream=None):
+    """Launch `ctas` waiters on the u64 device word `flag` (a 1-element cupy array);
+    returns, per CTA, the value seen (all ones when the wait gave up)."""
     import cupy
     function = ProbeSpec().function("wait_for_flag", flag.device.id)
     seen = cupy.full(ctas, 0xDEAD, dtype=np.uint64)
-    function((ctas,), (32,), (flag, np.uint64(expected), np.int32(flag_id), world_status,
-                              np.int32(slot), np.int32(rank), np.uint64(timeout_ms * 1e6), seen),
+    function((ctas,), (32,), (flag, np.uint64(expected), np.int32(flag_id),
+                              np.uint64(world_status), np.uint64(host_flag), np.int32(slot),
+                              np.int32(rank), np.uint64(int(timeout_ms * 1e6)), seen),
              stream=stream)
     return seen
