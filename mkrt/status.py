@@ -34,7 +34,8 @@ class PinnedWords:
         flags = runtime.hostAllocMapped | runtime.hostAllocPortable
         self.nbytes = 8 * count
         self.host_ptr = runtime.hostAlloc(self.nbytes, flags)
-        self.device_ptr = runtime.hostGetDevicePointer(self.host_ptr, 0)
+        # Unified addressing: a mapped host allocation has the same address on the device.
+        self.device_ptr = self.host_ptr
         buffer = (ctypes.c_uint64 * count).from_address(self.host_ptr)
         self.words = np.frombuffer(buffer, dtype=np.uint64)
         self.words[:] = 0
