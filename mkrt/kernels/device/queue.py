@@ -114,7 +114,7 @@ __device__ __forceinline__ void queue_write(const Queue& q, u64 ticket, const Co
 }
 
 // Post one command (one thread). Returns its ticket, or POST_FAILED (recorded, abort set).
-__device__ u64 post(const Queue& q, const Context& ctx, Command& c, int role, int tile) {
+__device__ __forceinline__ u64 post(const Queue& q, const Context& ctx, Command& c, int role, int tile) {
     if (queue_error(q) != 0) {
         report_timeout(ctx, role, tile, PROXY_ERROR_FLAG, 0, queue_error(q));
         return POST_FAILED;

@@ -1,0 +1,140 @@
+"""Kernels that exercise the queue: GPU tests and experiments/proxy.py use them.
+
+* ``post_puts``: CTA b posts `count` put+signal commands on queue ``b % queues``: chunk i
+  of `chunk` bytes from (its rank, region 0, (b*count+i)*chunk) to (dst_rank, region 0,
+  same offset), signalling (dst_rank, flag_region, 8*b) = i+1 after every
+  `signal_every`-th chunk and the last. Then it waits, bounded,
+  for its own flag on the destination (a device pointer) to reach `count`.
+* ``post_signals``: CTA b posts `count` signals (value i+1) to (rank, flag_region, 8*b).
+* ``ping_pong_proxy``: one thread: post a signal to itself, wait for it, `iters` times,
+  cycles per round trip into `cycles`.
+* ``ping_pong_raw``: the reference: release-store a word in mapped host memory, wait for
+  a host thread's answer, `iters` times.
+* ``elapsed``: globaltimer ns and clock64 of the whole loop, to convert cycles to ns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mkrt.jit import cuda_source
+from mkrt.kernels.spec import KernelSpec
+
+KERNELS = cuda_source("proxy_kernels", r"""
+extern "C" __global__ void post_puts(const mkrt::Queue* queues, int nqueues, unsigned dst_rank,
+                                     unsigned flag_region, const mkrt::u64* dst_flags,
+                                     mkrt::u64 chunk, int count, int signal_every,
+                                     mkrt::u64* status,
+                                     mkrt::u64 timeout_ns, mkrt::u64* result) {
+    const mkrt::Context ctx{status, 0, (int)queues[0].rank, timeout_ns, $KERNEL_ID};
+    if (threadIdx.x != 0) return;
+    const mkrt::Queue& q = queues[blockIdx.x % nqueues];
+    const mkrt::u64 base = (mkrt::u64)blockIdx.x * count * chunk;
+    for (int i = 0; i < count; ++i) {
+        const mkrt::u64 offset = base + (mkrt::u64)i * chunk;
+        const bool signal = (i + 1) % signal_every == 0 || i + 1 == count;
+        const mkrt::u64 ticket = signal
+            ? mkrt::post_put_signal(q, ctx, dst_rank, 0, offset, 0, offset, chunk, flag_region,
+                                    8ull * blockIdx.x, (mkrt::u64)(i + 1), mkrt::ROLE_INTER, i)
+            : mkrt::post_put(q, ctx, dst_rank, 0, offset, 0, offset, chunk, mkrt::ROLE_INTER, i);
+        if (ticket == mkrt::POST_FAILED) { result[blockIdx.x] = 1; return; }
+    }
+    const bool ok = mkrt::proxy_wait_at_least(dst_flags + blockIdx.x, (mkrt::u64)count, ctx, q,
+                                              mkrt::ROLE_INTER, count, (int)blockIdx.x);
+    result[blockIdx.x] = ok ? 0 : 2;
+}
+
+extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, unsigned rank,
+                                        unsigned flag_region, int count, mkrt::u64* status,
+                                        mkrt::u64 timeout_ns, mkrt::u64* result) {
+    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, $KERNEL_ID};
+    if (threadIdx.x != 0) return;
+    const mkrt::Queue& q = queues[blockIdx.x % nqueues];
+    for (int i = 0; i < count; ++i)
+        if (mkrt::post_signal(q, ctx, rank, flag_region, 8ull * blockIdx.x, (mkrt::u64)(i + 1),
+                              mkrt::ROLE_INTER, i) == mkrt::POST_FAILED) {
+            result[blockIdx.x] = 1; return;
+        }
+    result[blockIdx.x] = 0;
+}
+
+extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned rank,
+                                           unsigned flag_region, mkrt::u64 flag_offset,
+                                           const mkrt::u64* flag, int iters, mkrt::u64* status,
+                                           mkrt::u64 timeout_ns, long long* cycles,
+                                           mkrt::u64* elapsed) {
+    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, $KERNEL_ID};
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const mkrt::Queue& q = queues[0];
+    const mkrt::u64 t0 = mkrt::global_timer_ns();
+    const long long c0 = clock64();
+    long long last = c0;
+    for (int i = 0; i < iters; ++i) {
+        if (mkrt::post_signal(q, ctx, rank, flag_region, flag_offset, (mkrt::u64)(i + 1))
+            == mkrt::POST_FAILED) return;
+        if (!mkrt::proxy_wait_at_least(flag, (mkrt::u64)(i + 1), ctx, q, mkrt::ROLE_TEST, i, 0))
+            return;
+        const long long now = clock64();
+        cycles[i] = now - last;
+        last = now;
+    }
+    elapsed[0] = mkrt::global_timer_ns() - t0;
+    elapsed[1] = (mkrt::u64)(clock64() - c0);
+}
+
+extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* answer, int iters,
+                                         long long* cycles, mkrt::u64* elapsed) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const mkrt::u64 t0 = mkrt::global_timer_ns();
+    const long long c0 = clock64();
+    long long last = c0;
+    for (int i = 0; i < iters; ++i) {
+        mkrt::st_release_sys(command, (mkrt::u64)(i + 1));
+        const mkrt::u64 start = mkrt::global_timer_ns();
+        while (mkrt::ld_acquire_sys(answer) < (mkrt::u64)(i + 1)) {
+            if (mkrt::global_timer_ns() - start > 2000000000ull) return;   // 2 s: host gone
+        }
+        const long long now = clock64();
+        cycles[i] = now - last;
+        last = now;
+    }
+    elapsed[0] = mkrt::global_timer_ns() - t0;
+    elapsed[1] = (mkrt::u64)(clock64() - c0);
+}
+""", requires=("queue",), register=False)
+
+KERNEL_ID = 0x70726F7879  # "proxy"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyKernelsSpec(KernelSpec):
+    family = "proxy_kernels"
+    entry_points = ("post_puts", "post_signals", "ping_pong_proxy", "ping_pong_raw")
+
+    def template(self):
+        return KERNELS
+
+    def params(self):
+        return {"KERNEL_ID": f"{KERNEL_ID}ull"}
+
+
+def status_words(slots: int = 1):
+    """A status block for one device (layout in mkrt/kernels/device/sync.py)."""
+    import cupy
+    from mkrt.kernels.device.sync import STATUS_HEADER_WORDS, STATUS_RECORD_WORDS
+    return cupy.zeros(STATUS_HEADER_WORDS + STATUS_RECORD_WORDS * slots, dtype=np.uint64)
+
+
+def raise_status(status, timeout_ms: float | None = None):
+    """Raise CommTimeout from a status block whose abort word is set (slot 0's record)."""
+    from mkrt.errors import ROLE_NAMES, CommTimeout, WaitRecord
+    words = status.get() if hasattr(status, "get") else np.asarray(status)
+    if not words[0]:
+        return
+    r = words[8:16]
+    record = WaitRecord(rank=int(r[0]), role=ROLE_NAMES[int(r[1])] if r[1] < len(ROLE_NAMES) else str(int(r[1])),
+                        cta=int(r[2]), tile=int(np.int64(r[3])), flag=int(np.int64(r[4])),
+                        expected=int(r[5]), seen=int(r[6]), kernel="proxy_kernels")
+    raise CommTimeout(record, timeout_ms=timeout_ms, others=max(0, int(words[2]) - 1))
