@@ -1,0 +1,379 @@
+"""``mkrt.gemm``: the Hopper GEMM engine as a world-free op.
+
+C[M, N] = A[M, K] @ B, with A row-major [M, K] and B either row-major [K, N]
+(``b_layout="kn"``) or [N, K] (``b_layout="nk"``, the ``nn.Linear`` weight layout).
+bf16 or fp16 in and out, fp32 accumulation.
+
+The device code is the shared engine ``mkrt::gemm::run_tiles`` (kernels/device/gemm_tile.py);
+this module adds the kernel that drives it with a raster work list and a store epilogue,
+the TMA descriptors (built on the host with the driver's ``cuTensorMapEncodeTiled``
+through ctypes, loaded lazily, so importing this module needs no GPU), the spec, the
+launcher and the reference.
+
+Shape requirements (checked, ``ValueError`` naming the values):
+* any M >= 1, N >= 1; K >= 8 and a multiple of 8 (TMA needs 16-byte row strides);
+* ``b_layout="kn"`` with N not a multiple of 8 works through a padded copy of B (slower);
+* A, B, out contiguous, 16-byte aligned base pointers.
+
+Only the code-changing values are in the spec (dtype, B layout, tile, stages); M, N, K,
+the grid size and the raster group are runtime arguments, so one compiled kernel serves
+every shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import functools
+
+import numpy as np
+
+from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
+from mkrt.jit import cuda_source
+from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register the pieces)
+from mkrt.kernels.spec import KernelSpec
+
+GEMM = cuda_source("gemm", r"""
+typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR> Cfg;
+
+// C = A @ B over the whole tile grid; CTA c of gridDim.x computes tiles c, c + grid, ...
+extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
+     const __grid_constant__ mkrt::TmaDescriptor tma_b,
+     $CTYPE* out, int m, int n, int k, int ld_out, int group_m, int pairs_aligned) {
+    extern __shared__ char dynamic_smem[];
+    const int tiles_m = (m + Cfg::BM - 1) / Cfg::BM;
+    const int tiles_n = (n + Cfg::BN - 1) / Cfg::BN;
+    const mkrt::gemm::RasterWork work{tiles_m, tiles_n, group_m, (int)blockIdx.x, (int)gridDim.x};
+    const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
+    mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+}
+""", requires=("gemm_tile",), register=False)
+
+_CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+B_LAYOUTS = ("kn", "nk")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec(KernelSpec):
+    """Compile-time shape of one GEMM kernel (URI e.g. ``gemm_bf16_nk_bm128_bn256_s4_sm90a``)."""
+
+    family = "gemm"
+    entry_points = ("gemm",)
+
+    dtype: str = "bf16"                    # "bf16" or "f16", inputs and output
+    b_layout: str = "nk"                   # "kn": B is [K, N]; "nk": B is [N, K]
+    block_m: int = dataclasses.field(default=128, metadata={"short": "bm"})
+    block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
+    stages: int = dataclasses.field(default=4, metadata={"short": "s"})
+
+    def __post_init__(self):
+        if self.dtype not in _CTYPES:
+            raise ValueError(f"mkrt.gemm: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
+        if self.b_layout not in B_LAYOUTS:
+            raise ValueError(f"mkrt.gemm: b_layout={self.b_layout!r}; expected 'kn' or 'nk'")
+        if self.block_m not in (64, 128):
+            raise ValueError(f"mkrt.gemm: block_m={self.block_m}; expected 64 or 128")
+        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected 64, 128, 192 or 256")
+        if self.smem_bytes > 227 * 1024:
+            raise ValueError(f"mkrt.gemm: {self.stages} stages of {self.block_m}x{self.block_n} "
+                             f"need {self.smem_bytes} bytes of shared memory; at most 232448")
+        if self.stages < 2:
+            raise ValueError(f"mkrt.gemm: stages={self.stages}; at least 2")
+
+    # -- what the host needs to know about the compiled kernel (mirrors gemm::Config) --
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.block_m // 64)
+
+    @property
+    def smem_bytes(self) -> int:
+        stage = (self.block_m + self.block_n) * 64 * 2
+        return 1024 + self.stages * stage + 2 * self.stages * 8
+
+    def template(self):
+        return GEMM
+
+    def params(self):
+        return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk"}
+
+
+def default_specs() -> list[GemmSpec]:
+    """The configurations ``mkrt.gemm`` uses (compiled ahead by ``python -m mkrt compile --all``)."""
+    return [GemmSpec(dtype, layout) for dtype in ("bf16", "f16") for layout in B_LAYOUTS]
+
+
+# ---- planning (pure Python, testable without a GPU) ----------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    spec: GemmSpec
+    m: int
+    n: int
+    k: int
+    tiles_m: int
+    tiles_n: int
+    grid: int
+    group_m: int
+    pad_n: int        # kn layout only: columns of B after padding to a multiple of 8
+
+    @property
+    def tiles(self) -> int:
+        return self.tiles_m * self.tiles_n
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
+         sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int = 4,
+         group_m: int = 16) -> GemmPlan:
+    """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses."""
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if not isinstance(value, (int, np.integer)) or value < 1 or value >= 2**31:
+            raise ValueError(f"mkrt.gemm: {name}={value!r} must be an integer in [1, 2**31)")
+    if k % 8:
+        raise ValueError(f"mkrt.gemm: k={k} must be a multiple of 8 "
+                         "(TMA needs 16-byte row strides); pad K with zeros")
+    if not isinstance(sms, (int, np.integer)) or sms < 1:
+        raise ValueError(f"mkrt.gemm: sms={sms!r} must be a positive integer")
+    if not isinstance(group_m, (int, np.integer)) or group_m < 1:
+        raise ValueError(f"mkrt.gemm: group_m={group_m!r} must be a positive integer")
+    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages)
+    tiles_m = -(-m // block_m)
+    tiles_n = -(-n // block_n)
+    pad_n = n if b_layout == "nk" else -(-n // 8) * 8
+    return GemmPlan(spec, int(m), int(n), int(k), tiles_m, tiles_n,
+                    int(min(sms, tiles_m * tiles_n)), int(group_m), pad_n)
+
+
+def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None, out_dtype=None):
+    """(m, n, k, dtype name) of a valid problem; TypeError/ValueError otherwise."""
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"mkrt.gemm: b_layout={b_layout!r}; expected 'kn' ([K, N]) or 'nk' ([N, K])")
+    allowed = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
+    for name, dtype in (("a", a_dtype), ("b", b_dtype)):
+        if np.dtype(dtype) not in allowed:
+            raise TypeError(f"mkrt.gemm: {name} has dtype {dtype_name(dtype)}; expected bf16 or f16")
+    if np.dtype(a_dtype) != np.dtype(b_dtype):
+        raise TypeError(f"mkrt.gemm: a is {dtype_name(a_dtype)} but b is {dtype_name(b_dtype)}; "
+                        "they must match")
+    if len(a_shape) != 2 or len(b_shape) != 2:
+        raise ValueError(f"mkrt.gemm: a and b must be 2-D; got a.shape={tuple(a_shape)}, "
+                         f"b.shape={tuple(b_shape)}")
+    m, k = a_shape
+    n, kb = (b_shape[1], b_shape[0]) if b_layout == "kn" else (b_shape[0], b_shape[1])
+    if kb != k:
+        raise ValueError(f"mkrt.gemm: a.shape={tuple(a_shape)} and b.shape={tuple(b_shape)} "
+                         f"(b_layout={b_layout!r}) disagree on K: {k} != {kb}")
+    if out_shape is not None and tuple(out_shape) != (m, n):
+        raise ValueError(f"mkrt.gemm: out.shape={tuple(out_shape)}; expected {(m, n)}")
+    if out_dtype is not None and np.dtype(out_dtype) != np.dtype(a_dtype):
+        raise TypeError(f"mkrt.gemm: out has dtype {dtype_name(out_dtype)}; expected "
+                        f"{dtype_name(a_dtype)}")
+    return m, n, k, dtype_name(a_dtype)
+
+
+# ---- TMA descriptors (driver, through ctypes) ----------------------------------------
+
+_TMA_DTYPE = {"f16": 6, "bf16": 9}     # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuTensorMapEncodeTiled
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                  ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+class TmaDescriptor:
+    """A 128-byte CUtensorMap in 64-byte aligned host memory; ``.argument`` is the launch arg."""
+
+    def __init__(self):
+        self._buffer = (ctypes.c_uint8 * 192)()
+        self.address = (ctypes.addressof(self._buffer) + 63) & ~63
+
+    @property
+    def argument(self):
+        from cupy.cuda.function import CPointer
+        return CPointer(self.address)
+
+    def words(self) -> list[int]:
+        return list((ctypes.c_uint64 * 16).from_address(self.address))
+
+
+_DESCRIPTORS: "collections.OrderedDict[tuple, TmaDescriptor]" = collections.OrderedDict()
+
+
+def tma_descriptor_2d(pointer: int, dtype: str, inner: int, outer: int, row_bytes: int,
+                      box_inner: int, box_outer: int) -> TmaDescriptor:
+    """Tensor map of a row-major [outer, inner] matrix, 128B swizzle, zeros outside (cached)."""
+    key = (pointer, dtype, inner, outer, row_bytes, box_inner, box_outer)
+    descriptor = _DESCRIPTORS.get(key)
+    if descriptor is not None:
+        _DESCRIPTORS.move_to_end(key)
+        return descriptor
+    descriptor = TmaDescriptor()
+    dims = (ctypes.c_uint64 * 2)(inner, outer)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
+    box = (ctypes.c_uint32 * 2)(box_inner, box_outer)
+    element_strides = (ctypes.c_uint32 * 2)(1, 1)
+    result = _libcuda().cuTensorMapEncodeTiled(
+        descriptor.address, _TMA_DTYPE[dtype], 2, pointer, dims, strides, box, element_strides,
+        0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    if result != 0:
+        raise RuntimeError(f"mkrt.gemm: cuTensorMapEncodeTiled failed with CUresult {result} "
+                           f"for {pointer=:#x}, {dtype=}, {inner=}, {outer=}, {row_bytes=}, "
+                           f"box=({box_inner}, {box_outer})")
+    _DESCRIPTORS[key] = descriptor
+    if len(_DESCRIPTORS) > 512:
+        _DESCRIPTORS.popitem(last=False)
+    return descriptor
+
+
+# ---- launcher ------------------------------------------------------------------------
+
+_FUNCTIONS: dict = {}
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def _function(spec: GemmSpec, device: int):
+    key = (spec, device)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        function = _FUNCTIONS[key] = spec.function("gemm", device, spec.smem_bytes)
+    return function
+
+
+def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 16,
+         block_n: int = 256, stages: int = 4, stream=None):
+    """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
+
+    a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
+    out: optional [M, N] of the same dtype (written in place and returned). ``sms`` caps the
+    grid (default: every SM), ``group_m`` is the raster group (tile rows walked together).
+    Returns out in the type of ``a`` (torch in, torch out).
+    """
+    import cupy
+
+    a_view, b_view = as_cupy(a, "a"), as_cupy(b, "b")
+    out_view = as_cupy(out, "out") if out is not None else None
+    m, n, k, dtype = check_operands(a_view.shape, b_view.shape, a_view.dtype, b_view.dtype,
+                                    b_layout, None if out_view is None else out_view.shape,
+                                    None if out_view is None else out_view.dtype)
+    device = a_view.device.id
+    for name, x in (("a", a_view), ("b", b_view), ("out", out_view)):
+        if x is None:
+            continue
+        if x.device.id != device:
+            raise ValueError(f"mkrt.gemm: {name} is on GPU {x.device.id} but a is on GPU {device}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"mkrt.gemm: {name} with shape {x.shape} and strides {x.strides} is "
+                             "not C-contiguous (row-major); pass a contiguous array")
+        if x.data.ptr % 16:
+            raise ValueError(f"mkrt.gemm: {name} starts at {x.data.ptr:#x}, not 16-byte aligned")
+    total_sms = _sm_count(device)
+    p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
+             block_n=block_n, stages=stages, group_m=group_m)
+    if sms is not None and sms > total_sms:
+        raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
+    spec = p.spec
+    with cupy.cuda.Device(device):
+        if out_view is None:
+            out_view = cupy.empty((m, n), dtype=a_view.dtype)
+        tma_a = tma_descriptor_2d(a_view.data.ptr, dtype, k, m, k * 2, 64, spec.block_m)
+        if b_layout == "nk":
+            tma_b = tma_descriptor_2d(b_view.data.ptr, dtype, k, n, k * 2, 64, spec.block_n)
+        else:
+            b_rows = b_view
+            if p.pad_n != n:   # TMA needs 16-byte row strides: pad N to a multiple of 8
+                b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
+                b_rows[:, :n] = b_view
+            tma_b = tma_descriptor_2d(b_rows.data.ptr, dtype, p.pad_n, k, p.pad_n * 2, 64, 64)
+        pairs_aligned = np.int32(n % 2 == 0)
+        function = _function(spec, device)
+        function((p.grid,), (spec.threads,),
+                 (tma_a.argument, tma_b.argument, out_view, np.int32(m), np.int32(n),
+                  np.int32(k), np.int32(n), np.int32(p.group_m), pairs_aligned),
+                 shared_mem=spec.smem_bytes, stream=stream)
+        if b_layout == "kn" and p.pad_n != n:
+            # keep the padded copy alive until the kernel has read it
+            (stream or cupy.cuda.get_current_stream()).synchronize()
+    return like_input(out_view, a)
+
+
+def _xp(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def to_float32(x):
+    """float32 copy of a bf16/f16/float array (bf16 through its bits: no bf16 kernels needed)."""
+    xp = _xp(x)
+    if bfloat16 is not None and x.dtype == bfloat16:
+        return (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return x.astype(xp.float32)
+
+
+def from_float32(x, dtype):
+    """float32 array -> dtype (bf16 rounded to nearest even through its bits)."""
+    xp = _xp(x)
+    if bfloat16 is not None and np.dtype(dtype) == bfloat16:
+        bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+        rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
+        return rounded.astype(xp.uint16).view(bfloat16)
+    return x.astype(dtype)
+
+
+def poison(x):
+    """Fill a bf16/f16 array with NaN in place (through its bits)."""
+    nan_bits = 0x7FC0 if (bfloat16 is not None and x.dtype == bfloat16) else 0x7E00
+    x.view(_xp(x).uint16).fill(nan_bits)
+    return x
+
+
+def reference(a, b, *, b_layout: str = "kn", dtype=np.float32):
+    """A @ B in float32 (or float64) with the same layout convention, as a CuPy/NumPy array."""
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"mkrt.gemm: b_layout={b_layout!r}; expected 'kn' or 'nk'")
+    if not isinstance(a, np.ndarray):
+        a, b = as_cupy(a, "a"), as_cupy(b, "b")
+    a32 = to_float32(a).astype(dtype)
+    b32 = to_float32(b).astype(dtype)
+    return a32 @ (b32.T if b_layout == "nk" else b32)
+
+
+def test_cases():
+    """(m, n, k, b_layout, dtype) the GPU tests run: odd edges, small K, both layouts."""
+    cases = []
+    for dtype in ("bf16", "f16"):
+        for layout in B_LAYOUTS:
+            cases += [(128, 256, 64, layout, dtype), (257, 513, 72, layout, dtype),
+                      (1000, 777, 8, layout, dtype), (1, 300, 128, layout, dtype),
+                      (333, 1, 200, layout, dtype), (2048, 2048, 1024, layout, dtype),
+                      (517, 1029, 520, layout, dtype)]
+    return cases
+
+
+def bench_cases():
+    """(m, n, k) of the issue's suite."""
+    return [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 16384, 1024), (8192, 8192, 512),
+            (2048, 8192, 8192), (8192, 1024, 8192), (8000, 7936, 4096)]

@@ -1,0 +1,158 @@
+"""The Hopper GEMM engine: compile checks and planning on the CPU, correctness on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mkrt.arrays import bfloat16
+from mkrt.kernels import gemm as G
+
+
+# ---- CPU ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", G.default_specs(), ids=lambda s: s.uri)
+def test_default_specs_compile_without_spills(spec):
+    build = spec.build(check_spills=True)
+    resources = build.resources["gemm"]
+    assert resources.spills == 0 and resources.stack_frame == 0, resources
+    # wgmma serialisation would show up as a ptxas performance warning
+    assert "serialized" not in build.log, build.log
+
+
+def test_uri_names_every_code_changing_field():
+    spec = G.GemmSpec("f16", "kn", 128, 128, 6)
+    assert spec.uri == "gemm_f16_kn_bm128_bn128_s6_sm90a"
+    assert G.GemmSpec().uri == "gemm_bf16_nk_bm128_bn256_s4_sm90a"
+    assert spec.threads == 384
+    assert spec.smem_bytes == 1024 + 6 * (128 + 128) * 128 + 6 * 16
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="f32"), dict(b_layout="mk"), dict(block_m=96),
+                                    dict(block_n=320), dict(block_n=100), dict(stages=1),
+                                    dict(stages=6)])
+def test_spec_refuses_bad_configurations(kwargs):
+    with pytest.raises(ValueError, match="^mkrt.gemm:"):
+        G.GemmSpec(**kwargs)
+
+
+def test_plan_tiles_and_grid():
+    p = G.plan(8192, 8192, 8192, sms=132)
+    assert (p.tiles_m, p.tiles_n, p.grid) == (64, 32, 132)
+    p = G.plan(257, 513, 72, sms=132)
+    assert (p.tiles_m, p.tiles_n, p.grid) == (3, 3, 9)
+    p = G.plan(100, 30, 8, b_layout="kn", sms=100)
+    assert p.pad_n == 32 and p.grid == 1
+    assert G.plan(100, 30, 8, b_layout="nk").pad_n == 30
+    assert G.plan(8192, 8192, 512, sms=116).grid == 116
+
+
+@pytest.mark.parametrize("m,n,k,sms,match", [(0, 8, 8, 1, "m=0"), (8, 8, 12, 1, "k=12"),
+                                             (8, 8, 8, 0, "sms=0"), (8, -1, 8, 1, "n=-1")])
+def test_plan_refuses_bad_shapes(m, n, k, sms, match):
+    with pytest.raises(ValueError, match=f"^mkrt.gemm: {match}"):
+        G.plan(m, n, k, sms=sms)
+
+
+def test_check_operands():
+    bf, f16 = bfloat16, np.float16
+    assert G.check_operands((5, 16), (16, 7), bf, bf, "kn") == (5, 7, 16, "bf16")
+    assert G.check_operands((5, 16), (7, 16), f16, f16, "nk") == (5, 7, 16, "f16")
+    with pytest.raises(ValueError, match="^mkrt.gemm: .*disagree on K: 16 != 7"):
+        G.check_operands((5, 16), (16, 7), bf, bf, "nk")
+    with pytest.raises(TypeError, match="^mkrt.gemm: a has dtype f32"):
+        G.check_operands((5, 16), (16, 7), np.float32, np.float32, "kn")
+    with pytest.raises(TypeError, match="^mkrt.gemm: a is bf16 but b is f16"):
+        G.check_operands((5, 16), (16, 7), bf, f16, "kn")
+    with pytest.raises(ValueError, match="^mkrt.gemm: b_layout='mn'"):
+        G.check_operands((5, 16), (16, 7), bf, bf, "mn")
+    with pytest.raises(ValueError, match="^mkrt.gemm: a and b must be 2-D"):
+        G.check_operands((5, 16, 1), (16, 7), bf, bf, "kn")
+    with pytest.raises(ValueError, match=r"^mkrt.gemm: out.shape=\(5, 8\)"):
+        G.check_operands((5, 16), (16, 7), bf, bf, "kn", out_shape=(5, 8), out_dtype=bf)
+    with pytest.raises(TypeError, match="^mkrt.gemm: out has dtype f16"):
+        G.check_operands((5, 16), (16, 7), bf, bf, "kn", out_shape=(5, 7), out_dtype=f16)
+
+
+def test_host_arrays_are_refused_before_any_launch():
+    a = np.ones((8, 8), dtype=np.float16)
+    with pytest.raises(TypeError, match="host numpy array"):
+        G.gemm(a, a)
+
+
+def test_bf16_bit_conversions_on_host():
+    x = np.array([1.0, -2.5, 3.14159, 1e-3, 65504.0], dtype=np.float32)
+    y = G.from_float32(x, bfloat16)
+    assert y.dtype == bfloat16
+    np.testing.assert_array_equal(y, x.astype(bfloat16))
+    np.testing.assert_array_equal(G.to_float32(y), x.astype(bfloat16).astype(np.float32))
+    assert np.isnan(G.to_float32(G.poison(y.copy()))).all()
+    assert np.isnan(G.poison(np.zeros(3, np.float16)).astype(np.float32)).all()
+
+
+def test_reference_layouts_on_host():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((5, 16)).astype(np.float32)
+    b = rng.standard_normal((16, 7)).astype(np.float32)
+    np.testing.assert_allclose(G.reference(a, b, b_layout="kn"), a @ b, rtol=1e-6)
+    np.testing.assert_allclose(G.reference(a, b.T.copy(), b_layout="nk"), a @ b, rtol=1e-6)
+
+
+# ---- GPU ------------------------------------------------------------------------------
+
+def _random(shape, dtype, seed):
+    import cupy
+    rng = cupy.random.default_rng(seed)
+    return G.from_float32(rng.standard_normal(shape, dtype=cupy.float32), dtype)
+
+
+def _np_dtype(name):
+    return bfloat16 if name == "bf16" else np.dtype(np.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,b_layout,dtype", G.test_cases(),
+                         ids=lambda v: str(v))
+def test_gemm_matches_float32_reference(m, n, k, b_layout, dtype):
+    import cupy
+    seed = 7 * m + 13 * n + k + (b_layout == "kn")
+    a = _random((m, k), _np_dtype(dtype), seed)
+    b = _random((k, n) if b_layout == "kn" else (n, k), _np_dtype(dtype), seed + 1)
+    out = G.poison(cupy.empty((m, n), dtype=_np_dtype(dtype)))
+    result = G.gemm(a, b, out, b_layout=b_layout)
+    assert result is out
+    got = G.to_float32(out)
+    assert not bool(cupy.isnan(got).any()), "unwritten outputs (NaN poison survived)"
+    ref = G.reference(a, b, b_layout=b_layout)
+    error = float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref))
+    assert error <= 1e-2, f"relative Frobenius error {error:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sms", [1, 7, 100, 116])
+def test_gemm_with_fewer_ctas(sms):
+    import cupy
+    a = _random((1000, 520), bfloat16, 1)
+    b = _random((777, 520), bfloat16, 2)
+    out = G.poison(cupy.empty((1000, 777), dtype=bfloat16))
+    G.gemm(a, b, out, b_layout="nk", sms=sms, group_m=3)
+    got = G.to_float32(out)
+    ref = G.reference(a, b, b_layout="nk")
+    assert not bool(cupy.isnan(got).any())
+    assert float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gemm_allocates_output_and_refuses_before_launch():
+    import cupy
+    a = _random((64, 64), bfloat16, 3)
+    b = _random((64, 32), bfloat16, 4)
+    c = G.gemm(a, b)
+    assert c.shape == (64, 32) and c.dtype == bfloat16
+    with pytest.raises(ValueError, match="^mkrt.gemm: .*not C-contiguous"):
+        G.gemm(a[:, ::2], b[::2])
+    with pytest.raises(ValueError, match="^mkrt.gemm: k=60"):
+        G.gemm(a.view(cupy.uint16)[:, :60].copy().view(bfloat16),
+               b.view(cupy.uint16)[:60].copy().view(bfloat16))
+    with pytest.raises(ValueError, match="^mkrt.gemm: sms=999"):
+        G.gemm(a, b, sms=999)
