@@ -80,6 +80,7 @@ def test_ce_put_to_unregistered_rank_errors_on_both_sides():
         _launch_puts(qs, flags, 256, 2, 4, status, dst_rank=1)   # fine
         cupy.cuda.Device(0).synchronize()
         raise_status(status)
+        flags[:] = 0
         result = _launch_puts(qs, flags, 256, 2, 4, status, dst_rank=9)  # rank 9: not in the table
         cupy.cuda.Device(0).synchronize()
         assert set(result.get().tolist()) <= {1, 2}

@@ -186,7 +186,10 @@ class HostMemory:
     def close(self, unlink: bool = False):
         self.array = None
         if self._shm is not None:
-            self._shm.close()
+            try:
+                self._shm.close()
+            except BufferError:
+                pass    # numpy views still alive: the mapping goes with them
             if unlink:
                 self._shm.unlink()
             self._shm = None
