@@ -6,6 +6,12 @@
 """
 
 import logging as _logging
+import os as _os
+
+# Persistent kernels wait for each other; CUDA's lazy loading can make a kernel's first
+# launch wait for running kernels (a deadlock until the bounded wait fires). Load eagerly
+# unless the user chose otherwise (only effective before CUDA initialises).
+_os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 from mkrt import envs as _envs
 from mkrt.errors import CommTimeout, CompileError, MkrtError, WaitRecord

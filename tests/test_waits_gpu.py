@@ -40,9 +40,11 @@ def test_wait_released_by_a_flag_set_from_another_stream():
     block = world.status(0)
     flag = cupy.zeros(1, np.uint64)
     waiter, setter = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    # Load the setter before the waiter runs: loading a module may wait for running kernels.
+    set_flag = ProbeSpec().function("set_flag", 0)
     seen = wait_for_flag(flag, 9, world_status=block.device_ptr, host_flag=block.host_flag_ptr,
                          timeout_ms=5000, stream=waiter)
-    ProbeSpec().function("set_flag", 0)((1,), (32,), (flag, np.uint64(9)), stream=setter)
+    set_flag((1,), (32,), (flag, np.uint64(9)), stream=setter)
     waiter.synchronize()
     world.synchronize()
     assert int(seen.get()[0]) == 9

@@ -211,9 +211,10 @@ class AllGather(Op):
                     outputs.append(cupy.empty(out_shape, dtype))
         if nbytes == 0:
             return outputs if as_list else outputs[0]
+        # Load on every device before any launch: loading may wait for running kernels.
+        functions = [self.spec.function("allgather", info.device) for info in self.world.local]
         self.join_caller_stream()
-        for info, source, target in zip(self.world.local, inputs, outputs):
-            function = self.spec.function("allgather", info.device)
+        for info, source, target, function in zip(self.world.local, inputs, outputs, functions):
             receive = 0 if self.world.emulated else self._staged_receive(info.rank, nbytes).data.ptr
             stream = self.world.stream(info.rank)
             args = (source, target, np.uint64(nbytes),

@@ -77,12 +77,20 @@ class Op:
             self._failed = error
             raise
 
+    def _event(self, key):
+        # Events are reused: a stream wait captures the event's state when it is enqueued.
+        import cupy
+        events = self.__dict__.setdefault("_events", {})
+        if key not in events:
+            events[key] = cupy.cuda.Event(disable_timing=True)
+        return events[key]
+
     def join_caller_stream(self) -> None:
         """Each rank's stream waits for the caller's current stream (inputs are ready)."""
         import cupy
         for info in self.world.local:
             with cupy.cuda.Device(info.device):
-                event = cupy.cuda.Event(disable_timing=True)
+                event = self._event(("join", info.device))
                 event.record(cupy.cuda.get_current_stream())
                 self.world.stream(info.rank).wait_event(event)
 
@@ -91,7 +99,7 @@ class Op:
         import cupy
         for info in self.world.local:
             with cupy.cuda.Device(info.device):
-                event = cupy.cuda.Event(disable_timing=True)
+                event = self._event(("release", info.rank))
                 event.record(self.world.stream(info.rank))
                 cupy.cuda.get_current_stream().wait_event(event)
 

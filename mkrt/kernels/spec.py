@@ -46,13 +46,28 @@ class KernelSpec:
         return render(self.template(), self.params(), banner=f"mkrt kernel {self.uri}")
 
     def build(self, *, check_spills: bool | None = None) -> Build:
+        """The compiled module (memoised in this process; NVRTC runs once per cache key)."""
+        arch = envs.get("MKRT_JIT_ARCH")
+        memo_key = (self, arch, check_spills, str(envs.get("MKRT_JIT_CACHE_DIR")))
+        if memo_key in _BUILDS:
+            return _BUILDS[memo_key]
         build = compile_cuda(self.uri, self.render(), options=self.options(),
                              check_spills=check_spills)
         missing = [name for name in self.entry_points if name not in build.resources]
         if missing:
             raise KeyError(f"mkrt.jit: {self.uri} does not define entry points {missing}; "
                            f"it defines {sorted(build.resources)}")
+        _BUILDS[memo_key] = build
         return build
 
     def function(self, name: str, device: int, dynamic_shared: int = 0):
-        return load_function(self.build(), name, device, dynamic_shared)
+        """Kernel `name` on `device`, built and loaded once per process (launch-path cheap)."""
+        key = (self, name, device, dynamic_shared, envs.get("MKRT_JIT_ARCH"))
+        function = _FUNCTIONS.get(key)
+        if function is None:
+            function = _FUNCTIONS[key] = load_function(self.build(), name, device, dynamic_shared)
+        return function
+
+
+_BUILDS: dict = {}
+_FUNCTIONS: dict = {}
