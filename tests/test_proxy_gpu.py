@@ -44,6 +44,16 @@ def _launch_puts(qs, flags, chunk, ctas, count, status, *, dst_rank=1, signal_ev
     return result
 
 
+def test_command_layout_on_device_matches_dtype():
+    import cupy
+    from mkrt.proxy.kernels import ProxyKernelsSpec
+    from mkrt.proxy.queue import COMMAND_DTYPE
+    out = cupy.full(len(COMMAND_DTYPE.names) + 1, 999, dtype=np.uint64)
+    ProxyKernelsSpec().function("command_layout", 0)((1,), (1,), (out,))
+    expected = [COMMAND_DTYPE.fields[n][1] for n in COMMAND_DTYPE.names] + [COMMAND_DTYPE.itemsize]
+    assert out.get().tolist() == expected
+
+
 def test_ce_thousands_of_puts_data_and_flags():
     import cupy
     from mkrt.proxy import Proxy

@@ -28,7 +28,7 @@ extern "C" __global__ void post_puts(const mkrt::Queue* queues, int nqueues, uns
                                      mkrt::u64 chunk, int count, int signal_every,
                                      mkrt::u64* status,
                                      mkrt::u64 timeout_ns, mkrt::u64* result) {
-    const mkrt::Context ctx{status, 0, (int)queues[0].rank, timeout_ns, $KERNEL_ID};
+    const mkrt::Context ctx{status, 0, (int)queues[0].rank, timeout_ns, (mkrt::u64)$KERNEL_ID};
     if (threadIdx.x != 0) return;
     const mkrt::Queue& q = queues[blockIdx.x % nqueues];
     const mkrt::u64 base = (mkrt::u64)blockIdx.x * count * chunk;
@@ -49,7 +49,7 @@ extern "C" __global__ void post_puts(const mkrt::Queue* queues, int nqueues, uns
 extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, unsigned rank,
                                         unsigned flag_region, int count, mkrt::u64* status,
                                         mkrt::u64 timeout_ns, mkrt::u64* result) {
-    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, $KERNEL_ID};
+    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, (mkrt::u64)$KERNEL_ID};
     if (threadIdx.x != 0) return;
     const mkrt::Queue& q = queues[blockIdx.x % nqueues];
     for (int i = 0; i < count; ++i)
@@ -65,7 +65,7 @@ extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned r
                                            const mkrt::u64* flag, int iters, mkrt::u64* status,
                                            mkrt::u64 timeout_ns, long long* cycles,
                                            mkrt::u64* elapsed) {
-    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, $KERNEL_ID};
+    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, (mkrt::u64)$KERNEL_ID};
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const mkrt::Queue& q = queues[0];
     const mkrt::u64 t0 = mkrt::global_timer_ns();
@@ -82,6 +82,14 @@ extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned r
     }
     elapsed[0] = mkrt::global_timer_ns() - t0;
     elapsed[1] = (mkrt::u64)(clock64() - c0);
+}
+
+extern "C" __global__ void command_layout(mkrt::u64* out) {
+    mkrt::Command c;
+    const char* base = reinterpret_cast<const char*>(&c);
+    int i = 0;
+$LAYOUT_PROBES
+    out[i] = sizeof(mkrt::Command);
 }
 
 extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* answer, int iters,
@@ -111,13 +119,17 @@ KERNEL_ID = 0x70726F7879  # "proxy"
 @dataclasses.dataclass(frozen=True)
 class ProxyKernelsSpec(KernelSpec):
     family = "proxy_kernels"
-    entry_points = ("post_puts", "post_signals", "ping_pong_proxy", "ping_pong_raw")
+    entry_points = ("post_puts", "post_signals", "ping_pong_proxy", "ping_pong_raw",
+                    "command_layout")
 
     def template(self):
         return KERNELS
 
     def params(self):
-        return {"KERNEL_ID": f"{KERNEL_ID}ull"}
+        from mkrt.proxy.queue import COMMAND_DTYPE
+        probes = " ".join(f"out[i++] = (mkrt::u64)(reinterpret_cast<const char*>(&c.{name}) - base);"
+                          for name in COMMAND_DTYPE.names)
+        return {"KERNEL_ID": f"{KERNEL_ID}ull", "LAYOUT_PROBES": probes}
 
 
 def status_words(slots: int = 1):

@@ -2,7 +2,8 @@
 
 The command is defined ONCE, here, as a numpy dtype (:data:`COMMAND_DTYPE`). From it come
   * the C struct ``mkrt::Command`` (:func:`command_struct_source`) compiled into kernels,
-    with ``static_assert`` on every offset, and
+    with a ``static_assert`` on its size (the dtype is checked to have no padding, and a
+    GPU test reads every offset back from a kernel), and
   * the (word, shift, mask) constants the compiled proxy loop decodes with
     (:data:`FIELDS`), so C, the proxy loop and Python cannot drift.
 
@@ -70,6 +71,19 @@ def _field_constants(dtype: np.dtype) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def _check_packed(dtype: np.dtype) -> None:
+    expected = 0
+    for name, (sub, offset) in dtype.fields.items():
+        if offset != expected or offset % sub.itemsize:
+            raise ImportError(f"mkrt.proxy: command field {name} at {offset=} leaves padding or "
+                              f"is misaligned; C's layout would differ from the dtype")
+        expected += sub.itemsize
+    if expected != dtype.itemsize:
+        raise ImportError("mkrt.proxy: command dtype has trailing padding")
+
+
+_check_packed(COMMAND_DTYPE)
+
 #: field -> (u64 word, bit shift, mask); what the compiled loop decodes with
 FIELDS = _field_constants(COMMAND_DTYPE)
 
@@ -135,8 +149,10 @@ def command_struct_source() -> str:
         lines.append(f"    {_C_TYPES[sub]} {name};")
     lines.append("};")
     lines.append(f"static_assert(sizeof(Command) == {COMMAND_BYTES}, \"mkrt::Command size\");")
-    for name, (_, offset) in COMMAND_DTYPE.fields.items():
-        lines.append(f"static_assert(__builtin_offsetof(Command, {name}) == {offset}, \"Command.{name}\");")
+    # Offsets: the dtype is checked to be packed with naturally aligned fields (no
+    # padding), so C's natural layout of these members in this order equals it; the GPU
+    # test reads the offsets back from a kernel (command_layout). (__builtin_offsetof is
+    # not accepted by every NVRTC version.)
     constants = {
         "OP_NOP": OP_NOP, "OP_PUT": OP_PUT, "OP_PUT_SIGNAL": OP_PUT_SIGNAL, "OP_SIGNAL": OP_SIGNAL,
         "OP_FENCE": OP_FENCE, "OP_BARRIER": OP_BARRIER, "NO_REGION": NO_REGION,
@@ -213,7 +229,9 @@ class PinnedMemory:
         runtime = cupy.cuda.runtime
         self.nbytes = nbytes
         self.address = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
-        self.device_address = runtime.hostGetDevicePointer(self.address, 0)
+        # Under UVA (every 64-bit platform CUDA 12 supports) cudaHostAlloc memory has one
+        # address on host and device.
+        self.device_address = self.address
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.address))
         self.array[:] = 0
 
