@@ -10,6 +10,7 @@ its own stream and share of the SMs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ class World:
     _status: dict = field(default_factory=dict, repr=False)
     _regions: list = field(default_factory=list, repr=False)     # symmetric buffers (mkrt.memory)
     _closed: bool = False
+    failures: int = 0                      # device-side failures raised so far
 
     # ---- layout ---------------------------------------------------------------
     @property
@@ -103,10 +105,8 @@ class World:
 
     def sm_count(self, rank: int) -> int:
         """SMs this rank may fill: the device's, split evenly among ranks sharing it."""
-        import cupy
         device = self._require_device(rank)
-        total = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-        return max(1, total // len(self.ranks_on_device(device)))
+        return max(1, device_sm_count(device) // len(self.ranks_on_device(device)))
 
     def status(self, device: int):
         """The status block of `device` (see mkrt/status.py)."""
@@ -123,7 +123,11 @@ class World:
             for device in sorted({r.device for r in self.local if r.device is not None}):
                 cupy.cuda.Device(device).synchronize()
         for block in list(self._status.values()):
-            block.raise_if_failed(blocking=synchronize)
+            try:
+                block.raise_if_failed(blocking=synchronize)
+            except Exception:
+                self.failures += 1
+                raise
 
     def synchronize(self) -> None:
         """Wait for every local rank's stream, then raise device-side errors, if any."""
@@ -157,6 +161,13 @@ class World:
         held = [r.rank for r in self.local]
         devices = sorted({r.device for r in self.local if r.device is not None})
         return f"World({kind} {self.layout}, size={self.size}, local ranks={held}, GPUs={devices})"
+
+
+@functools.cache
+def device_sm_count(device: int) -> int:
+    """Multiprocessors of `device` (cached: the property query takes about a millisecond)."""
+    import cupy
+    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
 def parse_layout(text: str) -> tuple[int, int]:

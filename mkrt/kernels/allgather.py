@@ -226,6 +226,8 @@ class AllGather(Op):
                 function((self._grid(info.rank, nbytes),), (self.spec.threads,), args, stream=stream)
         self.release_to_caller_stream()
         self.after_launch()
+        if out is not None:
+            return out
         return outputs if as_list else outputs[0]
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ class Op:
         if self.timeout_ms <= 0:
             raise ValueError(f"mkrt.{self.name}: timeout_ms must be > 0, got {self.timeout_ms}")
         self._failed: BaseException | None = None
+        self._failures_seen = self.world.failures
         self._signatures: set = set()
 
     # ---- arguments ---------------------------------------------------------------
@@ -76,6 +77,13 @@ class Op:
         except BaseException as error:
             self._failed = error
             raise
+        if self.world.failures != self._failures_seen and self._launched:
+            # A wait gave up while this op's launches were in flight: its epochs are off.
+            self._failed = MkrtError(f"mkrt.{self.name}: a device-side wait failed during an "
+                                     "earlier call (see the CommTimeout raised then)")
+            raise MkrtError(f"mkrt.{self.name}: this op failed earlier ({self._failed}); its "
+                            "flags are out of step: build a new op")
+        self._failures_seen = self.world.failures
 
     def _event(self, key):
         # Events are reused: a stream wait captures the event's state when it is enqueued.
@@ -103,7 +111,10 @@ class Op:
                 event.record(self.world.stream(info.rank))
                 cupy.cuda.get_current_stream().wait_event(event)
 
+    _launched = False
+
     def after_launch(self) -> None:
+        self._launched = True
         for info in self.world.local:
             self.world.status(info.device).timeout_ms[info.rank] = self.timeout_ms
         if envs.get("MKRT_SYNC_CHECK"):
