@@ -46,6 +46,9 @@ def gpu_name() -> str:
 
 
 def git_commit() -> str:
+    from mkrt import envs
+    if envs.get("MKRT_BENCH_COMMIT"):
+        return envs.get("MKRT_BENCH_COMMIT")
     try:
         root = Path(__file__).resolve().parents[1]
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],

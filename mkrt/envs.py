@@ -48,6 +48,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MKRT_WORLD_RANKS_PER_NODE", "0", int,
            "Under mpiexec: treat every N consecutive ranks of a host as one node "
            "(0: a node is a host). Splits one host into nodes that talk through the proxy."),
+    EnvVar("MKRT_BENCH_COMMIT", "", str,
+           "Git commit that experiments record when the checkout has no .git (a copied tree)."),
     EnvVar("MKRT_LOG_LEVEL", "WARNING", str,
            "Level of the `mkrt` loggers (DEBUG, INFO, WARNING, ...)."),
 )}
