@@ -46,6 +46,8 @@ def parse():
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--out", default="", help="append JSON lines here")
     parser.add_argument("--tag", default="", help="version label stored with the results")
+    parser.add_argument("--commit", default="", help="git commit (default: git rev-parse)")
+    parser.add_argument("--epilogue", default="auto", choices=("auto", "tma", "direct"))
     return parser.parse_args()
 
 
@@ -92,7 +94,7 @@ def main():
     full_sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     command = "python3 " + " ".join(sys.argv)
     date = datetime.date.today().isoformat()
-    commit = git_commit()
+    commit = args.commit or git_commit()
     rows, ratios = [], {}
 
     print(f"# {gpu}, {full_sms} SMs, {args.dtype}, torch={'yes' if torch else 'no'}")
@@ -127,7 +129,7 @@ def main():
             for cap in sm_caps:
                 call = lambda: G.gemm(a, b, out, b_layout=layout, sms=cap,  # noqa: E731
                                       group_m=args.group_m, block_n=args.block_n,
-                                      stages=args.stages)
+                                      stages=args.stages, epilogue=args.epilogue)
                 G.poison(out)
                 call()
                 ref = G.reference(a, b, b_layout=layout)
@@ -154,7 +156,7 @@ def main():
                                  error=error, sms=cap or full_sms, gpu=gpu, date=date,
                                  commit=commit, tag=args.tag, command=command,
                                  config=dict(block_n=args.block_n, stages=args.stages,
-                                             group_m=args.group_m)))
+                                             group_m=args.group_m, epilogue=args.epilogue)))
             del a, b, out
             cupy.get_default_memory_pool().free_all_blocks()
 

@@ -21,16 +21,21 @@ def test_default_specs_compile_without_spills(spec):
 
 
 def test_uri_names_every_code_changing_field():
-    spec = G.GemmSpec("f16", "kn", 128, 128, 6)
-    assert spec.uri == "gemm_f16_kn_bm128_bn128_s6_sm90a"
-    assert G.GemmSpec().uri == "gemm_bf16_nk_bm128_bn256_s4_sm90a"
+    spec = G.GemmSpec("f16", "kn", 128, 128, 6, "direct")
+    assert spec.uri == "gemm_f16_kn_bm128_bn128_s6_direct_sm90a"
+    assert G.GemmSpec().uri == "gemm_bf16_nk_bm128_bn256_s3_tma_sm90a"
     assert spec.threads == 384
     assert spec.smem_bytes == 1024 + 6 * (128 + 128) * 128 + 6 * 16
+    assert G.GemmSpec(epilogue="tma").smem_bytes == 1024 + 3 * 384 * 128 + 128 * 256 * 2 + 3 * 16
+    assert G.max_stages(128, 256, "tma") == 3 and G.max_stages(128, 256, "direct") == 4
+    for spec in G.default_specs():
+        assert spec.smem_bytes <= G.SMEM_LIMIT
 
 
 @pytest.mark.parametrize("kwargs", [dict(dtype="f32"), dict(b_layout="mk"), dict(block_m=96),
                                     dict(block_n=320), dict(block_n=100), dict(stages=1),
-                                    dict(stages=6)])
+                                    dict(stages=6), dict(stages=4, epilogue="tma"),
+                                    dict(epilogue="smem")])
 def test_spec_refuses_bad_configurations(kwargs):
     with pytest.raises(ValueError, match="^mkrt.gemm:"):
         G.GemmSpec(**kwargs)
@@ -45,6 +50,11 @@ def test_plan_tiles_and_grid():
     assert p.pad_n == 32 and p.grid == 1
     assert G.plan(100, 30, 8, b_layout="nk").pad_n == 30
     assert G.plan(8192, 8192, 512, sms=116).grid == 116
+    assert G.plan(64, 64, 64).spec.epilogue == "tma"
+    assert G.plan(64, 63, 64).spec.epilogue == "direct"
+    assert G.plan(64, 63, 64).spec.stages == 4
+    with pytest.raises(ValueError, match="^mkrt.gemm: epilogue='tma' needs n % 8 == 0; got n=63"):
+        G.plan(64, 63, 64, epilogue="tma")
 
 
 @pytest.mark.parametrize("m,n,k,sms,match", [(0, 8, 8, 1, "m=0"), (8, 8, 12, 1, "k=12"),
@@ -113,13 +123,14 @@ def _np_dtype(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,b_layout,dtype", G.test_cases(),
                          ids=lambda v: str(v))
-def test_gemm_matches_float32_reference(m, n, k, b_layout, dtype):
+@pytest.mark.parametrize("epilogue", ["auto", "direct"])
+def test_gemm_matches_float32_reference(m, n, k, b_layout, dtype, epilogue):
     import cupy
     seed = 7 * m + 13 * n + k + (b_layout == "kn")
     a = _random((m, k), _np_dtype(dtype), seed)
     b = _random((k, n) if b_layout == "kn" else (n, k), _np_dtype(dtype), seed + 1)
     out = G.poison(cupy.empty((m, n), dtype=_np_dtype(dtype)))
-    result = G.gemm(a, b, out, b_layout=b_layout)
+    result = G.gemm(a, b, out, b_layout=b_layout, epilogue=epilogue)
     assert result is out
     got = G.to_float32(out)
     assert not bool(cupy.isnan(got).any()), "unwritten outputs (NaN poison survived)"
@@ -130,12 +141,13 @@ def test_gemm_matches_float32_reference(m, n, k, b_layout, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sms", [1, 7, 100, 116])
-def test_gemm_with_fewer_ctas(sms):
+@pytest.mark.parametrize("epilogue", ["tma", "direct"])
+def test_gemm_with_fewer_ctas(sms, epilogue):
     import cupy
     a = _random((1000, 520), bfloat16, 1)
-    b = _random((777, 520), bfloat16, 2)
-    out = G.poison(cupy.empty((1000, 777), dtype=bfloat16))
-    G.gemm(a, b, out, b_layout="nk", sms=sms, group_m=3)
+    b = _random((776, 520), bfloat16, 2)
+    out = G.poison(cupy.empty((1000, 776), dtype=bfloat16))
+    G.gemm(a, b, out, b_layout="nk", sms=sms, group_m=3, epilogue=epilogue)
     got = G.to_float32(out)
     ref = G.reference(a, b, b_layout="nk")
     assert not bool(cupy.isnan(got).any())

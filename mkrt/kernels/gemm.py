@@ -35,29 +35,50 @@ from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register t
 from mkrt.kernels.spec import KernelSpec
 
 GEMM = cuda_source("gemm", r"""
-typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR> Cfg;
+constexpr bool TMA_STORE = $TMA_STORE;
+typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR,
+                           TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0> Cfg;
 
 // C = A @ B over the whole tile grid; CTA c of gridDim.x computes tiles c, c + grid, ...
+// tma_out (box 64 x 64) is used by the TMA-store epilogue only.
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
      const __grid_constant__ mkrt::TmaDescriptor tma_b,
+     const __grid_constant__ mkrt::TmaDescriptor tma_out,
      $CTYPE* out, int m, int n, int k, int ld_out, int group_m, int pairs_aligned) {
     extern __shared__ char dynamic_smem[];
     const int tiles_m = (m + Cfg::BM - 1) / Cfg::BM;
     const int tiles_n = (n + Cfg::BN - 1) / Cfg::BN;
     const mkrt::gemm::RasterWork work{tiles_m, tiles_n, group_m, (int)blockIdx.x, (int)gridDim.x};
-    const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
-    mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+    if constexpr (TMA_STORE) {
+        const mkrt::gemm::TmaStoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{&tma_out};
+        mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+    } else {
+        const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
+        mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+    }
 }
 """, requires=("gemm_tile",), register=False)
 
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 B_LAYOUTS = ("kn", "nk")
+EPILOGUES = ("tma", "direct")
+SMEM_LIMIT = 232448          # 227 KiB per block (opt-in), sm_90
+
+
+def max_stages(block_m: int, block_n: int, epilogue: str) -> int:
+    """Most pipeline stages that fit next to the epilogue's staging area."""
+    staging = block_m * block_n * 2 if epilogue == "tma" else 0
+    return (SMEM_LIMIT - 1024 - staging) // ((block_m + block_n) * 128 + 16)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmSpec(KernelSpec):
-    """Compile-time shape of one GEMM kernel (URI e.g. ``gemm_bf16_nk_bm128_bn256_s4_sm90a``)."""
+    """Compile-time shape of one GEMM kernel (URI e.g. ``gemm_bf16_nk_bm128_bn256_s3_tma_sm90a``).
+
+    epilogue "tma": tile staged in shared memory, written by TMA stores that overlap the
+    next tile (needs N % 8 == 0); "direct": bf16x2 stores from registers, any N.
+    """
 
     family = "gemm"
     entry_points = ("gemm",)
@@ -66,7 +87,8 @@ class GemmSpec(KernelSpec):
     b_layout: str = "nk"                   # "kn": B is [K, N]; "nk": B is [N, K]
     block_m: int = dataclasses.field(default=128, metadata={"short": "bm"})
     block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
-    stages: int = dataclasses.field(default=4, metadata={"short": "s"})
+    stages: int = dataclasses.field(default=3, metadata={"short": "s"})
+    epilogue: str = "tma"
 
     def __post_init__(self):
         if self.dtype not in _CTYPES:
@@ -77,9 +99,12 @@ class GemmSpec(KernelSpec):
             raise ValueError(f"mkrt.gemm: block_m={self.block_m}; expected 64 or 128")
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected 64, 128, 192 or 256")
-        if self.smem_bytes > 227 * 1024:
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma' or 'direct'")
+        if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.gemm: {self.stages} stages of {self.block_m}x{self.block_n} "
-                             f"need {self.smem_bytes} bytes of shared memory; at most 232448")
+                             f"with the {self.epilogue} epilogue need {self.smem_bytes} bytes of "
+                             f"shared memory; at most {SMEM_LIMIT}")
         if self.stages < 2:
             raise ValueError(f"mkrt.gemm: stages={self.stages}; at least 2")
 
@@ -91,19 +116,22 @@ class GemmSpec(KernelSpec):
     @property
     def smem_bytes(self) -> int:
         stage = (self.block_m + self.block_n) * 64 * 2
-        return 1024 + self.stages * stage + 2 * self.stages * 8
+        staging = self.block_m * self.block_n * 2 if self.epilogue == "tma" else 0
+        return 1024 + self.stages * stage + staging + 2 * self.stages * 8
 
     def template(self):
         return GEMM
 
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
-                "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk"}
+                "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
+                "TMA_STORE": self.epilogue == "tma"}
 
 
 def default_specs() -> list[GemmSpec]:
     """The configurations ``mkrt.gemm`` uses (compiled ahead by ``python -m mkrt compile --all``)."""
-    return [GemmSpec(dtype, layout) for dtype in ("bf16", "f16") for layout in B_LAYOUTS]
+    return [GemmSpec(dtype, layout, 128, 256, max_stages(128, 256, epilogue), epilogue)
+            for dtype in ("bf16", "f16") for layout in B_LAYOUTS for epilogue in EPILOGUES]
 
 
 # ---- planning (pure Python, testable without a GPU) ----------------------------------
@@ -130,8 +158,8 @@ class GemmPlan:
 
 
 def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
-         sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int = 4,
-         group_m: int = 16) -> GemmPlan:
+         sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int | None = None,
+         group_m: int = 16, epilogue: str = "auto") -> GemmPlan:
     """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses."""
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, (int, np.integer)) or value < 1 or value >= 2**31:
@@ -143,7 +171,15 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
         raise ValueError(f"mkrt.gemm: sms={sms!r} must be a positive integer")
     if not isinstance(group_m, (int, np.integer)) or group_m < 1:
         raise ValueError(f"mkrt.gemm: group_m={group_m!r} must be a positive integer")
-    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages)
+    if epilogue == "auto":   # TMA stores need 16-byte rows of C
+        epilogue = "tma" if n % 8 == 0 else "direct"
+    elif epilogue == "tma" and n % 8:
+        raise ValueError(f"mkrt.gemm: epilogue='tma' needs n % 8 == 0; got n={n}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"mkrt.gemm: epilogue={epilogue!r}; expected 'auto', 'tma' or 'direct'")
+    if stages is None:
+        stages = max_stages(block_m, block_n, epilogue)
+    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages, epilogue)
     tiles_m = -(-m // block_m)
     tiles_n = -(-n // block_n)
     pad_n = n if b_layout == "nk" else -(-n // 8) * 8
@@ -262,12 +298,14 @@ def _function(spec: GemmSpec, device: int):
 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 16,
-         block_n: int = 256, stages: int = 4, stream=None):
+         block_n: int = 256, stages: int | None = None, epilogue: str = "auto", stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
     out: optional [M, N] of the same dtype (written in place and returned). ``sms`` caps the
-    grid (default: every SM), ``group_m`` is the raster group (tile rows walked together).
+    grid (default: every SM), ``group_m`` is the raster group (tile rows walked together),
+    ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
+    depth (default: as many as fit).
     Returns out in the type of ``a`` (torch in, torch out).
     """
     import cupy
@@ -290,7 +328,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
             raise ValueError(f"mkrt.gemm: {name} starts at {x.data.ptr:#x}, not 16-byte aligned")
     total_sms = _sm_count(device)
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
-             block_n=block_n, stages=stages, group_m=group_m)
+             block_n=block_n, stages=stages, group_m=group_m, epilogue=epilogue)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
     spec = p.spec
@@ -306,10 +344,14 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
                 b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
                 b_rows[:, :n] = b_view
             tma_b = tma_descriptor_2d(b_rows.data.ptr, dtype, p.pad_n, k, p.pad_n * 2, 64, 64)
+        if spec.epilogue == "tma":
+            tma_out = tma_descriptor_2d(out_view.data.ptr, dtype, n, m, n * 2, 64, 64)
+        else:
+            tma_out = tma_a   # unused by the direct epilogue
         pairs_aligned = np.int32(n % 2 == 0)
         function = _function(spec, device)
         function((p.grid,), (spec.threads,),
-                 (tma_a.argument, tma_b.argument, out_view, np.int32(m), np.int32(n),
+                 (tma_a.argument, tma_b.argument, tma_out.argument, out_view, np.int32(m), np.int32(n),
                   np.int32(k), np.int32(n), np.int32(p.group_m), pairs_aligned),
                  shared_mem=spec.smem_bytes, stream=stream)
         if b_layout == "kn" and p.pad_n != n:

@@ -26,8 +26,10 @@ Plugging in (what a fused kernel supplies):
   ``template <class Acc> __device__ void operator()(const Tile&, const Acc&, const ConsumerThread&)``
   called by every consumer thread once per tile. ``Acc`` is ``Accumulator<BN>``:
   ``acc.for_each_pair(thread, f)`` calls ``f(row, col, v0, v1)`` with tile-relative row
-  and column of two adjacent outputs. Provided: ``StoreEpilogue<T>`` (store with bounds,
-  to local or peer memory), ``AddEpilogue<T>`` (atomic add, e.g. into a peer buffer) and
+  and column of two adjacent outputs; the epilogue also has ``finish(who)``, called
+  once after the last tile. Provided: ``StoreEpilogue<T>`` (store with bounds,
+  to local or peer memory), ``TmaStoreEpilogue<T>`` (stage in shared memory, TMA store;
+  overlaps the next tile), ``AddEpilogue<T>`` (atomic add, e.g. into a peer buffer) and
   ``FlagEpilogue<Inner>`` (run Inner, wait for all consumer threads, then one thread
   release-stores ``epoch`` into ``flags[tile.index]``, system scope).
 
@@ -43,7 +45,8 @@ namespace mkrt {
 namespace gemm {
 
 // Compile-time shape of the engine. T: __nv_bfloat16 or __half.
-template <class T_, int BM_, int BN_, int STAGES_, bool B_K_MAJOR_>
+// EPILOGUE_BYTES_: shared memory reserved for the epilogue (ConsumerThread::smem).
+template <class T_, int BM_, int BN_, int STAGES_, bool B_K_MAJOR_, int EPILOGUE_BYTES_ = 0>
 struct Config {
     typedef T_ T;
     static constexpr int BM = BM_;            // tile rows (64 per consumer warpgroup)
@@ -56,8 +59,11 @@ struct Config {
     static constexpr int A_STAGE_BYTES = BM * BK * 2;
     static constexpr int B_STAGE_BYTES = BN * BK * 2;
     static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
-    // 1024 of slack to align the stages (128B swizzle), then 2 barriers per stage.
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+    static constexpr int EPILOGUE_BYTES = EPILOGUE_BYTES_;
+    // 1024 of slack to align the stages (128B swizzle), the epilogue's staging area
+    // (1024-aligned too), then 2 barriers per stage.
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPILOGUE_BYTES + 2 * STAGES * 8;
+    static_assert(EPILOGUE_BYTES % 1024 == 0, "epilogue staging keeps 1024-byte alignment");
     static constexpr int PRODUCER_REGISTERS = 40;
     static constexpr int CONSUMER_REGISTERS = CONSUMERS == 1 ? 240 : 232;
     static_assert(BM % 64 == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "BM is 64 or 128");
@@ -121,12 +127,18 @@ template <int CONSUMERS>
 struct ConsumerThread {
     int warpgroup;   // 0 .. CONSUMERS-1: which 64-row slice of the tile
     int thread;      // 0 .. 128*CONSUMERS-1 among all consumer threads
+    char* smem;      // the epilogue's staging area (Config::EPILOGUE_BYTES, 1024-aligned)
     static constexpr int COUNT = 128 * CONSUMERS;
     // All consumer threads of the CTA (named barrier 1; the producer does not take part).
     __device__ __forceinline__ void sync() const {
         asm volatile("bar.sync 1, %0;" :: "n"(COUNT) : "memory");
     }
+    // The 128 threads of this consumer warpgroup (named barriers 2, 3).
+    __device__ __forceinline__ void sync_warpgroup() const {
+        asm volatile("bar.sync %0, 128;" :: "r"(2 + warpgroup) : "memory");
+    }
     __device__ __forceinline__ bool leader() const { return thread == 0; }
+    __device__ __forceinline__ bool warpgroup_leader() const { return (thread & 127) == 0; }
 };
 
 // A consumer warpgroup's 64 x BN slice of the tile, fp32 (wgmma's register layout).
@@ -166,11 +178,20 @@ template <> struct Pack<__half> {
 
 // Store the tile into a row-major [rows, cols] matrix (leading dimension ld) at `out`,
 // which may be local or a peer's memory. Clips partial edge tiles.
+// Every epilogue also has finish(who), called once by each consumer thread after its
+// last tile (drain asynchronous stores, say), and complete(who): after it returns, this
+// thread's writes of the current tile are done (FlagEpilogue calls it before the flag).
+
 template <class T, int BM, int BN>
 struct StoreEpilogue {
     T* out;
     int rows, cols, ld;
     bool pairs_aligned;   // ld and out allow 4-byte stores of column pairs
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const ConsumerThread<CONSUMERS>&) const {}
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const ConsumerThread<CONSUMERS>&) const {}
 
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
@@ -206,6 +227,11 @@ struct AddEpilogue {
     int rows, cols, ld;
     bool pairs_aligned;
 
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const ConsumerThread<CONSUMERS>&) const {}
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const ConsumerThread<CONSUMERS>&) const {}
+
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
                                                const ConsumerThread<CONSUMERS>& who) const {
@@ -235,13 +261,70 @@ struct FlagEpilogue {
     u64* flags;
     u64 epoch;
 
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const ConsumerThread<CONSUMERS>& who) const { inner.finish(who); }
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const ConsumerThread<CONSUMERS>& who) const { inner.complete(who); }
+
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
                                                const ConsumerThread<CONSUMERS>& who) const {
         inner(tile, acc, who);
+        inner.complete(who);
         __threadfence_system();
         who.sync();
         if (who.leader()) st_release_sys(flags + tile.index, epoch);
+    }
+};
+
+// Stage the tile in shared memory (128B-swizzled, as TMA reads it) and write it with TMA
+// stores: the consumers spend a few shared-memory stores per value instead of many
+// narrow global stores, and the copy engine writes full lines in the background while
+// the next tile's MMAs run. Each consumer warpgroup stores its own 64 rows as BN/64
+// boxes of 64 columns x 64 rows (tma_out: box 64 x 64, 128B swizzle); needs
+// Config::EPILOGUE_BYTES = BM * BN * 2 and an output whose rows are 16-byte multiples.
+// tma_out may describe a peer's buffer (the map only needs an address the GPU can write).
+template <class T, int BM, int BN>
+struct TmaStoreEpilogue {
+    const TmaDescriptor* tma_out;
+    static constexpr int SLICE_BYTES = 64 * BN * 2;   // one warpgroup's 64 rows
+    static constexpr int BOX_BYTES = 64 * 128;        // 64 rows x 64 columns
+
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
+                                               const ConsumerThread<CONSUMERS>& who) const {
+        char* const slice = who.smem + who.warpgroup * SLICE_BYTES;
+        // The previous tile's stores must have finished reading the staging area.
+        if (who.warpgroup_leader()) tma_store_wait_read<0>();
+        who.sync_warpgroup();
+        const u32 base = smem_address(slice);
+        acc.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+            const int row = r & 63;                                  // row inside the slice
+            const int unit = ((c & 63) >> 3) ^ (row & 7);             // 128B swizzle
+            const u32 address = base + (c >> 6) * BOX_BYTES + row * 128 + unit * 16 + (c & 7) * 2;
+            const typename Pack<T>::Pair pair = Pack<T>::pair(v0, v1);
+            asm volatile("st.shared.b32 [%0], %1;"
+                         :: "r"(address), "r"(*reinterpret_cast<const u32*>(&pair)) : "memory");
+        });
+        fence_proxy_async_shared();
+        who.sync_warpgroup();
+        if (who.warpgroup_leader()) {
+            #pragma unroll
+            for (int box = 0; box < BN / 64; ++box)
+                tma_store_2d(tma_out, slice + box * BOX_BYTES, tile.n * BN + box * 64,
+                             tile.m * BM + who.warpgroup * 64);
+            tma_store_commit();
+        }
+    }
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const ConsumerThread<CONSUMERS>& who) const {
+        if (who.warpgroup_leader()) tma_store_wait<0>();
+    }
+    // The stores of this tile have landed in global memory (not only left shared memory).
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const ConsumerThread<CONSUMERS>& who) const {
+        if (who.warpgroup_leader()) tma_store_wait<0>();
     }
 };
 
@@ -252,6 +335,7 @@ template <class Cfg>
 struct Pipeline {
     char* a;        // STAGES x [BM rows][64 k] (128B swizzle)
     char* b;        // STAGES x [BN rows][64 k] (K-major) or [BN/64 chunks][64 k][64 n]
+    char* epilogue; // Config::EPILOGUE_BYTES for the epilogue
     u64* full;      // stage loaded (TMA bytes landed)
     u64* empty;     // stage consumed (one arrival per consumer warp)
 
@@ -260,7 +344,8 @@ struct Pipeline {
             (reinterpret_cast<unsigned long long>(dynamic_smem) + 1023) & ~1023ull);
         a = base;
         b = base + Cfg::STAGES * Cfg::A_STAGE_BYTES;
-        full = reinterpret_cast<u64*>(b + Cfg::STAGES * Cfg::B_STAGE_BYTES);
+        epilogue = b + Cfg::STAGES * Cfg::B_STAGE_BYTES;
+        full = reinterpret_cast<u64*>(epilogue + Cfg::EPILOGUE_BYTES);
         empty = full + Cfg::STAGES;
     }
     __device__ __forceinline__ char* a_stage(int s) const { return a + s * Cfg::A_STAGE_BYTES; }
@@ -362,6 +447,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
         ConsumerThread<Cfg::CONSUMERS> who;
         who.warpgroup = warpgroup - 1;
         who.thread = threadIdx.x - 128;
+        who.smem = pipe.epilogue;
         Accumulator<Cfg::BN> acc;
         int stage = 0;
         u32 phase = 0;
@@ -370,6 +456,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
             consume_tile<Cfg>(pipe, who.warpgroup, k_blocks, acc, stage, phase);
             epilogue(tile, acc, who);
         }
+        epilogue.finish(who);
     }
 }
 

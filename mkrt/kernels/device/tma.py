@@ -88,6 +88,27 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const TmaDescript
         : "memory");
 }
 
+// Store the box at element coordinates (inner, outer) of a 2-D tensor map from shared
+// memory (laid out as the map's swizzle says). Out-of-range elements are not written,
+// so partial edge tiles need no masking. Tracked by bulk groups of the issuing thread.
+__device__ __forceinline__ void tma_store_2d(const TmaDescriptor* descriptor, const void* source,
+                                             int inner, int outer) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+                 :: "l"(descriptor), "r"(smem_address(source)), "r"(inner), "r"(outer)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Until at most IN_FLIGHT store groups still *read* shared memory (the source may be reused).
+template <int IN_FLIGHT> __device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(IN_FLIGHT) : "memory");
+}
+// Until at most IN_FLIGHT store groups are incomplete (writes done).
+template <int IN_FLIGHT> __device__ __forceinline__ void tma_store_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(IN_FLIGHT) : "memory");
+}
+
 // Ordinary shared-memory stores that TMA or the tensor cores read next need this fence
 // in each writing thread before the barrier that publishes them.
 __device__ __forceinline__ void fence_proxy_async_shared() {
