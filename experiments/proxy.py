@@ -119,7 +119,7 @@ def latency(rec, args, fn_raw, fn_pp):
         status = status_words()
         with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
             fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
-                                np.uint64(flag.device_address), np.int32(iters), status,
+                                np.uint64(flag.device_address), np.int32(iters), *status.args,
                                 np.uint64(10**10), cycles, elapsed))
             cupy.cuda.Device(0).synchronize()
         raise_status(status)
@@ -134,7 +134,7 @@ def latency(rec, args, fn_raw, fn_pp):
         set_region(regions, 0, 1, dflag.data.ptr, dflag.nbytes, REGION_DEVICE)
         with Proxy(qs, regions, CopyEngineTransport(0), threads=1, batch=64):
             fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
-                                dflag, np.int32(iters // 4), status, np.uint64(10**10), cycles,
+                                dflag, np.int32(iters // 4), *status.args, np.uint64(10**10), cycles,
                                 elapsed))
             cupy.cuda.Device(0).synchronize()
         raise_status(status)
@@ -169,7 +169,7 @@ def command_rate(rec, args, fn_sig, threads, *, busy=False, batch=256):
     from mkrt.proxy.kernels import raise_status, status_words
     from mkrt.proxy.queue import PinnedMemory
     queues = threads
-    ctas = 8 * queues
+    ctas = 32 * queues
     total = args.commands
     count = total // ctas
     qs = QueueSet(queues, 4096, [0] * queues, memory="pinned")
@@ -187,7 +187,7 @@ def command_rate(rec, args, fn_sig, threads, *, busy=False, batch=256):
             busy_thread.start()
         t0 = time.perf_counter()
         fn_sig((ctas,), (32,), (desc, np.int32(queues), np.uint32(0), np.uint32(1), np.int32(count),
-                                status, np.uint64(10**10), result))
+                                *status.args, np.uint64(10**10), result))
         cupy.cuda.Device(0).synchronize()
         target = count * ctas
         deadline = time.monotonic() + 60
@@ -232,7 +232,7 @@ def ce_bandwidth(rec, args, fn_puts):
     from mkrt.proxy import Proxy, QueueSet, new_region_table, set_region, REGION_DEVICE
     from mkrt.proxy.kernels import raise_status, status_words
     from mkrt.proxy.transports.ce import CopyEngineTransport
-    region = 256 << 20
+    region = 1 << 30
     src = cupy.random.randint(0, 256, region, dtype=np.uint8)
     dst = cupy.zeros(region, dtype=np.uint8)
     flags = cupy.zeros(8, dtype=np.uint64)
@@ -258,7 +258,7 @@ def ce_bandwidth(rec, args, fn_puts):
                 cupy.cuda.Device(0).synchronize()
                 start.record(stream)
                 fn_puts((1,), (32,), (desc, np.int32(1), np.uint32(1), np.uint32(1), flags,
-                                      np.uint64(chunk), np.int32(count), np.int32(count), status,
+                                      np.uint64(chunk), np.int32(count), np.int32(count), *status.args,
                                       np.uint64(10**10), result), stream=stream)
                 end.record(stream)
                 end.synchronize()

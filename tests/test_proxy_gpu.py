@@ -40,7 +40,7 @@ def _launch_puts(qs, flags, chunk, ctas, count, status, *, dst_rank=1, signal_ev
     result = cupy.full(ctas, 7, dtype=np.uint64)
     fn((ctas,), (32,), (qs.device_descriptors(), np.int32(qs.queues), np.uint32(dst_rank),
                         np.uint32(1), flags, np.uint64(chunk), np.int32(count),
-                        np.int32(signal_every), status, np.uint64(timeout_ns), result))
+                        np.int32(signal_every), *status.args, np.uint64(timeout_ns), result))
     return result
 
 
@@ -120,7 +120,7 @@ def test_killed_proxy_ends_in_comm_timeout():
     result = cupy.full(4, 7, dtype=np.uint64)
     start = time.monotonic()
     fn((4,), (32,), (qs.device_descriptors(), np.int32(1), np.uint32(0), np.uint32(1),
-                     np.int32(10_000_000), status, np.uint64(300_000_000), result))
+                     np.int32(10_000_000), *status.args, np.uint64(300_000_000), result))
     time.sleep(0.05)
     proxy.kill()                                          # dead proxy, ring fills
     cupy.cuda.Device(0).synchronize()                     # bounded by the 300 ms wait

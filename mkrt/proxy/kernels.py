@@ -23,12 +23,20 @@ from mkrt.jit import cuda_source
 from mkrt.kernels.spec import KernelSpec
 
 KERNELS = cuda_source("proxy_kernels", r"""
+// Fields by name: robust to the Context growing (new fields start zeroed).
+__device__ __forceinline__ mkrt::Context make_context(mkrt::u64* status, mkrt::u64* host_flag,
+                                                      int rank, mkrt::u64 timeout_ns) {
+    mkrt::Context ctx{};
+    ctx.status = status; ctx.host_flag = host_flag; ctx.slot = 0; ctx.rank = rank;
+    ctx.timeout_ns = timeout_ns; ctx.kernel_id = $KERNEL_ID;
+    return ctx;
+}
 extern "C" __global__ void post_puts(const mkrt::Queue* queues, int nqueues, unsigned dst_rank,
                                      unsigned flag_region, const mkrt::u64* dst_flags,
                                      mkrt::u64 chunk, int count, int signal_every,
-                                     mkrt::u64* status,
+                                     mkrt::u64* status, mkrt::u64* host_flag,
                                      mkrt::u64 timeout_ns, mkrt::u64* result) {
-    const mkrt::Context ctx{status, 0, (int)queues[0].rank, timeout_ns, (mkrt::u64)$KERNEL_ID};
+    const mkrt::Context ctx = make_context(status, host_flag, (int)queues[0].rank, timeout_ns);
     if (threadIdx.x != 0) return;
     const mkrt::Queue& q = queues[blockIdx.x % nqueues];
     const mkrt::u64 base = (mkrt::u64)blockIdx.x * count * chunk;
@@ -47,9 +55,9 @@ extern "C" __global__ void post_puts(const mkrt::Queue* queues, int nqueues, uns
 }
 
 extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, unsigned rank,
-                                        unsigned flag_region, int count, mkrt::u64* status,
+                                        unsigned flag_region, int count, mkrt::u64* status, mkrt::u64* host_flag,
                                         mkrt::u64 timeout_ns, mkrt::u64* result) {
-    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, (mkrt::u64)$KERNEL_ID};
+    const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
     if (threadIdx.x != 0) return;
     const mkrt::Queue& q = queues[blockIdx.x % nqueues];
     for (int i = 0; i < count; ++i)
@@ -62,10 +70,10 @@ extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, 
 
 extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned rank,
                                            unsigned flag_region, mkrt::u64 flag_offset,
-                                           const mkrt::u64* flag, int iters, mkrt::u64* status,
+                                           const mkrt::u64* flag, int iters, mkrt::u64* status, mkrt::u64* host_flag,
                                            mkrt::u64 timeout_ns, long long* cycles,
                                            mkrt::u64* elapsed) {
-    const mkrt::Context ctx{status, 0, (int)rank, timeout_ns, (mkrt::u64)$KERNEL_ID};
+    const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const mkrt::Queue& q = queues[0];
     const mkrt::u64 t0 = mkrt::global_timer_ns();
@@ -132,11 +140,24 @@ class ProxyKernelsSpec(KernelSpec):
         return {"KERNEL_ID": f"{KERNEL_ID}ull", "LAYOUT_PROBES": probes}
 
 
-def status_words(slots: int = 1):
-    """A status block for one device (layout in mkrt/kernels/device/sync.py)."""
-    import cupy
-    from mkrt.kernels.device.sync import STATUS_HEADER_WORDS, STATUS_RECORD_WORDS
-    return cupy.zeros(STATUS_HEADER_WORDS + STATUS_RECORD_WORDS * slots, dtype=np.uint64)
+class StatusWords:
+    """A status block for one device (layout in mkrt/kernels/device/sync.py) and the
+    pinned host word its waits also raise; ``args`` = the two kernel arguments."""
+
+    def __init__(self, slots: int = 1):
+        import cupy
+        from mkrt.kernels.device.sync import STATUS_HEADER_WORDS, STATUS_RECORD_WORDS
+        from mkrt.proxy.queue import PinnedMemory
+        self.device = cupy.zeros(STATUS_HEADER_WORDS + STATUS_RECORD_WORDS * slots, dtype=np.uint64)
+        self.host = PinnedMemory(4096)
+        self.args = (self.device, np.uint64(self.host.device_address))
+
+    def get(self):
+        return self.device.get()
+
+
+def status_words(slots: int = 1) -> StatusWords:
+    return StatusWords(slots)
 
 
 def raise_status(status, timeout_ms: float | None = None):

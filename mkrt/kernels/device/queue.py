@@ -114,11 +114,9 @@ __device__ __forceinline__ void queue_write(const Queue& q, u64 ticket, const Co
 }
 
 // Post one command (one thread). Returns its ticket, or POST_FAILED (recorded, abort set).
+// No read of host memory on the fast path (a PCIe round trip): the proxy's error word is
+// checked only when the post must wait for space, and in proxy_wait_at_least.
 __device__ __forceinline__ u64 post(const Queue& q, const Context& ctx, Command& c, int role, int tile) {
-    if (queue_error(q) != 0) {
-        report_timeout(ctx, role, tile, PROXY_ERROR_FLAG, 0, queue_error(q));
-        return POST_FAILED;
-    }
     const u64 ticket = atomicAdd((unsigned long long*)q.head, 1ull);
     if (!queue_reserve(q, ticket, ctx, role, tile)) return POST_FAILED;
     c.valid = 0;
