@@ -43,7 +43,7 @@ def parse():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--group-m", type=int, default=16)
     parser.add_argument("--block-n", type=int, default=256)
-    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=None, help="default: as many as fit")
     parser.add_argument("--out", default="", help="append JSON lines here")
     parser.add_argument("--tag", default="", help="version label stored with the results")
     parser.add_argument("--commit", default="", help="git commit (default: git rev-parse)")
