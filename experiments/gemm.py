@@ -41,7 +41,7 @@ def parse():
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--group-m", type=int, default=16)
+    parser.add_argument("--group-m", type=int, default=8)
     parser.add_argument("--block-n", type=int, default=256)
     parser.add_argument("--stages", type=int, default=None, help="default: as many as fit")
     parser.add_argument("--out", default="", help="append JSON lines here")

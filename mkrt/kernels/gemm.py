@@ -159,7 +159,7 @@ class GemmPlan:
 
 def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
          sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int | None = None,
-         group_m: int = 16, epilogue: str = "auto") -> GemmPlan:
+         group_m: int = 8, epilogue: str = "auto") -> GemmPlan:
     """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses."""
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, (int, np.integer)) or value < 1 or value >= 2**31:
@@ -297,7 +297,7 @@ def _function(spec: GemmSpec, device: int):
     return function
 
 
-def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 16,
+def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_n: int = 256, stages: int | None = None, epilogue: str = "auto", stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
