@@ -16,12 +16,13 @@ _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 from mkrt import envs as _envs
 from mkrt.errors import CommTimeout, CompileError, MkrtError, WaitRecord
 from mkrt.kernels.allgather import AllGather, allgather
+from mkrt.kernels.gemm import gemm
 from mkrt.memory import SymmetricBuffer
 from mkrt.world import World, current_world, init
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "current_world", "World", "SymmetricBuffer", "AllGather", "allgather",
+__all__ = ["init", "current_world", "World", "SymmetricBuffer", "AllGather", "allgather", "gemm",
            "CommTimeout", "CompileError", "MkrtError", "WaitRecord"]
 
 

@@ -11,13 +11,14 @@ import importlib
 KERNEL_MODULES = [
     "mkrt.kernels.probe",
     "mkrt.kernels.allgather",
+    "mkrt.kernels.gemm",
 ]
 
 
 def optional_modules() -> list[str]:
     """Kernel modules that exist in this checkout (some land in later issues)."""
     found = []
-    for name in ("mkrt.kernels.gemm", "mkrt.proxy.kernels"):
+    for name in ("mkrt.proxy.kernels",):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as error:
