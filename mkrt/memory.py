@@ -38,6 +38,8 @@ class SymmetricBuffer:
         regions = world._regions
         self.region = len(regions)
         regions.append(self)
+        if world._proxy is not None:
+            world._proxy.register(self)
         self._tables: dict[int, object] = {}
         self._closed = False
 
@@ -125,6 +127,8 @@ class SymmetricBuffer:
         regions = self.world._regions
         if self.region < len(regions):
             regions[self.region] = None
+        if self.world._proxy is not None:
+            self.world._proxy.unregister(self)
 
 
 def flags(world: World, count: int, *, name: str = "flags") -> SymmetricBuffer:

@@ -46,6 +46,7 @@ class World:
     _regions: list = field(default_factory=list, repr=False)     # symmetric buffers (mkrt.memory)
     _closed: bool = False
     failures: int = 0                      # device-side failures raised so far
+    _proxy: object = None                  # mkrt.proxy.world.WorldProxy, once used
 
     # ---- layout ---------------------------------------------------------------
     @property
@@ -116,8 +117,17 @@ class World:
             self._status[device] = StatusBlock(device, slots, self)
         return self._status[device]
 
+    def proxy(self):
+        """The world's proxy service (queues, proxy threads, region table), started on
+        first use; kernels that send between nodes post to it (mkrt/proxy/world.py)."""
+        if self._proxy is None:
+            from mkrt.proxy.world import WorldProxy
+            self._proxy = WorldProxy(self)
+        return self._proxy
+
     def check(self, *, synchronize: bool = False) -> None:
-        """Raise mkrt.CommTimeout if any device-side wait of this process's ranks gave up."""
+        """Raise mkrt.CommTimeout if any device-side wait of this process's ranks gave up,
+        or the proxy's error if one of its threads failed."""
         if synchronize:
             import cupy
             for device in sorted({r.device for r in self.local if r.device is not None}):
@@ -127,7 +137,11 @@ class World:
                 block.raise_if_failed(blocking=synchronize)
             except Exception:
                 self.failures += 1
+                if self._proxy is not None:
+                    self._proxy.check()     # a proxy failure is the root cause: say so
                 raise
+        if self._proxy is not None:
+            self._proxy.check()
 
     def synchronize(self) -> None:
         """Wait for every local rank's stream, then raise device-side errors, if any."""
@@ -145,6 +159,9 @@ class World:
         for rank in list(self._streams):
             self._streams[rank].synchronize()
         self._streams.clear()
+        if self._proxy is not None:
+            self._proxy.close()
+            self._proxy = None
         for block in self._status.values():
             block.close()
         self._status.clear()

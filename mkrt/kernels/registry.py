@@ -12,6 +12,7 @@ KERNEL_MODULES = [
     "mkrt.kernels.probe",
     "mkrt.kernels.allgather",
     "mkrt.kernels.gemm",
+    "mkrt.kernels.gemm_allreduce",
 ]
 
 

@@ -1,0 +1,965 @@
+"""GEMM+AllReduce: the row-parallel linear, C = sum over ranks of A_r @ B_r, fused.
+
+Every rank ends with the full C. One persistent kernel per rank; its CTAs take roles:
+
+* **compute** CTAs run the GEMM engine (``mkrt::gemm::run_tiles``). Output tile t is
+  *owned* by the rank of the node with local index ``t % G``; the epilogue stores the
+  rank's partial tile straight into the owner's slot (peer pointers) and release-stores
+  a flag there: the intra-node reduce-scatter happens tile by tile, as tiles are produced.
+* **reduce** CTAs of the owner wait for the G partials of each tile it owns and sum them
+  in fp32 (source order fixed, so every node computes bit-identical sums).
+  - one node: the sum is final; it is written into every node rank's C (intra-node
+    all-gather) and each rank's ``final`` flag for the tile is set.
+  - several nodes: the node sum goes, through the proxy (``ce`` in emulated worlds,
+    ``verbs`` on clusters), to the rank with the same local index on every other node:
+    each byte crosses the network once. A second pass adds the nodes' sums in node order
+    and all-gathers the final tile inside the node.
+* every rank's reduce CTAs finally wait until all T tiles of its own C are final.
+
+Flags are epochs read and advanced on the device, so calls need no host sync and the op
+can be captured in a CUDA graph. Every wait is bounded (mkrt.CommTimeout on timeout).
+
+The split of CTAs between roles is a runtime argument (``reduce_ctas``); the default rule
+(:func:`default_reduce_ctas`) balances the reduce role's bytes against the compute role's
+FLOPs per SM. The unfused baseline (cuBLAS, then the library's all-reduce, which is this
+same kernel with the compute role copying an existing C_r) lives here too, and the op
+falls back to it when the planner predicts fusion loses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from mkrt.arrays import as_cupy, dtype_name, like_input
+from mkrt.jit import cuda_source
+from mkrt.kernels import gemm as gemm_module
+from mkrt.kernels.op import Op
+from mkrt.kernels.schedule import find_stall
+from mkrt.kernels.spec import KernelSpec
+from mkrt.memory import SymmetricBuffer
+from mkrt.status import kernel_id
+
+GEMM_ALLREDUCE = cuda_source("gemm_allreduce", r"""
+using namespace mkrt;
+typedef $CTYPE T;
+// MODE_GEMM: compute partials with the engine. MODE_COPY: the partials exist already
+// (C_r, row-major): the unfused baseline's all-reduce.
+constexpr int MODE_GEMM = 0, MODE_COPY = 1;
+constexpr int MODE = $MODE;
+typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR, 0> Cfg;
+constexpr int BM = Cfg::BM, BN = Cfg::BN, TILE = BM * BN, CHUNKS = TILE / 8;
+
+// Where each flag word of a rank lives (mirrors FlagLayout in Python).
+struct Layout {
+    int G, nodes, slots, tiles;
+    __device__ int arrive(int p) const { return p; }                 // node peer p's launch began
+    __device__ int target(int p) const { return G + p; }             // node peer p's C (direct mode)
+    __device__ int node_arrive(int n) const { return 2 * G + n; }    // node n's peer launch began
+    __device__ int partial(int src, int slot) const { return 2 * G + nodes + src * slots + slot; }
+    __device__ int inter(int node, int slot) const { return 2 * G + nodes + (G + node) * slots + slot; }
+    __device__ int final_tile(int t) const { return 2 * G + nodes + (G + nodes) * slots + t; }
+    __device__ int finished() const { return final_tile(tiles); }
+    __device__ int ctas_before() const { return final_tile(tiles) + 1; }
+    __device__ int launches() const { return final_tile(tiles) + 2; }
+};
+
+struct Args {
+    const T* copy_source;       // MODE_COPY: this rank's C_r [m, n]
+    T* out;                     // this rank's C [m, n] (row-major, ld = n)
+    int m, n, k, group_m;
+    int me, node, rank, G, nodes, slots;
+    int compute_ctas;
+    u64* flags;                 // this rank's flag words
+    const u64* peer_flags;      // [G] node peers' flag words
+    const u64* peer_partial;    // [G] node peers' partial slots: [G][slots][TILE]
+    const u64* peer_result;     // [G] node peers' staged C (processes) or null (direct)
+    T* node_sum;                // [slots][TILE] this rank's node sums (several nodes)
+    const T* inter_in;          // [nodes][slots][TILE] node sums from other nodes
+    const Queue* queue;         // the proxy queue (several nodes)
+    int node_sum_region, inter_region, flags_region;
+};
+$ARGS_CHECKS
+
+// ---- compute role: partial tile -> owner's slot, then its flag ------------------------
+struct PartialEpilogue {
+    const Args* args;
+    Layout L;
+    u64 epoch;
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const gemm::ConsumerThread<CONSUMERS>&) const {}
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const gemm::ConsumerThread<CONSUMERS>&) const {}
+
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void operator()(const gemm::Tile& tile, const Acc& acc,
+                                               const gemm::ConsumerThread<CONSUMERS>& who) const {
+        const int owner = tile.index % L.G, slot = tile.index / L.G;
+        T* slot_base = (T*)args->peer_partial[owner] + (long long)(args->me * L.slots + slot) * TILE;
+        // The slot is one contiguous BM x BN tile: store it as tile (0, 0) of a BM x BN matrix.
+        const gemm::StoreEpilogue<T, BM, BN> store{slot_base, BM, BN, BN, true};
+        store(gemm::Tile{0, 0, tile.index}, acc, who);
+        __threadfence_system();
+        who.sync();
+        if (who.leader()) st_release_sys((u64*)args->peer_flags[owner] + L.partial(args->me, slot), epoch);
+    }
+};
+
+// MODE_COPY: a CTA copies C_r's tiles into the owners' slots (the all-reduce alone).
+__device__ void copy_partials(const Args& a, const Layout& L, u64 epoch, int cta, int ctas) {
+    for (int t = cta; t < L.tiles; t += ctas) {
+        const int tiles_n = (a.n + BN - 1) / BN;
+        const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+        const int owner = t % L.G, slot = t / L.G;
+        T* dst = (T*)a.peer_partial[owner] + (long long)(a.me * L.slots + slot) * TILE;
+        for (int e = threadIdx.x; e < TILE; e += blockDim.x) {
+            const int r = row0 + e / BN, c = col0 + e % BN;
+            dst[e] = (r < a.m && c < a.n) ? a.copy_source[(long long)r * a.n + c] : T(0.f);
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) st_release_sys((u64*)a.peer_flags[owner] + L.partial(a.me, slot), epoch);
+    }
+}
+
+// ---- reduce role ----------------------------------------------------------------------
+__device__ __forceinline__ void add_chunk(float (&sum)[8], const T* source) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(source);
+    const T* v = reinterpret_cast<const T*>(&raw);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) sum[i] += float(v[i]);
+}
+
+__device__ __forceinline__ uint4 pack_chunk(const float (&sum)[8]) {
+    uint4 raw;
+    T* v = reinterpret_cast<T*>(&raw);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = T(sum[i]);
+    return raw;
+}
+
+// Every thread waits for one flag of a set; the CTA agrees on the outcome.
+__device__ bool cta_wait_each(const u64* const* flags, int count, u64 expected, const Context& ctx,
+                              int tile, const int* flag_ids, bool through_proxy, const Queue* q) {
+    bool ok = true;
+    if (threadIdx.x < count) {
+        ok = through_proxy ? proxy_wait_at_least(flags[threadIdx.x], expected, ctx, *q, ROLE_REDUCE, tile, flag_ids[threadIdx.x])
+                           : wait_at_least(flags[threadIdx.x], expected, ctx, ROLE_REDUCE, tile, flag_ids[threadIdx.x]);
+    }
+    return __syncthreads_and(ok);
+}
+
+// Write a final tile (tile-contiguous, in registers chunk by chunk) into C of every node rank.
+__device__ void deliver_chunk(const Args& a, T* const* targets, int row0, int col0, int chunk,
+                              const uint4& value, bool aligned) {
+    const int r = row0 + chunk / (BN / 8), c = col0 + (chunk % (BN / 8)) * 8;
+    if (r >= a.m) return;
+    for (int p = 0; p < a.G; ++p) {
+        T* row = targets[p] + (long long)r * a.n;
+        if (aligned && c + 8 <= a.n) {
+            *reinterpret_cast<uint4*>(row + c) = value;
+        } else {
+            const T* v = reinterpret_cast<const T*>(&value);
+            for (int i = 0; i < 8 && c + i < a.n; ++i) row[c + i] = v[i];
+        }
+    }
+}
+
+__device__ void publish_final(const Args& a, const Layout& L, int t, u64 epoch) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.final_tile(t), epoch);
+}
+
+__device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
+                            int cta, int ctas) {
+    __shared__ T* targets[32];
+    __shared__ const u64* wait_flags[32];
+    __shared__ int wait_ids[32];
+    const int tiles_n = (a.n + BN - 1) / BN;
+    const bool aligned = (a.n % 8) == 0;
+
+    // Where final tiles go: each node peer's C once it has arrived (its stream is past
+    // the readers of its previous C), or its staged result buffer.
+    if (threadIdx.x < a.G) {
+        wait_flags[threadIdx.x] = a.flags + L.arrive(threadIdx.x);
+        wait_ids[threadIdx.x] = L.arrive(threadIdx.x);
+    }
+    __syncthreads();
+    if (!cta_wait_each(wait_flags, a.G, epoch, ctx, -1, wait_ids, false, nullptr)) return;
+    if (threadIdx.x < a.G) {
+        targets[threadIdx.x] = a.peer_result ? (T*)a.peer_result[threadIdx.x]
+                                             : (T*)ld_relaxed_sys(a.flags + L.target(threadIdx.x));
+    }
+    __syncthreads();
+
+    const T* my_partials = (const T*)a.peer_partial[a.me];
+    const int owned = (L.tiles - a.me + L.G - 1) / L.G;
+    // Pass 1: node sums. One node: they are final and go straight to the node's ranks.
+    for (int slot = cta; slot < owned; slot += ctas) {
+        const int t = slot * L.G + a.me;
+        if (threadIdx.x < a.G) {
+            wait_flags[threadIdx.x] = a.flags + L.partial(threadIdx.x, slot);
+            wait_ids[threadIdx.x] = L.partial(threadIdx.x, slot);
+        }
+        __syncthreads();
+        if (!cta_wait_each(wait_flags, a.G, epoch, ctx, t, wait_ids, false, nullptr)) return;
+        const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+        for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
+            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int src = 0; src < a.G; ++src)
+                add_chunk(sum, my_partials + (long long)(src * L.slots + slot) * TILE + chunk * 8);
+            const uint4 packed = pack_chunk(sum);
+            if (a.nodes == 1) deliver_chunk(a, targets, row0, col0, chunk, packed, aligned);
+            else *reinterpret_cast<uint4*>(a.node_sum + (long long)slot * TILE + chunk * 8) = packed;
+        }
+        if (a.nodes == 1) {
+            publish_final(a, L, t, epoch);
+            continue;
+        }
+        // Several nodes: send the node sum to the same local rank of every other node,
+        // once that node's launch has begun (its inter buffer is free again).
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int step = 1; step < a.nodes; ++step) {
+                const int node = (a.node + step) % a.nodes;
+                if (!proxy_wait_at_least(a.flags + L.node_arrive(node), epoch, ctx, *a.queue,
+                                         ROLE_INTER, t, L.node_arrive(node))) { wait_ids[0] = -1; break; }
+                const u64 bytes = (u64)TILE * sizeof(T);
+                const u64 ticket = post_put_signal(*a.queue, ctx, (unsigned)(node * a.G + a.me),
+                    (unsigned)a.inter_region, (u64)(a.node * L.slots + slot) * bytes,
+                    (unsigned)a.node_sum_region, (u64)slot * bytes, bytes,
+                    (unsigned)a.flags_region, (u64)L.inter(a.node, slot) * 8, epoch);
+                if (ticket == POST_FAILED) { wait_ids[0] = -1; break; }
+            }
+        }
+        __syncthreads();
+        if (wait_ids[0] == -1) return;
+    }
+    if (a.nodes > 1) {
+        // Pass 2: add the nodes' sums in node order, deliver inside the node.
+        for (int slot = cta; slot < owned; slot += ctas) {
+            const int t = slot * L.G + a.me;
+            if (threadIdx.x < a.nodes) {
+                wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, slot);
+                wait_ids[threadIdx.x] = L.inter(threadIdx.x, slot);
+            }
+            __syncthreads();
+            // Our own node's entry is never written: wait only for the others.
+            const bool ok = cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch,
+                                          ctx, t, wait_ids, true, a.queue);
+            if (!ok) return;
+            const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+            for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
+                float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int node = 0; node < a.nodes; ++node) {
+                    const T* part = node == a.node ? a.node_sum + (long long)slot * TILE
+                                                   : a.inter_in + (long long)(node * L.slots + slot) * TILE;
+                    add_chunk(sum, part + chunk * 8);
+                }
+                deliver_chunk(a, targets, row0, col0, chunk, pack_chunk(sum), aligned);
+            }
+            publish_final(a, L, t, epoch);
+        }
+    }
+}
+
+// Reduce CTA `cta` waits (all its threads at once) until its share of this rank's C,
+// tiles t = cta (mod ctas), is final.
+__device__ bool wait_own_result(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
+                                int cta, int ctas) {
+    bool ok = true;
+    for (int t = cta + ctas * threadIdx.x; t < L.tiles && ok; t += ctas * blockDim.x)
+        ok = wait_at_least(a.flags + L.final_tile(t), epoch, ctx, ROLE_REDUCE, t, L.final_tile(t));
+    return __syncthreads_and(ok);
+}
+
+extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
+               const __grid_constant__ TmaDescriptor tma_b,
+               const __grid_constant__ Args args, int muted_rank,
+               u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
+    extern __shared__ char dynamic_smem[];
+    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
+    const Args& a = args;
+    const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
+    const Layout L{a.G, a.nodes, a.slots, tiles_m * tiles_n};
+
+    __shared__ u64 epoch_shared, base_shared;
+    if (threadIdx.x == 0) {
+        epoch_shared = ld_acquire_gpu(a.flags + L.launches()) + 1;
+        base_shared = ld_acquire_gpu(a.flags + L.ctas_before());
+    }
+    __syncthreads();
+    const u64 epoch = epoch_shared;
+    const u64 all_ctas = base_shared + gridDim.x;
+
+    // Arrive: node peers may now write this launch's results into our C; other nodes
+    // may send into our inter buffer (our previous launch has finished reading it).
+    if (blockIdx.x == 0 && threadIdx.x < a.G && rank != muted_rank) {
+        u64* peer = (u64*)a.peer_flags[threadIdx.x];
+        const u64 where = a.peer_result ? 0ull : (u64)a.out;
+        st_relaxed_sys(peer + L.target(a.me), where);
+        st_release_sys(peer + L.arrive(a.me), epoch);
+    }
+    if (a.nodes > 1 && blockIdx.x == (unsigned)a.compute_ctas && threadIdx.x == 0 && rank != muted_rank) {
+        for (int step = 1; step < a.nodes; ++step) {
+            const int node = (a.node + step) % a.nodes;
+            if (post_signal(*a.queue, ctx, (unsigned)(node * a.G + a.me), (unsigned)a.flags_region,
+                            (u64)L.node_arrive(a.node) * 8, epoch) == POST_FAILED) break;
+        }
+    }
+
+    const int reduce_ctas = gridDim.x - a.compute_ctas;
+    bool ok = true;
+    if ((int)blockIdx.x < a.compute_ctas) {
+        if (rank != muted_rank) {
+            if constexpr (MODE == MODE_GEMM) {
+                const gemm::RasterWork work{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, a.compute_ctas};
+                const PartialEpilogue epilogue{&a, L, epoch};
+                gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, epilogue, dynamic_smem);
+            } else {
+                copy_partials(a, L, epoch, blockIdx.x, a.compute_ctas);
+            }
+        }
+    } else {
+        const int cta = blockIdx.x - a.compute_ctas;
+        reduce_role(a, L, epoch, ctx, cta, reduce_ctas);
+        if (aborted(ctx)) return;
+        ok = wait_own_result(a, L, epoch, ctx, cta, reduce_ctas);
+        if (!ok) return;
+        if (a.peer_result) {
+            // Staged (processes): copy our result buffer into C once all of it is final.
+            // Each reduce CTA waited for its share only: copy that share.
+            const T* result = (const T*)a.peer_result[a.me];
+            for (int t = cta; t < L.tiles; t += reduce_ctas) {
+                const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+                for (int e = threadIdx.x; e < TILE; e += blockDim.x) {
+                    const int r = row0 + e / BN, c = col0 + e % BN;
+                    if (r < a.m && c < a.n) a.out[(long long)r * a.n + c] = result[(long long)r * a.n + c];
+                }
+            }
+        }
+    }
+
+    // The last CTA out publishes the epoch for the next launch.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const u64 done = fetch_add_acq_rel_gpu(a.flags + L.finished(), 1) + 1;
+        if (done == all_ctas) {
+            st_release_gpu(a.flags + L.ctas_before(), all_ctas);
+            st_release_gpu(a.flags + L.launches(), epoch);
+        }
+    }
+}
+""", requires=("gemm_tile", "queue", "sync"), register=False)
+
+KERNEL_ID = kernel_id("gemm_allreduce")
+_CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+
+# Kernel argument struct, defined once here; the template asserts the C layout matches.
+ARGS_DTYPE = np.dtype([
+    ("copy_source", "<u8"), ("out", "<u8"),
+    ("m", "<i4"), ("n", "<i4"), ("k", "<i4"), ("group_m", "<i4"),
+    ("me", "<i4"), ("node", "<i4"), ("rank", "<i4"), ("G", "<i4"), ("nodes", "<i4"),
+    ("slots", "<i4"), ("compute_ctas", "<i4"),
+    ("flags", "<u8"), ("peer_flags", "<u8"), ("peer_partial", "<u8"), ("peer_result", "<u8"),
+    ("node_sum", "<u8"), ("inter_in", "<u8"), ("queue", "<u8"),
+    ("node_sum_region", "<i4"), ("inter_region", "<i4"), ("flags_region", "<i4"),
+], align=True)
+
+
+def args_layout_checks() -> str:
+    """static_asserts that tie the C struct Args to ARGS_DTYPE (one line: keeps #line)."""
+    checks = [f"static_assert(sizeof(Args) == {ARGS_DTYPE.itemsize}, \"Args size\");"]
+    for name in ARGS_DTYPE.names:
+        offset = ARGS_DTYPE.fields[name][1]
+        checks.append(f"static_assert(__builtin_offsetof(Args, {name}) == {offset}, \"Args.{name}\");")
+    return " ".join(checks)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagLayout:
+    """Index of every flag word of a rank (mirrors the template's struct Layout)."""
+
+    G: int
+    nodes: int
+    slots: int
+    tiles: int
+
+    def arrive(self, p): return p
+    def target(self, p): return self.G + p
+    def node_arrive(self, n): return 2 * self.G + n
+    def partial(self, src, slot): return 2 * self.G + self.nodes + src * self.slots + slot
+    def inter(self, node, slot): return 2 * self.G + self.nodes + (self.G + node) * self.slots + slot
+    def final_tile(self, t): return 2 * self.G + self.nodes + (self.G + self.nodes) * self.slots + t
+
+    @property
+    def words(self) -> int:
+        return self.final_tile(self.tiles) + 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmAllReduceSpec(KernelSpec):
+    family = "gemm_allreduce"
+    entry_points = ("gemm_allreduce",)
+
+    dtype: str = "bf16"
+    b_layout: str = "kn"
+    block_m: int = dataclasses.field(default=128, metadata={"short": "bm"})
+    block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
+    stages: int = dataclasses.field(default=4, metadata={"short": "s"})
+    mode: str = "gemm"          # "gemm": fused; "copy": the all-reduce alone (baseline)
+
+    def __post_init__(self):
+        # The engine's own checks (dtype, layout, tile, shared memory) apply unchanged.
+        gemm_module.GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n,
+                             self.stages, "direct")
+        if self.mode not in ("gemm", "copy"):
+            raise ValueError(f"mkrt.gemm_allreduce: mode={self.mode!r}; expected 'gemm' or 'copy'")
+
+    @property
+    def engine(self) -> gemm_module.GemmSpec:
+        return gemm_module.GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n,
+                                    self.stages, "direct")
+
+    @property
+    def threads(self) -> int:
+        return self.engine.threads
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.engine.smem_bytes if self.mode == "gemm" else 0
+
+    def template(self):
+        return GEMM_ALLREDUCE
+
+    def params(self):
+        return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
+                "MODE": 0 if self.mode == "gemm" else 1, "KERNEL_ID": f"{KERNEL_ID}ull",
+                "ARGS_CHECKS": args_layout_checks()}
+
+
+def default_specs() -> list[GemmAllReduceSpec]:
+    stages = gemm_module.max_stages(128, 256, "direct")
+    return [GemmAllReduceSpec(dtype, layout, 128, 256, stages, mode)
+            for dtype in ("bf16", "f16") for layout in ("kn", "nk") for mode in ("gemm", "copy")]
+
+
+# ---- planning (pure Python, runs without a GPU) -----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Rates the planner models with (H200, FACTS.md and measurements; leads, not truths)."""
+
+    gemm_tflops: float = 700.0          # bf16 GEMM, whole chip
+    sms: int = 132
+    sm_stream_gbps: float = 60.0        # what one SM's reduce loop moves (read + write)
+    nvlink_gbps: float = 360.0          # per direction, per GPU
+    network_gbps: float = 45.0          # per GPU (one 400 Gb/s NIC)
+    launch_us: float = 6.0
+
+
+def default_reduce_ctas(k: int, ctas: int, *, itemsize: int = 2, nodes: int = 1,
+                        ceilings: Ceilings = Ceilings()) -> int:
+    """The default role split: reduce CTAs so that reducing keeps pace with computing.
+
+    Per output tile a rank computes 2*BM*BN*K FLOPs; per tile of C it reduces about
+    2*BM*BN*itemsize bytes (read its share of partials, write the final tile to the node),
+    half again with several nodes. Per SM the ratio of the two times is
+    r = itemsize * flops_per_sm / (K * bytes_per_sm); a fraction r / (1 + r) of the CTAs
+    reduces. Small K (K = M/16 in the reference's sweep) needs a real share of the SMs.
+    """
+    if ctas < 2:
+        raise ValueError(f"mkrt.gemm_allreduce: need at least 2 CTAs per rank (compute and "
+                         f"reduce); got {ctas}")
+    flops_per_sm = ceilings.gemm_tflops * 1e12 / ceilings.sms
+    bytes_per_sm = ceilings.sm_stream_gbps * 1e9
+    ratio = itemsize * flops_per_sm / (k * bytes_per_sm) * (1.5 if nodes > 1 else 1.0)
+    return int(min(ctas - 1, max(1, round(ctas * ratio / (1 + ratio)))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything one call does: tiles, owners, role split, traffic, fused or not."""
+
+    spec: GemmAllReduceSpec
+    m: int
+    n: int
+    k: int
+    nodes: int
+    ranks_per_node: int
+    ctas: int               # per rank
+    reduce_ctas: int
+    fused: bool
+    reason: str
+    predicted_fused_us: float
+    predicted_unfused_us: float
+
+    @property
+    def G(self) -> int:
+        return self.ranks_per_node
+
+    @property
+    def tiles_m(self) -> int:
+        return -(-self.m // self.spec.block_m)
+
+    @property
+    def tiles_n(self) -> int:
+        return -(-self.n // self.spec.block_n)
+
+    @property
+    def tiles(self) -> int:
+        return self.tiles_m * self.tiles_n
+
+    @property
+    def slots(self) -> int:
+        return -(-self.tiles // self.G)
+
+    @property
+    def compute_ctas(self) -> int:
+        return self.ctas - self.reduce_ctas
+
+    @property
+    def flags(self) -> FlagLayout:
+        return FlagLayout(self.G, self.nodes, self.slots, self.tiles)
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.spec.block_m * self.spec.block_n * np.dtype(np.float16).itemsize
+
+    def owner(self, tile: int) -> int:
+        """Local index (in every node) of the rank that reduces `tile`."""
+        return tile % self.G
+
+    def owned(self, local: int) -> list[int]:
+        return list(range(local, self.tiles, self.G))
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes one call moves per rank (partials and final tiles) and per node (network)."""
+        partials = self.tiles * self.tile_bytes * (self.G - 1) // self.G
+        gather = len(self.owned(0)) * self.tile_bytes * (self.G - 1)
+        network = self.tiles * self.tile_bytes * (self.nodes - 1)
+        return {"intra_partials_per_rank": partials, "intra_gather_per_rank": gather,
+                "network_per_node": network, "network_minimum_per_node": network}
+
+    def schedule(self):
+        """(workers, depends_on) of one call on every rank, for :func:`find_stall`.
+
+        Compute CTAs never wait; reduce CTA q of a rank node-reduces its owned tiles
+        q, q + R, ...; with several nodes its proxy sends them and a second pass adds the
+        nodes' sums; finally every rank's reduce CTAs wait for its whole C.
+        """
+        workers: dict = {}
+        depends: dict = {}
+        R, G = self.reduce_ctas, self.G
+        for node in range(self.nodes):
+            for local in range(G):
+                rank = node * G + local
+                for c in range(self.compute_ctas):
+                    workers[("compute", rank, c)] = [("partial", rank, t)
+                                                     for t in range(c, self.tiles, self.compute_ctas)]
+                owned = self.owned(local)
+                sends = []
+                for q in range(R):
+                    mine = owned[q::R]
+                    tasks = [("node_sum", node, t) for t in mine]
+                    for t in mine:
+                        depends[("node_sum", node, t)] = [("partial", node * G + src, t)
+                                                         for src in range(G)]
+                        if self.nodes > 1:
+                            sends += [("send", node, t, dest) for dest in range(self.nodes) if dest != node]
+                    if self.nodes > 1:
+                        tasks += [("final", node, t) for t in mine]
+                        for t in mine:
+                            depends[("final", node, t)] = [("node_sum", node, t)] + [
+                                ("send", other, t, node) for other in range(self.nodes) if other != node]
+                    else:
+                        for t in mine:
+                            depends[("node_sum", node, t)]  # the node sum is final
+                    tasks += [("result", rank, t) for t in range(q, self.tiles, R)]
+                    for t in range(q, self.tiles, R):
+                        depends[("result", rank, t)] = [
+                            ("final", node, t) if self.nodes > 1 else ("node_sum", node, t)]
+                    workers[("reduce", rank, q)] = tasks
+                for send in sends:
+                    depends[send] = [("node_sum", send[1], send[2])]
+                workers[("proxy", rank)] = sends
+        return workers, depends
+
+    def check(self) -> list[str]:
+        """Problems with this plan (empty: fine): exactly-once reduction and sends, no stall."""
+        problems = []
+        workers, depends = self.schedule()
+        tasks = [t for ts in workers.values() for t in ts]
+        for node in range(self.nodes):
+            sums = sorted(t[2] for t in tasks if t[0] == "node_sum" and t[1] == node)
+            if sums != list(range(self.tiles)):
+                problems.append(f"node {node}: tiles are not node-reduced exactly once")
+            for dest in range(self.nodes):
+                if dest == node:
+                    continue
+                sent = sorted(t[2] for t in tasks if t[0] == "send" and t[1] == node and t[3] == dest)
+                if sent != list(range(self.tiles)):
+                    problems.append(f"node {node} -> {dest}: tiles not sent exactly once")
+        for rank in range(self.nodes * self.G):
+            got = sorted(t[2] for t in tasks if t[0] == "result" and t[1] == rank)
+            if got != list(range(self.tiles)):
+                problems.append(f"rank {rank}: does not wait for every tile of its C exactly once")
+        try:
+            stall = find_stall(workers, depends)
+        except ValueError as error:          # a wait on work nobody does
+            problems.append(str(error))
+            return problems
+        if stall:
+            problems.append(f"wait cycle: {len(stall)} workers stuck, e.g. {stall[:3]}")
+        return problems
+
+
+def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
+         dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
+         fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
+         ceilings: Ceilings = Ceilings()) -> Plan:
+    """Plan one shape on a world; ``fuse=None`` lets the cost model decide."""
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if not isinstance(value, (int, np.integer)) or not 1 <= value < 2**31:
+            raise ValueError(f"mkrt.gemm_allreduce: {name}={value!r} must be an integer in [1, 2**31)")
+    if k % 8:
+        raise ValueError(f"mkrt.gemm_allreduce: k={k} (per rank) must be a multiple of 8")
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"mkrt.gemm_allreduce: world {nodes}x{ranks_per_node} is empty")
+    if ranks_per_node > 32 or nodes > 32:
+        raise ValueError(f"mkrt.gemm_allreduce: at most 32 ranks per node and 32 nodes; "
+                         f"got {nodes}x{ranks_per_node}")
+    stages = gemm_module.max_stages(128, 256, "direct")
+    spec = GemmAllReduceSpec(dtype, b_layout, 128, 256, stages, "gemm")
+    world = nodes * ranks_per_node
+    if world == 1:
+        return Plan(spec, m, n, k, 1, 1, ctas, 0, False, "one rank: plain GEMM, nothing to reduce",
+                    0.0, 0.0)
+    if reduce_ctas is None:
+        reduce_ctas = default_reduce_ctas(k, ctas, nodes=nodes, ceilings=ceilings)
+    if not 1 <= reduce_ctas < ctas:
+        raise ValueError(f"mkrt.gemm_allreduce: reduce_ctas={reduce_ctas} must be in [1, {ctas - 1}] "
+                         f"(ctas={ctas} per rank)")
+    fused_us, unfused_us = _predict(m, n, k, nodes, ranks_per_node, ctas, reduce_ctas,
+                                    sms_per_gpu, ranks_per_gpu, ceilings)
+    if fuse is None:
+        fused = fused_us < 0.97 * unfused_us
+        reason = (f"model: fused {fused_us:.0f} us vs unfused {unfused_us:.0f} us"
+                  + ("" if fused else " (fusion loses at this size: unfused path)"))
+    else:
+        fused, reason = bool(fuse), f"fuse={fuse} requested"
+    return Plan(spec, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,
+                fused_us, unfused_us)
+
+
+def _predict(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_gpu, c: Ceilings):
+    """Modelled times (us) of the fused kernel and of GEMM-then-all-reduce, for one rank."""
+    share = min(1.0, ctas / sms_per_gpu)                 # this rank's part of its GPU
+    rate = c.gemm_tflops * 1e6 * share                   # FLOP per us
+    flops = 2.0 * m * n * k
+    c_bytes = 2.0 * m * n
+    tiles = -(-m // 128) * -(-n // 256)
+    intra_gbps = c.nvlink_gbps if ranks_per_gpu == 1 else 4200.0 / (2 * ranks_per_gpu)
+    allreduce_us = (2 * c_bytes * (G - 1) / G / (intra_gbps * 1e3)
+                    + (2 * c_bytes / G * (nodes - 1) / (c.network_gbps * 1e3) if nodes > 1 else 0))
+    unfused = c.launch_us + flops / rate + c.launch_us + allreduce_us + 10.0
+    compute = flops / (rate * (ctas - reduce_ctas) / ctas)
+    reduce = 2 * c_bytes * (1.5 if nodes > 1 else 1) / (reduce_ctas * c.sm_stream_gbps * 1e3)
+    tail = 2 * flops / tiles / (rate / ctas) + 20.0      # the last tile's compute and reduce
+    fused = c.launch_us + max(compute, reduce, allreduce_us) + tail
+    return fused, unfused
+
+
+# ---- reference ----------------------------------------------------------------------------
+
+def reference(a_per_rank, b_per_rank, *, b_layout: str = "kn", dtype=np.float64):
+    """sum_r A_r @ B_r in float64 (or float32): what every rank's C should be."""
+    total = None
+    for a, b in zip(a_per_rank, b_per_rank):
+        part = gemm_module.reference(a, b, b_layout=b_layout, dtype=dtype)
+        total = part if total is None else total + part
+    return total
+
+
+# ---- the op -------------------------------------------------------------------------------
+
+class GemmAllReduce(Op):
+    """``c = op(a, b)``: every rank gets sum over ranks of a_r @ b_r (row-parallel linear).
+
+    a: per rank [M, K_r] (bf16/f16, row-major; K_r the rank's shard of K, equal on every
+    rank); b: [K_r, N] (``b_layout="kn"``) or [N, K_r] (``"nk"``, nn.Linear's weight).
+    ``reduce_ctas``: CTAs per rank in the reduce role (default: :func:`default_reduce_ctas`);
+    ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
+    the planner choose fused or unfused per shape (``op.last_plan`` says which and why).
+    ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
+    """
+
+    name = "gemm_allreduce"
+
+    def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
+                 reduce_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
+                 timeout_ms: float | None = None, muted_rank: int | None = None):
+        super().__init__(world, timeout_ms=timeout_ms)
+        if b_layout not in gemm_module.B_LAYOUTS:
+            raise ValueError(f"mkrt.gemm_allreduce: b_layout={b_layout!r}; expected 'kn' or 'nk'")
+        sizes = {len(self.world.node_ranks(n)) for n in range(self.world.nodes)}
+        if len(sizes) != 1:
+            raise ValueError(f"mkrt.gemm_allreduce: nodes of different sizes ({self.world.layout}) "
+                             "are not supported")
+        self.b_layout, self.ctas, self.reduce_ctas, self.fuse = b_layout, ctas, reduce_ctas, fuse
+        self.group_m = group_m
+        self.muted_rank = -1 if muted_rank is None else int(muted_rank)
+        self.last_plan: Plan | None = None
+        self._buffers: dict[str, SymmetricBuffer] = {}
+        self._layout_key = None
+        self._scratch: dict = {}
+
+    # -- planning and buffers --
+    def plan_for(self, m: int, n: int, k: int, dtype: str, mode_fuse=None) -> Plan:
+        info = self.world.local[0]
+        ranks_per_gpu = len(self.world.ranks_on_device(info.device))
+        ctas = self.ctas or self.world.sm_count(info.rank)
+        # Emulated nodes talk through the `ce` proxy on the same GPUs, not a network.
+        ceilings = Ceilings(network_gbps=1500.0) if self.world.emulated else Ceilings()
+        return plan(m, n, k, nodes=self.world.nodes, ranks_per_node=self.world.ranks_per_node,
+                    ctas=ctas, dtype=dtype, b_layout=self.b_layout, reduce_ctas=self.reduce_ctas,
+                    fuse=self.fuse if mode_fuse is None else mode_fuse,
+                    sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
+                    ranks_per_gpu=ranks_per_gpu, ceilings=ceilings)
+
+    def _ensure_buffers(self, p: Plan) -> None:
+        """Symmetric buffers big enough for `p` (re-made, after a sync, when a shape grows)."""
+        tile_bytes = p.spec.block_m * p.spec.block_n * 2
+        need = {"flags": p.flags.words * 8,
+                "partial": p.G * p.slots * tile_bytes,
+                "result": 0 if self.world.emulated else p.m * p.n * 2}
+        if p.nodes > 1:
+            need["node_sum"] = p.slots * tile_bytes
+            need["inter"] = p.nodes * p.slots * tile_bytes
+        key = (p.tiles, p.slots, p.m * p.n)
+        if self._layout_key == key:
+            return
+        if self._buffers:
+            self.world.synchronize()
+            self.world.barrier()
+        for buffer in self._buffers.values():
+            buffer.close()
+        self._buffers = {name: SymmetricBuffer(self.world, size, name=f"gemm_allreduce.{name}",
+                                               zero=(name == "flags"))
+                         for name, size in need.items() if size}
+        self._layout_key = key
+        self._scratch.clear()
+        if p.nodes > 1:
+            self.world.proxy()     # starts the proxy and registers the buffers
+
+    def _args(self, p: Plan, info, out_ptr: int, copy_source: int = 0) -> np.ndarray:
+        """The kernel's Args struct for one rank (a numpy record; its bytes are the argument)."""
+        b = self._buffers
+        rank = info.rank
+        key = ("tables", rank)
+        if key not in self._scratch:
+            self._scratch[key] = (b["flags"].peer_table(rank), b["partial"].peer_table(rank),
+                                  b["result"].peer_table(rank) if "result" in b else None)
+        flags_table, partial_table, result_table = self._scratch[key]
+        args = np.zeros((), ARGS_DTYPE)
+        args["copy_source"], args["out"] = copy_source, out_ptr
+        args["m"], args["n"], args["k"], args["group_m"] = p.m, p.n, p.k, self.group_m
+        args["me"], args["node"], args["rank"] = info.local_rank, info.node, rank
+        args["G"], args["nodes"], args["slots"] = p.G, p.nodes, p.slots
+        args["compute_ctas"] = p.compute_ctas
+        args["flags"] = b["flags"].local_ptr(rank)
+        args["peer_flags"] = flags_table.data.ptr
+        args["peer_partial"] = partial_table.data.ptr
+        args["peer_result"] = result_table.data.ptr if result_table is not None else 0
+        if p.nodes > 1:
+            proxy = self.world.proxy()
+            args["node_sum"] = b["node_sum"].local_ptr(rank)
+            args["inter_in"] = b["inter"].local_ptr(rank)
+            args["queue"] = proxy.queue_pointer(rank)
+            args["node_sum_region"] = b["node_sum"].region
+            args["inter_region"] = b["inter"].region
+            args["flags_region"] = b["flags"].region
+        return args
+
+    # -- the call --
+    def _operands(self, a, b, out):
+        a_list, as_list = self.per_rank(a, "a")
+        b_list, _ = self.per_rank(b, "b")
+        self.same_everywhere(a_list, "a")
+        self.same_everywhere(b_list, "b")
+        m, n, k, dtype = gemm_module.check_operands(a_list[0].shape, b_list[0].shape, a_list[0].dtype,
+                                                    b_list[0].dtype, self.b_layout)
+        outs = None
+        if out is not None:
+            outs, _ = self.per_rank(out, "out")
+            for i, o in enumerate(outs):
+                if o.shape != (m, n) or o.dtype != a_list[0].dtype:
+                    raise ValueError(f"mkrt.gemm_allreduce: out[{i}] is {o.shape} {o.dtype}; "
+                                     f"expected {(m, n)} {a_list[0].dtype}")
+        for name, arrays in (("a", a_list), ("b", b_list), ("out", outs or [])):
+            for i, x in enumerate(arrays):
+                if x.data.ptr % 16:
+                    raise ValueError(f"mkrt.gemm_allreduce: {name}[{i}] starts at {x.data.ptr:#x}, "
+                                     "not 16-byte aligned")
+        return a_list, b_list, outs, as_list, (m, n, k, dtype)
+
+    def __call__(self, a, b, out=None):
+        import cupy
+        a_list, b_list, outs, as_list, (m, n, k, dtype) = self._operands(a, b, out)
+        p = self.plan_for(m, n, k, dtype)
+        self.last_plan = p
+        self.before_launch()
+        if outs is None:
+            outs = []
+            for info in self.world.local:
+                with cupy.cuda.Device(info.device):
+                    outs.append(cupy.empty((m, n), a_list[0].dtype))
+        if self.world.size == 1:
+            gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout,
+                             sms=self.ctas)
+        elif p.fused:
+            self._launch(p, a_list, b_list, outs)
+        else:
+            self._unfused(p, a_list, b_list, outs, gemm="mkrt")
+        self.after_launch()
+        if out is not None:
+            return out
+        return outs if as_list else like_input(outs[0], a)
+
+    def _launch(self, p: Plan, a_list, b_list, outs, *, copy_sources=None) -> None:
+        """One fused (or, with copy_sources, all-reduce-only) launch on every local rank."""
+        import cupy
+        spec = p.spec if copy_sources is None else dataclasses.replace(p.spec, mode="copy")
+        self._ensure_buffers(p)
+        functions = [spec.function("gemm_allreduce", info.device, spec.smem_bytes)
+                     for info in self.world.local]
+        launches = []
+        for i, info in enumerate(self.world.local):
+            if copy_sources is None:
+                tma_a, tma_b = _descriptors(p, a_list[i], b_list[i])
+            else:
+                tma_a = tma_b = _dummy_descriptor()
+            args = self._args(p, info, outs[i].data.ptr,
+                              0 if copy_sources is None else copy_sources[i].data.ptr)
+            launches.append((info, functions[i], tma_a, tma_b, args))
+        self.join_caller_stream()
+        for info, function, tma_a, tma_b, args in launches:
+            with cupy.cuda.Device(info.device):
+                function((p.ctas,), (spec.threads,),
+                         (tma_a.argument, tma_b.argument, _struct_argument(args),
+                          np.int32(self.muted_rank), *self.context_args(info.rank)),
+                         shared_mem=spec.smem_bytes, stream=self.world.stream(info.rank))
+        self.release_to_caller_stream()
+
+    def _unfused(self, p: Plan, a_list, b_list, outs, *, gemm: str = "cublas") -> None:
+        """GEMM (cuBLAS through CuPy, or mkrt's engine), then the non-overlapped all-reduce."""
+        import cupy
+        partials = []
+        for info, a_r, b_r in zip(self.world.local, a_list, b_list):
+            with cupy.cuda.Device(info.device):
+                if gemm == "mkrt":
+                    partials.append(gemm_module.gemm(a_r, b_r, b_layout=self.b_layout))
+                else:
+                    partials.append(cupy.matmul(a_r, b_r.T if self.b_layout == "nk" else b_r))
+        self._launch(p, a_list, b_list, outs, copy_sources=partials)
+        # The partials are freed when this returns; the all-reduce has read them once the
+        # caller's stream passes this point, and CuPy's pool reuses memory stream-ordered.
+        self._scratch["partials"] = partials
+
+    def unfused(self, a, b, out=None, *, gemm: str = "cublas"):
+        """The baseline: cuBLAS (or ``gemm="mkrt"``) then mkrt's all-reduce, not overlapped."""
+        import cupy
+        a_list, b_list, outs, as_list, (m, n, k, dtype) = self._operands(a, b, out)
+        p = self.plan_for(m, n, k, dtype, mode_fuse=False)
+        self.before_launch()
+        if outs is None:
+            outs = []
+            for info in self.world.local:
+                with cupy.cuda.Device(info.device):
+                    outs.append(cupy.empty((m, n), a_list[0].dtype))
+        if self.world.size == 1:
+            outs[0][...] = cupy.matmul(a_list[0], b_list[0].T if self.b_layout == "nk" else b_list[0])
+        else:
+            self._unfused(p, a_list, b_list, outs, gemm=gemm)
+        self.after_launch()
+        return out if out is not None else (outs if as_list else outs[0])
+
+    def close(self) -> None:
+        for buffer in self._buffers.values():
+            buffer.close()
+        self._buffers.clear()
+        self._layout_key = None
+
+
+def _descriptors(p: Plan, a, b):
+    dtype, k, m, n = p.spec.dtype, p.k, p.m, p.n
+    tma_a = gemm_module.tma_descriptor_2d(a.data.ptr, dtype, k, m, k * 2, 64, p.spec.block_m)
+    if p.spec.b_layout == "nk":
+        tma_b = gemm_module.tma_descriptor_2d(b.data.ptr, dtype, k, n, k * 2, 64, p.spec.block_n)
+    else:
+        if n % 8:
+            raise ValueError(f"mkrt.gemm_allreduce: b_layout='kn' needs n % 8 == 0 (TMA rows of "
+                             f"16 bytes); got n={n}: pass B as [N, K] (b_layout='nk')")
+        tma_b = gemm_module.tma_descriptor_2d(b.data.ptr, dtype, n, k, n * 2, 64, 64)
+    return tma_a, tma_b
+
+
+_DUMMY = None
+
+
+def _dummy_descriptor():
+    """A zeroed tensor map for launches whose compute role does not load (copy mode)."""
+    global _DUMMY
+    if _DUMMY is None:
+        _DUMMY = gemm_module.TmaDescriptor()
+    return _DUMMY
+
+
+def _struct_argument(record: np.ndarray):
+    """Pass a numpy record by value: CuPy copies the bytes at the pointer (like a tensor map)."""
+    from cupy.cuda.function import CPointer
+    holder = np.ascontiguousarray(record.reshape(1)).copy()
+    _KEEP.append(holder)           # alive until the launch has copied it (next calls drop it)
+    if len(_KEEP) > 64:
+        del _KEEP[:32]
+    return CPointer(holder.ctypes.data)
+
+
+_KEEP: list = []
+
+
+_DEFAULT_OPS: dict = {}
+
+
+def gemm_allreduce(a, b, *, world=None, out=None, b_layout: str = "kn", **options):
+    """C = sum over ranks of a_r @ b_r on every rank; see :class:`GemmAllReduce`."""
+    from mkrt.world import current_world
+    world = world if world is not None else current_world()
+    key = (id(world), b_layout, tuple(sorted(options.items())))
+    op = _DEFAULT_OPS.get(key)
+    if op is None or op.world is not world or op._failed is not None:
+        op = _DEFAULT_OPS[key] = GemmAllReduce(world, b_layout=b_layout, **options)
+    return op(a, b, out=out)
+
+
+def test_cases():
+    """(layout, m, n, k per rank, b_layout, dtype) the GPU tests run."""
+    return [("1x2", 512, 768, 256, "kn", "bf16"), ("1x2", 300, 520, 64, "nk", "bf16"),
+            ("1x4", 1024, 1024, 128, "kn", "bf16"), ("2x1", 384, 512, 136, "nk", "f16"),
+            ("2x2", 640, 1000, 64, "nk", "bf16"), ("2x4", 1024, 512, 64, "kn", "bf16"),
+            ("1x1", 257, 264, 72, "kn", "bf16")]
+
+
+def bench_cases():
+    """(m, n, k per rank) of the reference's sweep (K = M/16) and LLM row-parallel shapes."""
+    sweep = [(s, s, s // 16) for s in (2048, 4096, 8192, 16384)]
+    llm = [(4096, 8192, 28672 // 8), (8192, 8192, 28672 // 8), (16384, 8192, 28672 // 8)]
+    return sweep + llm

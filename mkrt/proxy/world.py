@@ -1,0 +1,81 @@
+"""The proxy service of a world: queues, proxy threads and the region table, per GPU.
+
+In an emulated world every rank lives in this process, so one `ce` proxy per GPU can
+copy between any two ranks' registered memory: that is how emulated nodes talk. Each
+local rank gets its own queue (its kernels post there); every symmetric buffer of the
+world is registered as a region (``buffer.region``) as soon as it exists.
+"""
+
+from __future__ import annotations
+
+from mkrt.proxy import queue as Q
+
+MAX_REGIONS = 4096
+
+
+class WorldProxy:
+    def __init__(self, world, *, slots: int = 1024, threads_per_gpu: int = 1):
+        from mkrt.proxy.proxy import Proxy
+        from mkrt.proxy.transports.ce import CopyEngineTransport
+        if not world.emulated:
+            raise NotImplementedError(
+                "mkrt.proxy: traffic between nodes under mpiexec needs the verbs transport, "
+                "which is not wired into worlds yet; use an emulated world (mkrt.init(emulate=...)) "
+                "or one node per job")
+        self.world = world
+        self.regions = Q.new_region_table(world.size, MAX_REGIONS)
+        self.queue_sets: dict[int, Q.QueueSet] = {}
+        self.proxies = {}
+        self._queue_index: dict[int, tuple[int, int]] = {}
+        try:
+            for device in sorted({r.device for r in world.local}):
+                ranks = [r.rank for r in world.ranks_on_device(device)]
+                queue_set = Q.QueueSet(len(ranks), slots, ranks, memory="pinned")
+                self.queue_sets[device] = queue_set
+                for index, rank in enumerate(ranks):
+                    self._queue_index[rank] = (device, index)
+                self.proxies[device] = Proxy(queue_set, self.regions, CopyEngineTransport(device),
+                                             threads=min(threads_per_gpu, len(ranks)))
+            for buffer in world._regions:
+                if buffer is not None:
+                    self.register(buffer)
+        except BaseException:
+            self.close()
+            raise
+
+    def register(self, buffer) -> None:
+        """Make `buffer`'s copies addressable as (rank, buffer.region, offset)."""
+        if buffer.region >= MAX_REGIONS:
+            raise ValueError(f"mkrt.proxy: region {buffer.region} exceeds the table's {MAX_REGIONS}")
+        for rank, pointer in buffer._own.items():
+            Q.set_region(self.regions, rank, buffer.region, pointer, buffer.nbytes)
+
+    def unregister(self, buffer) -> None:
+        if buffer.region < MAX_REGIONS:
+            self.regions[:, buffer.region] = 0
+
+    def queue_pointer(self, rank: int) -> int:
+        """Device address of `rank`'s ``mkrt::Queue`` descriptor."""
+        device, index = self._queue_index[rank]
+        descriptors = self.queue_sets[device].device_descriptors()
+        return descriptors.data.ptr + index * Q.QUEUE_DESC_DTYPE.itemsize
+
+    def check(self) -> None:
+        """Raise the first error a proxy thread reported (mkrt.proxy.ProxyError)."""
+        for proxy in self.proxies.values():
+            proxy.check()
+
+    def close(self) -> None:
+        errors = []
+        for proxy in self.proxies.values():
+            try:
+                proxy.close()
+            except Exception as error:   # close every proxy, then report
+                errors.append(error)
+        self.proxies.clear()
+        for queue_set in self.queue_sets.values():
+            queue_set.close()
+        self.queue_sets.clear()
+        if errors:
+            raise errors[0]
+

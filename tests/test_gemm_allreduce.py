@@ -1,0 +1,100 @@
+"""GEMM+AllReduce on the CPU: the planner (ownership, exactly-once, no wait cycle), the
+role-split rule, the fused/unfused decision, the argument layout, sm_90a builds."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from mkrt.kernels import gemm_allreduce as gar
+from mkrt.kernels.schedule import find_stall
+
+WORLDS = [(n, g) for n, g in itertools.product([1, 2, 3, 4], [1, 2, 4, 8]) if n * g > 1]
+
+
+@pytest.mark.parametrize("nodes,per_node", WORLDS)
+@pytest.mark.parametrize("m,n", [(1024, 1024), (1000, 777), (128, 256), (4096, 512)])
+def test_plan_reduces_and_sends_each_tile_once_without_wait_cycles(nodes, per_node, m, n):
+    p = gar.plan(m, n, 64, nodes=nodes, ranks_per_node=per_node, ctas=8, fuse=True)
+    assert p.check() == []
+    owners = [p.owner(t) for t in range(p.tiles)]
+    assert sorted(t for local in range(per_node) for t in p.owned(local)) == list(range(p.tiles))
+    assert all(owners[t] == t % per_node for t in range(p.tiles))
+    traffic = p.traffic()
+    # Each byte of C crosses to every other node exactly once.
+    assert traffic["network_per_node"] == p.tiles * p.tile_bytes * (nodes - 1)
+
+
+def test_schedule_check_catches_a_cycle_and_a_missing_worker():
+    workers = {"a": ["x1", "x2"], "b": ["y1"]}
+    assert find_stall(workers, {"x2": ["y1"]}) == []
+    assert find_stall(workers, {"x1": ["y1"], "y1": ["x2"]}) == [("a", "x1"), ("b", "y1")]
+    with pytest.raises(ValueError, match="nobody runs"):
+        find_stall(workers, {"x1": ["z"]})
+
+
+def test_a_plan_whose_owner_never_reduces_is_reported(monkeypatch):
+    p = gar.plan(512, 512, 64, nodes=1, ranks_per_node=2, ctas=4, fuse=True)
+    real = p.schedule
+
+    def broken():
+        workers, depends = real()
+        workers[("reduce", 1, 0)] = []          # rank 1 forgets its tiles
+        return workers, depends
+    monkeypatch.setattr(p.__class__, "schedule", lambda self: broken())
+    problems = p.check()
+    assert any("not node-reduced exactly once" in text for text in problems)
+
+
+@pytest.mark.parametrize("k,expected_share", [(256, (0.3, 0.6)), (1024, (0.1, 0.3)), (8192, (0.0, 0.06))])
+def test_default_role_split_follows_k(k, expected_share):
+    reduce = gar.default_reduce_ctas(k, 132)
+    assert 1 <= reduce < 132
+    low, high = expected_share
+    assert low <= reduce / 132 <= high, (k, reduce)
+
+
+def test_small_shapes_fall_back_and_large_ones_fuse():
+    small = gar.plan(256, 256, 64, nodes=1, ranks_per_node=2, ctas=66)
+    large = gar.plan(16384, 16384, 1024, nodes=1, ranks_per_node=8, ctas=132)
+    assert not small.fused and "unfused" in small.reason
+    assert large.fused
+    forced = gar.plan(256, 256, 64, nodes=1, ranks_per_node=2, ctas=66, fuse=True)
+    assert forced.fused and "requested" in forced.reason
+    single = gar.plan(1000, 1000, 64, nodes=1, ranks_per_node=1, ctas=132)
+    assert not single.fused and single.reduce_ctas == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(m=0, n=8, k=8), "m=0"), (dict(m=8, n=8, k=12), "multiple of 8"),
+    (dict(m=8, n=8, k=8, reduce_ctas=8), "reduce_ctas=8"),
+    (dict(m=8, n=8, k=8, nodes=1, ranks_per_node=64), "at most 32"),
+])
+def test_plan_rejects_bad_problems(kwargs, match):
+    args = dict(nodes=1, ranks_per_node=2, ctas=8) | kwargs
+    with pytest.raises(ValueError, match=match):
+        gar.plan(**args)
+
+
+def test_flag_layout_words_do_not_overlap():
+    layout = gar.FlagLayout(G=4, nodes=3, slots=5, tiles=18)
+    words = ([layout.arrive(p) for p in range(4)] + [layout.target(p) for p in range(4)]
+             + [layout.node_arrive(n) for n in range(3)]
+             + [layout.partial(s, j) for s in range(4) for j in range(5)]
+             + [layout.inter(n, j) for n in range(3) for j in range(5)]
+             + [layout.final_tile(t) for t in range(18)])
+    assert len(set(words)) == len(words) and max(words) < layout.words - 3
+
+
+def test_args_struct_layout_is_checked_in_the_template():
+    source = gar.default_specs()[0].render()
+    assert f"static_assert(sizeof(Args) == {gar.ARGS_DTYPE.itemsize}" in source
+    assert "__builtin_offsetof(Args, flags_region)" in source
+
+
+def test_default_specs_compile_without_spills():
+    for spec in gar.default_specs():
+        build = spec.build(check_spills=True)
+        assert build.resources["gemm_allreduce"].spills == 0
