@@ -88,10 +88,21 @@ def test_flag_layout_words_do_not_overlap():
     assert len(set(words)) == len(words) and max(words) < layout.words - 3
 
 
-def test_args_struct_layout_is_checked_in_the_template():
+def test_args_struct_matches_its_numpy_mirror():
+    """Same fields, same order, same kinds (pointer: u8, int: i4) in C and in ARGS_DTYPE."""
+    import re
     source = gar.default_specs()[0].render()
     assert f"static_assert(sizeof(Args) == {gar.ARGS_DTYPE.itemsize}" in source
-    assert "__builtin_offsetof(Args, flags_region)" in source
+    body = source.split("struct Args {")[1].split("};")[0]
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for declaration in filter(None, (d.strip() for d in body.split(";"))):
+        kind = "<u8" if "*" in declaration else "<i4"
+        first, *rest = declaration.split(",")
+        names = [first.split()[-1]] + [r.strip() for r in rest]
+        fields += [(name.lstrip("*"), kind) for name in names]
+    mirror = [(name, gar.ARGS_DTYPE.fields[name][0].str) for name in gar.ARGS_DTYPE.names]
+    assert fields == mirror
 
 
 def test_default_specs_compile_without_spills():
