@@ -117,11 +117,11 @@ def test_graph_capture_and_replay(make_world):
         graph = stream.end_capture()
     for replay in range(5):
         fresh_a, _ = operands(world, 384, 512, 64, "kn", "bf16", seed=100 + replay)
-        for a, new in zip(a_list, fresh_a):
-            a[...] = new
-        for out in outs:
-            out.fill(0)
-        stream.synchronize()
+        with stream:                     # new inputs and poisoned outputs, in stream order
+            for a, new in zip(a_list, fresh_a):
+                a[...] = new
+            for out in outs:
+                out.fill(0)
         graph.launch(stream)
         stream.synchronize()
         world.synchronize()

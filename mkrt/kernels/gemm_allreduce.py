@@ -72,6 +72,7 @@ struct Args {
     int m, n, k, group_m;
     int me, node, rank, G, nodes, slots;
     int compute_ctas;
+    int send_batch;             // owned slots per group (one put per group between nodes)
     u64* flags;                 // this rank's flag words
     const u64* peer_flags;      // [G] node peers' flag words
     const u64* peer_partial;    // [G] node peers' partial slots: [G][slots][TILE]
@@ -198,61 +199,71 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
 
     const T* my_partials = (const T*)a.peer_partial[a.me];
     const int owned = (L.tiles - a.me + L.G - 1) / L.G;
+    const int batch = a.send_batch;
+    // Owned slots go in groups of `batch` consecutive slots, group g to reduce CTA g % ctas:
+    // the work in flight spreads over the CTAs, and each group leaves as one put.
     // Pass 1: node sums. One node: they are final and go straight to the node's ranks.
-    for (int slot = cta; slot < owned; slot += ctas) {
-        const int t = slot * L.G + a.me;
-        if (threadIdx.x < a.G) {
-            wait_flags[threadIdx.x] = a.flags + L.partial(threadIdx.x, slot);
-            wait_ids[threadIdx.x] = L.partial(threadIdx.x, slot);
+    for (int first = cta * batch; first < owned; first += ctas * batch) {
+        const int last = min(first + batch, owned);
+        for (int slot = first; slot < last; ++slot) {
+            const int t = slot * L.G + a.me;
+            if (threadIdx.x < a.G) {
+                wait_flags[threadIdx.x] = a.flags + L.partial(threadIdx.x, slot);
+                wait_ids[threadIdx.x] = L.partial(threadIdx.x, slot);
+            }
+            __syncthreads();
+            if (!cta_wait_each(wait_flags, a.G, epoch, ctx, t, wait_ids, false, nullptr)) return;
+            const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+            for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
+                float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int src = 0; src < a.G; ++src)
+                    add_chunk(sum, my_partials + (long long)(src * L.slots + slot) * TILE + chunk * 8);
+                const uint4 packed = pack_chunk(sum);
+                if (a.nodes == 1) deliver_chunk(a, targets, row0, col0, chunk, packed, aligned);
+                else *reinterpret_cast<uint4*>(a.node_sum + (long long)slot * TILE + chunk * 8) = packed;
+            }
+            if (a.nodes == 1) publish_final(a, L, t, epoch);
         }
-        __syncthreads();
-        if (!cta_wait_each(wait_flags, a.G, epoch, ctx, t, wait_ids, false, nullptr)) return;
-        const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
-        for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
-            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int src = 0; src < a.G; ++src)
-                add_chunk(sum, my_partials + (long long)(src * L.slots + slot) * TILE + chunk * 8);
-            const uint4 packed = pack_chunk(sum);
-            if (a.nodes == 1) deliver_chunk(a, targets, row0, col0, chunk, packed, aligned);
-            else *reinterpret_cast<uint4*>(a.node_sum + (long long)slot * TILE + chunk * 8) = packed;
-        }
-        if (a.nodes == 1) {
-            publish_final(a, L, t, epoch);
-            continue;
-        }
-        // Several nodes: send the node sum to the same local rank of every other node,
-        // once that node's launch has begun (its inter buffer is free again).
+        if (a.nodes == 1) continue;
+        // Several nodes: the group's node sums go, as one put, to the same local rank of
+        // every other node, once that node's launch has begun (its inter buffer is free);
+        // the flag of the group's first slot says the whole group arrived.
         __threadfence_system();
         __syncthreads();
         if (threadIdx.x == 0) {
+            const u64 tile_bytes = (u64)TILE * sizeof(T);
             for (int step = 1; step < a.nodes; ++step) {
                 const int node = (a.node + step) % a.nodes;
                 if (!proxy_wait_at_least(a.flags + L.node_arrive(node), epoch, ctx, *a.queue,
-                                         ROLE_INTER, t, L.node_arrive(node))) { wait_ids[0] = -1; break; }
-                const u64 bytes = (u64)TILE * sizeof(T);
+                                         ROLE_INTER, first * L.G + a.me, L.node_arrive(node))) {
+                    wait_ids[0] = -1; break;
+                }
                 const u64 ticket = post_put_signal(*a.queue, ctx, (unsigned)(node * a.G + a.me),
-                    (unsigned)a.inter_region, (u64)(a.node * L.slots + slot) * bytes,
-                    (unsigned)a.node_sum_region, (u64)slot * bytes, bytes,
-                    (unsigned)a.flags_region, (u64)L.inter(a.node, slot) * 8, epoch);
+                    (unsigned)a.inter_region, (u64)(a.node * L.slots + first) * tile_bytes,
+                    (unsigned)a.node_sum_region, (u64)first * tile_bytes, (u64)(last - first) * tile_bytes,
+                    (unsigned)a.flags_region, (u64)L.inter(a.node, first) * 8, epoch,
+                    ROLE_INTER, first * L.G + a.me);
                 if (ticket == POST_FAILED) { wait_ids[0] = -1; break; }
             }
         }
         __syncthreads();
         if (wait_ids[0] == -1) return;
     }
-    if (a.nodes > 1) {
-        // Pass 2: add the nodes' sums in node order, deliver inside the node.
-        for (int slot = cta; slot < owned; slot += ctas) {
+    if (a.nodes == 1) return;
+    // Pass 2: add the nodes' sums in node order (the same bits on every node), deliver
+    // inside the node.
+    for (int first = cta * batch; first < owned; first += ctas * batch) {
+        const int last = min(first + batch, owned);
+        if (threadIdx.x < a.nodes) {
+            wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, first);
+            wait_ids[threadIdx.x] = L.inter(threadIdx.x, first);
+        }
+        __syncthreads();
+        // Our own node's entry is never written: its thread waits for 0.
+        if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx,
+                           first * L.G + a.me, wait_ids, true, a.queue)) return;
+        for (int slot = first; slot < last; ++slot) {
             const int t = slot * L.G + a.me;
-            if (threadIdx.x < a.nodes) {
-                wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, slot);
-                wait_ids[threadIdx.x] = L.inter(threadIdx.x, slot);
-            }
-            __syncthreads();
-            // Our own node's entry is never written: wait only for the others.
-            const bool ok = cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch,
-                                          ctx, t, wait_ids, true, a.queue);
-            if (!ok) return;
             const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
             for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
                 float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -367,7 +378,7 @@ ARGS_DTYPE = np.dtype([
     ("copy_source", "<u8"), ("out", "<u8"),
     ("m", "<i4"), ("n", "<i4"), ("k", "<i4"), ("group_m", "<i4"),
     ("me", "<i4"), ("node", "<i4"), ("rank", "<i4"), ("G", "<i4"), ("nodes", "<i4"),
-    ("slots", "<i4"), ("compute_ctas", "<i4"),
+    ("slots", "<i4"), ("compute_ctas", "<i4"), ("send_batch", "<i4"),
     ("flags", "<u8"), ("peer_flags", "<u8"), ("peer_partial", "<u8"), ("peer_result", "<u8"),
     ("node_sum", "<u8"), ("inter_in", "<u8"), ("queue", "<u8"),
     ("node_sum_region", "<i4"), ("inter_region", "<i4"), ("flags_region", "<i4"),
@@ -498,6 +509,7 @@ class Plan:
     reason: str
     predicted_fused_us: float
     predicted_unfused_us: float
+    send_batch: int = 1     # owned slots per group: one put between nodes per group
 
     @property
     def G(self) -> int:
@@ -538,6 +550,12 @@ class Plan:
     def owned(self, local: int) -> list[int]:
         return list(range(local, self.tiles, self.G))
 
+    def groups(self, local: int, cta: int) -> list[list[int]]:
+        """Tiles reduce CTA `cta` of local rank `local` handles, group by group (one put each)."""
+        owned = self.owned(local)
+        starts = range(cta * self.send_batch, len(owned), self.reduce_ctas * self.send_batch)
+        return [owned[first:first + self.send_batch] for first in starts]
+
     def traffic(self) -> dict[str, int]:
         """Bytes one call moves per rank (partials and final tiles) and per node (network)."""
         partials = self.tiles * self.tile_bytes * (self.G - 1) // self.G
@@ -549,9 +567,10 @@ class Plan:
     def schedule(self):
         """(workers, depends_on) of one call on every rank, for :func:`find_stall`.
 
-        Compute CTAs never wait; reduce CTA q of a rank node-reduces its owned tiles
-        q, q + R, ...; with several nodes its proxy sends them and a second pass adds the
-        nodes' sums; finally every rank's reduce CTAs wait for its whole C.
+        Compute CTAs never wait. Reduce CTA q of a rank takes its owned tiles in groups
+        (:meth:`groups`) and node-reduces them; with several nodes its proxy sends each
+        group to every other node and a second pass adds the nodes' sums; finally every
+        rank's reduce CTAs wait for its whole C.
         """
         workers: dict = {}
         depends: dict = {}
@@ -562,31 +581,32 @@ class Plan:
                 for c in range(self.compute_ctas):
                     workers[("compute", rank, c)] = [("partial", rank, t)
                                                      for t in range(c, self.tiles, self.compute_ctas)]
-                owned = self.owned(local)
                 sends = []
                 for q in range(R):
-                    mine = owned[q::R]
-                    tasks = [("node_sum", node, t) for t in mine]
-                    for t in mine:
-                        depends[("node_sum", node, t)] = [("partial", node * G + src, t)
-                                                         for src in range(G)]
-                        if self.nodes > 1:
-                            sends += [("send", node, t, dest) for dest in range(self.nodes) if dest != node]
+                    groups = self.groups(local, q)
+                    tasks = []
+                    for group in groups:
+                        for t in group:
+                            tasks.append(("node_sum", node, t))
+                            depends[("node_sum", node, t)] = [("partial", node * G + src, t)
+                                                             for src in range(G)]
+                        for dest in range(self.nodes):
+                            if dest != node:
+                                send = ("send", node, group[0], dest)
+                                sends.append(send)
+                                depends[send] = [("node_sum", node, t) for t in group]
                     if self.nodes > 1:
-                        tasks += [("final", node, t) for t in mine]
-                        for t in mine:
-                            depends[("final", node, t)] = [("node_sum", node, t)] + [
-                                ("send", other, t, node) for other in range(self.nodes) if other != node]
-                    else:
-                        for t in mine:
-                            depends[("node_sum", node, t)]  # the node sum is final
+                        for group in groups:
+                            for t in group:
+                                tasks.append(("final", node, t))
+                                depends[("final", node, t)] = [("node_sum", node, t)] + [
+                                    ("send", other, group[0], node)
+                                    for other in range(self.nodes) if other != node]
                     tasks += [("result", rank, t) for t in range(q, self.tiles, R)]
                     for t in range(q, self.tiles, R):
                         depends[("result", rank, t)] = [
                             ("final", node, t) if self.nodes > 1 else ("node_sum", node, t)]
                     workers[("reduce", rank, q)] = tasks
-                for send in sends:
-                    depends[send] = [("node_sum", send[1], send[2])]
                 workers[("proxy", rank)] = sends
         return workers, depends
 
@@ -602,8 +622,14 @@ class Plan:
             for dest in range(self.nodes):
                 if dest == node:
                     continue
-                sent = sorted(t[2] for t in tasks if t[0] == "send" and t[1] == node and t[3] == dest)
-                if sent != list(range(self.tiles)):
+                sent = []
+                for task in tasks:
+                    if task[0] == "send" and task[1] == node and task[3] == dest:
+                        local = self.owner(task[2])
+                        group = next(g for q in range(self.reduce_ctas)
+                                     for g in self.groups(local, q) if g[0] == task[2])
+                        sent += group
+                if sorted(sent) != list(range(self.tiles)):
                     problems.append(f"node {node} -> {dest}: tiles not sent exactly once")
         for rank in range(self.nodes * self.G):
             got = sorted(t[2] for t in tasks if t[0] == "result" and t[1] == rank)
@@ -622,8 +648,12 @@ class Plan:
 def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
          dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
          fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
-         ceilings: Ceilings = Ceilings()) -> Plan:
-    """Plan one shape on a world; ``fuse=None`` lets the cost model decide."""
+         send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings()) -> Plan:
+    """Plan one shape on a world; ``fuse=None`` lets the cost model decide.
+
+    ``send_bytes``: about how much one put between nodes carries (tiles are grouped to
+    reach it: a copy-engine put costs microseconds whatever its size).
+    """
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, (int, np.integer)) or not 1 <= value < 2**31:
             raise ValueError(f"mkrt.gemm_allreduce: {name}={value!r} must be an integer in [1, 2**31)")
@@ -653,8 +683,12 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
                   + ("" if fused else " (fusion loses at this size: unfused path)"))
     else:
         fused, reason = bool(fuse), f"fuse={fuse} requested"
+    tile_bytes = spec.block_m * spec.block_n * 2
+    owned = -(-(-(-m // spec.block_m) * -(-n // spec.block_n)) // ranks_per_node)
+    send_batch = 1 if nodes == 1 else max(1, min(-(-send_bytes // tile_bytes),
+                                                  -(-owned // reduce_ctas)))
     return Plan(spec, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,
-                fused_us, unfused_us)
+                fused_us, unfused_us, send_batch)
 
 
 def _predict(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_gpu, c: Ceilings):
@@ -772,6 +806,7 @@ class GemmAllReduce(Op):
         args["me"], args["node"], args["rank"] = info.local_rank, info.node, rank
         args["G"], args["nodes"], args["slots"] = p.G, p.nodes, p.slots
         args["compute_ctas"] = p.compute_ctas
+        args["send_batch"] = p.send_batch
         args["flags"] = b["flags"].local_ptr(rank)
         args["peer_flags"] = flags_table.data.ptr
         args["peer_partial"] = partial_table.data.ptr
