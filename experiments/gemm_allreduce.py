@@ -64,6 +64,10 @@ def check(world, op, a_list, b_list, fused: bool) -> float:
     return worst
 
 
+def _err(value):
+    return "-" if value is None else f"{value:.1e}"
+
+
 def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None):
     import cupy
 
@@ -82,8 +86,9 @@ def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None):
         auto = gar.GemmAllReduce(world, timeout_ms=60000)
         a_list, b_list = make_operands(world, m, n, k, seed=m + k)
         check_ok = m * n <= 8192 * 8192
-        err_f = check(world, op, a_list, b_list, True) if check_ok else float("nan")
-        err_u = check(world, op, a_list, b_list, False) if check_ok else float("nan")
+        # Larger cases are not checked (the float32 reference would dominate the run).
+        err_f = check(world, op, a_list, b_list, True) if check_ok else None
+        err_u = check(world, op, a_list, b_list, False) if check_ok else None
         outs = [cupy.empty((m, n), a_list[0].dtype) for _ in world.local]
         world.barrier()
         fused_ms = median_ms(lambda: op(a_list, b_list, out=outs), warmup=3, iters=iters)
@@ -98,7 +103,7 @@ def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None):
         if lead:
             print(f"{layout:>6} {case:>18} {fused_ms * 1e3:>10.1f} {unfused_ms * 1e3:>11.1f} "
                   f"{unfused_ms / fused_ms:>6.2f} {choice:>7} {p.compute_ctas:>3}/{p.reduce_ctas:<3} "
-                  f"{err_f:.1e}/{err_u:.1e}")
+                  f"{_err(err_f)}/{_err(err_u)}")
         tflops = 2.0 * m * n * k * world.size / (fused_ms * 1e-3) / 1e12
         records.append(record("gemm_allreduce", f"{layout}_{case}", "time", fused_ms * 1e3,
                               unfused_ms * 1e3, "us", higher_is_better=False, layout=layout,

@@ -116,8 +116,8 @@ def test_graph_capture_and_replay(make_world):
         op(a_list, b_list, out=outs)
         graph = stream.end_capture()
     for replay in range(5):
-        fresh_a, _ = operands(world, 384, 512, 64, "kn", "bf16", seed=100 + replay)
         with stream:                     # new inputs and poisoned outputs, in stream order
+            fresh_a, _ = operands(world, 384, 512, 64, "kn", "bf16", seed=100 + replay)
             for a, new in zip(a_list, fresh_a):
                 a[...] = new
             for out in outs:

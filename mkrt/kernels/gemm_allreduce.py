@@ -109,16 +109,28 @@ struct PartialEpilogue {
     }
 };
 
-// MODE_COPY: a CTA copies C_r's tiles into the owners' slots (the all-reduce alone).
+// MODE_COPY: a CTA copies C_r's tiles into the owners' slots (the all-reduce alone),
+// 16 bytes at a time where rows allow it.
 __device__ void copy_partials(const Args& a, const Layout& L, u64 epoch, int cta, int ctas) {
+    const int tiles_n = (a.n + BN - 1) / BN;
+    const bool aligned = (a.n % 8) == 0;
     for (int t = cta; t < L.tiles; t += ctas) {
-        const int tiles_n = (a.n + BN - 1) / BN;
         const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
         const int owner = t % L.G, slot = t / L.G;
         T* dst = (T*)a.peer_partial[owner] + (long long)(a.me * L.slots + slot) * TILE;
-        for (int e = threadIdx.x; e < TILE; e += blockDim.x) {
-            const int r = row0 + e / BN, c = col0 + e % BN;
-            dst[e] = (r < a.m && c < a.n) ? a.copy_source[(long long)r * a.n + c] : T(0.f);
+        for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
+            const int r = row0 + chunk / (BN / 8), c = col0 + (chunk % (BN / 8)) * 8;
+            uint4 value = make_uint4(0, 0, 0, 0);
+            if (r < a.m) {
+                const T* row = a.copy_source + (long long)r * a.n;
+                if (aligned && c + 8 <= a.n) {
+                    value = *reinterpret_cast<const uint4*>(row + c);
+                } else {
+                    T* v = reinterpret_cast<T*>(&value);
+                    for (int i = 0; i < 8 && c + i < a.n; ++i) v[i] = row[c + i];
+                }
+            }
+            *reinterpret_cast<uint4*>(dst + chunk * 8) = value;
         }
         __threadfence_system();
         __syncthreads();
@@ -127,11 +139,32 @@ __device__ void copy_partials(const Args& a, const Layout& L, u64 epoch, int cta
 }
 
 // ---- reduce role ----------------------------------------------------------------------
-__device__ __forceinline__ void add_chunk(float (&sum)[8], const T* source) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(source);
-    const T* v = reinterpret_cast<const T*>(&raw);
+// UNROLL chunks per thread per step: their loads are in flight together, which is what
+// keeps a reduce CTA near its share of memory bandwidth.
+constexpr int UNROLL = 4;
+
+template <class Source>
+__device__ __forceinline__ void sum_chunks(float (&sum)[UNROLL][8], int count, int chunk0,
+                                           int stride, Source source) {
     #pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] += float(v[i]);
+    for (int u = 0; u < UNROLL; ++u)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) sum[u][i] = 0.f;
+    for (int s = 0; s < count; ++s) {
+        uint4 raw[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int chunk = chunk0 + u * stride;
+            raw[u] = chunk < CHUNKS ? *reinterpret_cast<const uint4*>(source(s) + chunk * 8)
+                                    : make_uint4(0, 0, 0, 0);
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const T* v = reinterpret_cast<const T*>(&raw[u]);
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) sum[u][i] += float(v[i]);
+        }
+    }
 }
 
 __device__ __forceinline__ uint4 pack_chunk(const float (&sum)[8]) {
@@ -214,13 +247,19 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
             __syncthreads();
             if (!cta_wait_each(wait_flags, a.G, epoch, ctx, t, wait_ids, false, nullptr)) return;
             const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
-            for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
-                float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                for (int src = 0; src < a.G; ++src)
-                    add_chunk(sum, my_partials + (long long)(src * L.slots + slot) * TILE + chunk * 8);
-                const uint4 packed = pack_chunk(sum);
-                if (a.nodes == 1) deliver_chunk(a, targets, row0, col0, chunk, packed, aligned);
-                else *reinterpret_cast<uint4*>(a.node_sum + (long long)slot * TILE + chunk * 8) = packed;
+            const int stride = blockDim.x;
+            for (int chunk0 = threadIdx.x; chunk0 < CHUNKS; chunk0 += stride * UNROLL) {
+                float sum[UNROLL][8];
+                sum_chunks(sum, a.G, chunk0, stride, [&](int src) {
+                    return my_partials + (long long)(src * L.slots + slot) * TILE; });
+                #pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int chunk = chunk0 + u * stride;
+                    if (chunk >= CHUNKS) break;
+                    const uint4 packed = pack_chunk(sum[u]);
+                    if (a.nodes == 1) deliver_chunk(a, targets, row0, col0, chunk, packed, aligned);
+                    else *reinterpret_cast<uint4*>(a.node_sum + (long long)slot * TILE + chunk * 8) = packed;
+                }
             }
             if (a.nodes == 1) publish_final(a, L, t, epoch);
         }
@@ -265,14 +304,18 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         for (int slot = first; slot < last; ++slot) {
             const int t = slot * L.G + a.me;
             const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
-            for (int chunk = threadIdx.x; chunk < CHUNKS; chunk += blockDim.x) {
-                float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                for (int node = 0; node < a.nodes; ++node) {
-                    const T* part = node == a.node ? a.node_sum + (long long)slot * TILE
-                                                   : a.inter_in + (long long)(node * L.slots + slot) * TILE;
-                    add_chunk(sum, part + chunk * 8);
+            const int stride = blockDim.x;
+            for (int chunk0 = threadIdx.x; chunk0 < CHUNKS; chunk0 += stride * UNROLL) {
+                float sum[UNROLL][8];
+                sum_chunks(sum, a.nodes, chunk0, stride, [&](int node) {
+                    return node == a.node ? (const T*)a.node_sum + (long long)slot * TILE
+                                          : a.inter_in + (long long)(node * L.slots + slot) * TILE; });
+                #pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int chunk = chunk0 + u * stride;
+                    if (chunk >= CHUNKS) break;
+                    deliver_chunk(a, targets, row0, col0, chunk, pack_chunk(sum[u]), aligned);
                 }
-                deliver_chunk(a, targets, row0, col0, chunk, pack_chunk(sum), aligned);
             }
             publish_final(a, L, t, epoch);
         }
@@ -845,6 +888,12 @@ class GemmAllReduce(Op):
 
     def __call__(self, a, b, out=None):
         import cupy
+        if self.world.size == 1 and not isinstance(a, (list, tuple)):
+            # One rank: the plain GEMM (it checks its operands); nothing to reduce.
+            self.before_launch()
+            self.last_plan = None
+            return gemm_module.gemm(a, b, out=out, b_layout=self.b_layout, sms=self.ctas,
+                                    group_m=self.group_m)
         a_list, b_list, outs, as_list, (m, n, k, dtype) = self._operands(a, b, out)
         p = self.plan_for(m, n, k, dtype)
         self.last_plan = p
@@ -869,6 +918,9 @@ class GemmAllReduce(Op):
     def _launch(self, p: Plan, a_list, b_list, outs, *, copy_sources=None) -> None:
         """One fused (or, with copy_sources, all-reduce-only) launch on every local rank."""
         import cupy
+        if copy_sources is not None:
+            # The all-reduce alone: copying and reducing both stream memory; split evenly.
+            p = dataclasses.replace(p, reduce_ctas=max(1, p.ctas // 2))
         spec = p.spec if copy_sources is None else dataclasses.replace(p.spec, mode="copy")
         self._ensure_buffers(p)
         functions = [spec.function("gemm_allreduce", info.device, spec.smem_bytes)
