@@ -103,9 +103,12 @@ struct PartialEpilogue {
         // The slot is one contiguous BM x BN tile: store it as tile (0, 0) of a BM x BN matrix.
         const gemm::StoreEpilogue<T, BM, BN> store{slot_base, BM, BN, BN, true};
         store(gemm::Tile{0, 0, tile.index}, acc, who);
-        __threadfence_system();
+        // Barrier, then one system fence: the leader's release covers the whole tile.
         who.sync();
-        if (who.leader()) st_release_sys((u64*)args->peer_flags[owner] + L.partial(args->me, slot), epoch);
+        if (who.leader()) {
+            __threadfence_system();
+            st_release_sys((u64*)args->peer_flags[owner] + L.partial(args->me, slot), epoch);
+        }
     }
 };
 
@@ -132,9 +135,11 @@ __device__ void copy_partials(const Args& a, const Layout& L, u64 epoch, int cta
             }
             *reinterpret_cast<uint4*>(dst + chunk * 8) = value;
         }
-        __threadfence_system();
         __syncthreads();
-        if (threadIdx.x == 0) st_release_sys((u64*)a.peer_flags[owner] + L.partial(a.me, slot), epoch);
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            st_release_sys((u64*)a.peer_flags[owner] + L.partial(a.me, slot), epoch);
+        }
     }
 }
 
@@ -202,10 +207,14 @@ __device__ void deliver_chunk(const Args& a, T* const* targets, int row0, int co
     }
 }
 
+// The CTA's writes of tile t are done: one thread fences (system scope, after the
+// barrier) and tells every node rank.
 __device__ void publish_final(const Args& a, const Layout& L, int t, u64 epoch) {
-    __threadfence_system();
     __syncthreads();
-    if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.final_tile(t), epoch);
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.final_tile(t), epoch);
+    }
 }
 
 __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
@@ -267,9 +276,9 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         // Several nodes: the group's node sums go, as one put, to the same local rank of
         // every other node, once that node's launch has begun (its inter buffer is free);
         // the flag of the group's first slot says the whole group arrived.
-        __threadfence_system();
         __syncthreads();
         if (threadIdx.x == 0) {
+            __threadfence_system();
             const u64 tile_bytes = (u64)TILE * sizeof(T);
             for (int step = 1; step < a.nodes; ++step) {
                 const int node = (a.node + step) % a.nodes;
@@ -511,7 +520,7 @@ class Ceilings:
 
     gemm_tflops: float = 700.0          # bf16 GEMM, whole chip
     sms: int = 132
-    sm_stream_gbps: float = 60.0        # what one SM's reduce loop moves (read + write)
+    sm_stream_gbps: float = 30.0        # what one reduce CTA moves (read + write), measured
     nvlink_gbps: float = 360.0          # per direction, per GPU
     network_gbps: float = 45.0          # per GPU (one 400 Gb/s NIC)
     launch_us: float = 6.0
@@ -741,7 +750,9 @@ def _predict(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_gpu, c
     flops = 2.0 * m * n * k
     c_bytes = 2.0 * m * n
     tiles = -(-m // 128) * -(-n // 256)
-    intra_gbps = c.nvlink_gbps if ranks_per_gpu == 1 else 4200.0 / (2 * ranks_per_gpu)
+    # Ranks sharing a GPU (emulated worlds): the all-reduce measured about 500 GB/s of C
+    # per GPU on an H200 (2026-12-02), split among the ranks.
+    intra_gbps = c.nvlink_gbps if ranks_per_gpu == 1 else 500.0 / ranks_per_gpu
     allreduce_us = (2 * c_bytes * (G - 1) / G / (intra_gbps * 1e3)
                     + (2 * c_bytes / G * (nodes - 1) / (c.network_gbps * 1e3) if nodes > 1 else 0))
     unfused = c.launch_us + flops / rate + c.launch_us + allreduce_us + 10.0
