@@ -44,11 +44,13 @@ class SymmetricBuffer:
         self._closed = False
 
     def _exchange_handles(self) -> None:
+        """Open every copy on this host: node peers for kernels, the rest for the proxy
+        (nodes split out of one host talk through the `ce` transport)."""
         import cupy
         runtime = cupy.cuda.runtime
         (me,) = self.world.local
         handle = runtime.ipcGetMemHandle(self._own[me.rank])
-        handles = self.world.node_comm.allgather((me.rank, handle))
+        handles = self.world.host_comm.allgather((me.rank, handle))
         with cupy.cuda.Device(me.device):
             for peer, peer_handle in handles:
                 if peer != me.rank:
@@ -95,6 +97,13 @@ class SymmetricBuffer:
         memory = cupy.cuda.UnownedMemory(self.local_ptr(rank), self.nbytes, self,
                                          device_id=self.world.ranks[rank].device)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, offset))
+
+    def host_pointers(self) -> dict[int, int]:
+        """rank -> pointer valid in this process, for every copy this process can map."""
+        out = dict(self._own)
+        for (device, peer), pointer in self._opened.items():
+            out[peer] = pointer
+        return out
 
     def address(self, rank: int, offset: int) -> tuple[int, int, int]:
         """(rank, region, offset) as transports name it, checked against the size."""

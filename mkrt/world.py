@@ -41,6 +41,8 @@ class World:
     emulated: bool
     comm: object = None                    # mpi4py communicator (None when emulated)
     node_comm: object = None               # ranks of this process's node
+    host_comm: object = None               # ranks on this host (CUDA IPC reaches them all)
+    hosts: tuple = ()                      # host index of every rank
     _streams: dict = field(default_factory=dict, repr=False)
     _status: dict = field(default_factory=dict, repr=False)
     _regions: list = field(default_factory=list, repr=False)     # symmetric buffers (mkrt.memory)
@@ -69,6 +71,10 @@ class World:
 
     def same_node(self, a: int, b: int) -> bool:
         return self.ranks[a].node == self.ranks[b].node
+
+    def same_host(self, a: int, b: int) -> bool:
+        """Whether this process can map `b`'s memory directly (emulated: always)."""
+        return self.emulated or self.hosts[a] == self.hosts[b]
 
     @property
     def layout(self) -> str:
@@ -258,8 +264,10 @@ def mpi_world(comm=None, *, ranks_per_node: int | None = None, gpus: int | None 
         device = (on_host % gpus) if gpus else None
         ranks.append(RankInfo(rank=r, node=node, local_rank=local_rank, device=device))
     node_comm = comm.Split(color=ranks[rank].node, key=rank)
+    host_comm = comm.Split(color=host_order.index(hosts[rank]), key=rank)
     world = World(ranks=tuple(ranks), local=(ranks[rank],), emulated=False, comm=comm,
-                  node_comm=node_comm)
+                  node_comm=node_comm, host_comm=host_comm,
+                  hosts=tuple(host_order.index(h) for h in hosts))
     if gpus and visible_gpus():
         import cupy
         cupy.cuda.Device(ranks[rank].device).use()

@@ -1,9 +1,11 @@
 """The proxy service of a world: queues, proxy threads and the region table, per GPU.
 
-In an emulated world every rank lives in this process, so one `ce` proxy per GPU can
-copy between any two ranks' registered memory: that is how emulated nodes talk. Each
-local rank gets its own queue (its kernels post there); every symmetric buffer of the
-world is registered as a region (``buffer.region``) as soon as it exists.
+The `ce` transport copies between any two pieces of memory this process can address:
+in an emulated world every rank's (one process), under mpiexec every rank's on this
+host (CUDA IPC). That is how emulated nodes, and nodes split out of one host with
+MKRT_WORLD_RANKS_PER_NODE, talk. Each local rank gets its own queue (its kernels post
+there); every symmetric buffer of the world is registered as a region
+(``buffer.region``) as soon as it exists. Nodes on other hosts need `verbs`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ class WorldProxy:
     def __init__(self, world, *, slots: int = 1024, threads_per_gpu: int = 1):
         from mkrt.proxy.proxy import Proxy
         from mkrt.proxy.transports.ce import CopyEngineTransport
-        if not world.emulated:
+        if not world.emulated and len(set(world.hosts)) > 1:
             raise NotImplementedError(
-                "mkrt.proxy: traffic between nodes under mpiexec needs the verbs transport, "
-                "which is not wired into worlds yet; use an emulated world (mkrt.init(emulate=...)) "
-                "or one node per job")
+                "mkrt.proxy: nodes on different hosts need the verbs transport, which is not "
+                "wired into worlds yet; split one host into nodes (MKRT_WORLD_RANKS_PER_NODE) "
+                "or use an emulated world")
         self.world = world
         self.regions = Q.new_region_table(world.size, MAX_REGIONS)
         self.queue_sets: dict[int, Q.QueueSet] = {}
@@ -47,7 +49,7 @@ class WorldProxy:
         """Make `buffer`'s copies addressable as (rank, buffer.region, offset)."""
         if buffer.region >= MAX_REGIONS:
             raise ValueError(f"mkrt.proxy: region {buffer.region} exceeds the table's {MAX_REGIONS}")
-        for rank, pointer in buffer._own.items():
+        for rank, pointer in buffer.host_pointers().items():
             Q.set_region(self.regions, rank, buffer.region, pointer, buffer.nbytes)
 
     def unregister(self, buffer) -> None:
