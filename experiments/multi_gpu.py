@@ -1,0 +1,289 @@
+"""The fused kernels on one multi-GPU host, against NCCL + cuBLAS and torch symmetric memory.
+
+One command, under ten minutes, on a host with 2, 4 or 8 GPUs:
+    python3 experiments/multi_gpu.py
+It starts ``mpiexec`` itself (one process per GPU; Open MPI gets --allow-run-as-root), twice:
+  1. one node of all GPUs (peer pointers, CUDA IPC);
+  2. the same host split into 2 nodes (MKRT_WORLD_RANKS_PER_NODE = GPUs/2): traffic between
+     the halves goes through each rank's proxy and the `ce` transport.
+Per run, every rank checks peer access, then correctness (allgather, gemm_allreduce against
+a float32 reference), then times, in the same run:
+  allgather:      mkrt.allgather vs NCCL all_gather_into_tensor (bus bandwidth, nccl-tests'
+                  definition: algbw * (W-1)/W)
+  gemm_allreduce: mkrt fused vs torch.matmul (cuBLAS) + NCCL all_reduce vs mkrt unfused, and
+                  torch.matmul + symmetric-memory all-reduce where torch offers one without
+                  multicast (else the reason it does not apply is recorded)
+Results: experiments/results/multi_gpu.jsonl (one line per case, with GPU count and layout),
+multi_gpu_topology.txt (``nvidia-smi topo -m``) and multi_gpu.png.
+
+NVLink multicast stays off (FACTS.md): NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1 are set for every process, and mkrt never uses multimem.
+
+``--dry-run`` runs the mkrt half on an emulated world of this process's GPUs (no NCCL),
+so the script can be checked on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "experiments" / "results"
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+for _name, _value in NO_MULTICAST.items():
+    os.environ[_name] = _value
+
+ALLGATHER_MIB = [1, 4, 16, 64, 256]
+GEMM_CASES = [(2048, 2048, 128), (4096, 4096, 256), (8192, 8192, 512), (16384, 16384, 1024),
+              (4096, 8192, 3584), (8192, 8192, 3584)]
+
+
+# ---- launcher ------------------------------------------------------------------------------
+
+def gpu_count() -> int:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def launch(args) -> int:
+    from mkrt.launch import child_env, mpiexec_command
+    gpus = gpu_count()
+    if gpus < 2:
+        print(f"multi_gpu: {gpus} GPU(s) here; this experiment needs at least 2 "
+              "(use --dry-run to check the mkrt half on one GPU)")
+        return 2
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=60)
+    (RESULTS / "multi_gpu_topology.txt").write_text(topology.stdout)
+    print(topology.stdout)
+    status = 0
+    for ranks_per_node in (0, gpus // 2):
+        env = child_env(MKRT_WORLD_RANKS_PER_NODE=str(ranks_per_node), **NO_MULTICAST)
+        command = mpiexec_command(gpus, __file__, "--rank-job", "--out", args.out,
+                                  "--iters", str(args.iters))
+        print(" ".join(command), f"(MKRT_WORLD_RANKS_PER_NODE={ranks_per_node})", flush=True)
+        start = time.perf_counter()
+        result = subprocess.run(command, env=env, timeout=420)
+        print(f"(run took {time.perf_counter() - start:.0f} s, exit {result.returncode})")
+        status |= result.returncode
+    plot(args.out)
+    return status
+
+
+# ---- inside each rank ----------------------------------------------------------------------
+
+def init_torch_distributed(world):
+    import torch
+    import torch.distributed as dist
+    (me,) = world.local
+    port = world.comm.bcast(29500 + os.getpid() % 1000 if me.rank == 0 else None, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(me.device)
+    dist.init_process_group("nccl", rank=me.rank, world_size=world.size,
+                            device_id=torch.device("cuda", me.device))
+    return dist
+
+
+def check_peer_access(world) -> list[str]:
+    import cupy
+    (me,) = world.local
+    problems = []
+    for peer in world.node_ranks(me.node):
+        device = world.ranks[peer].device
+        if device != me.device and not cupy.cuda.runtime.deviceCanAccessPeer(me.device, device):
+            problems.append(f"GPU {me.device} cannot access GPU {device}")
+    return problems
+
+
+def slowest(world, ms: float) -> float:
+    """The slowest rank's time: a collective is as fast as its last rank."""
+    return world.comm.allreduce(ms, op=__import__("mpi4py").MPI.MAX) if world.comm else ms
+
+
+def rank_job(args) -> int:
+    import cupy
+    import numpy as np
+    import torch
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.bench import median_ms, record
+    from mkrt.kernels import gemm_allreduce as gar
+    from mkrt.kernels.gemm import to_float32
+
+    world = mkrt.init()
+    (me,) = world.local
+    lead = me.rank == 0
+    problems = check_peer_access(world)
+    dist = init_torch_distributed(world)
+    layout = world.layout
+    records = []
+    tag = {"gpus": world.size, "layout": layout}
+
+    # allgather: correctness, then mkrt vs NCCL
+    ag = mkrt.AllGather(world, timeout_ms=30000)
+    W = world.ranks_per_node
+    for mib in ALLGATHER_MIB:
+        count = int(mib * 2**20) // 4
+        x = cupy.random.standard_normal(count, dtype=np.float32) + me.rank
+        out = ag(x)
+        world.synchronize()
+        gathered = [np.asarray(v) for v in world.node_comm.allgather(x[:64].get())]
+        ok = all(np.array_equal(out[i, :64].get(), gathered[i]) for i in range(W))
+        ms = slowest(world, median_ms(lambda: ag(x, out=out), iters=args.iters))
+        if world.nodes == 1:
+            xt, ot = torch.from_dlpack(x), torch.empty((W * count,), device="cuda", dtype=torch.float32)
+            nccl_ms = slowest(world, median_ms(lambda: dist.all_gather_into_tensor(ot, xt), iters=args.iters))
+        else:
+            nccl_ms = None        # mkrt's allgather is node-local; NCCL's would span nodes
+        total = W * count * 4
+        bus = total / (ms * 1e-3) / 1e9 * (W - 1) / W
+        nccl_bus = total / (nccl_ms * 1e-3) / 1e9 * (W - 1) / W if nccl_ms else None
+        if lead:
+            print(f"[{layout}] allgather {mib:>4} MiB/rank: mkrt {bus:7.1f} GB/s bus"
+                  + (f", NCCL {nccl_bus:7.1f} GB/s" if nccl_bus else "") + f"  correct={ok}")
+        records.append(record("multi_gpu", f"{layout}_allgather_{mib}MiB", "bus_bandwidth", bus,
+                              nccl_bus, "GB/s", correct=ok, baseline_name="NCCL all_gather", **tag))
+    ag.close()
+
+    # gemm_allreduce: correctness on the small cases, then mkrt fused / unfused vs torch+NCCL
+    op = gar.GemmAllReduce(world, fuse=True, timeout_ms=60000)
+    for m, n, k in GEMM_CASES:
+        rng = cupy.random.default_rng(1000 + me.rank)
+        a = rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16)
+        b = (rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+        out = cupy.empty((m, n), bfloat16)
+        error = None
+        if m * n <= 4096 * 4096:
+            op(a, b, out=out)
+            world.synchronize()
+            all_a = world.comm.allgather(a.get())
+            all_b = world.comm.allgather(b.get())
+            expected = sum(to_float32(x) @ to_float32(y) for x, y in zip(all_a, all_b))
+            error = float(np.linalg.norm(to_float32(out.get()) - expected) / np.linalg.norm(expected))
+        fused_ms = slowest(world, median_ms(lambda: op(a, b, out=out), iters=args.iters))
+        unfused_ms = slowest(world, median_ms(lambda: op.unfused(a, b, out=out), iters=args.iters))
+        at, bt = torch.from_dlpack(a), torch.from_dlpack(b)
+        ct = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+
+        def torch_nccl():
+            torch.matmul(at, bt, out=ct)
+            dist.all_reduce(ct)
+        torch_ms = slowest(world, median_ms(torch_nccl, iters=args.iters))
+        symm_ms, symm_note = symmetric_memory_baseline(world, dist, at, bt, args.iters)
+        case = f"{m}x{n}x{k}"
+        if lead:
+            print(f"[{layout}] gemm_allreduce {case:>18}: fused {fused_ms * 1e3:9.1f} us, "
+                  f"torch+NCCL {torch_ms * 1e3:9.1f} us ({torch_ms / fused_ms:.2f}x), "
+                  f"unfused {unfused_ms * 1e3:9.1f} us, symm_mem "
+                  + (f"{symm_ms * 1e3:.1f} us" if symm_ms else symm_note)
+                  + (f", error {error:.1e}" if error is not None else ""))
+        records.append(record("multi_gpu", f"{layout}_gemm_allreduce_{case}", "time", fused_ms * 1e3,
+                              torch_ms * 1e3, "us", higher_is_better=False, m=m, n=n, k_per_rank=k,
+                              unfused_us=unfused_ms * 1e3, symm_mem_us=symm_ms and symm_ms * 1e3,
+                              symm_mem_note=symm_note, rel_error=error,
+                              baseline_name="torch.matmul + NCCL all_reduce", **tag))
+    op.close()
+    if lead:
+        from mkrt.bench import append_jsonl
+        append_jsonl(args.out, records)
+        if problems:
+            print("peer access problems:", problems)
+    dist.destroy_process_group()
+    world.close()
+    return 0
+
+
+def symmetric_memory_baseline(world, dist, at, bt, iters):
+    """torch.matmul + torch's symmetric-memory all-reduce, if torch has one without multicast."""
+    import torch
+    from mkrt.bench import median_ms
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        m, n = at.shape[0], bt.shape[1]
+        buffer = symm_mem.empty((m, n), device="cuda", dtype=torch.bfloat16)
+        symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+        reduce = torch.ops.symm_mem.two_shot_all_reduce_
+
+        def run():
+            torch.matmul(at, bt, out=buffer)
+            reduce(buffer, "sum", dist.group.WORLD.group_name)
+        return slowest(world, median_ms(run, iters=iters)), ""
+    except Exception as error:       # not available in this torch / needs multicast
+        return None, f"n/a ({type(error).__name__}: {str(error)[:80]})"
+
+
+# ---- dry run and plot ----------------------------------------------------------------------
+
+def dry_run(args) -> int:
+    """The mkrt half on an emulated world of this process's GPUs (no NCCL): checks the script."""
+    import cupy
+    import numpy as np
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.kernels import gemm_allreduce as gar
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    for layout in (f"1x{max(2, gpus)}", f"2x{max(1, gpus // 2)}"):
+        world = mkrt.init(emulate=layout)
+        out = mkrt.AllGather(world)([cupy.ones(1000, np.float32) * i for i in range(world.size)])
+        op = gar.GemmAllReduce(world, fuse=True)
+        a = [cupy.ones((256, 64), bfloat16) for _ in world.local]
+        b = [cupy.ones((64, 256), bfloat16) for _ in world.local]
+        c = op(a, b)
+        world.synchronize()
+        ok = float(c[0][0, 0].astype(np.float32)) == 64.0 * world.size
+        print(f"dry run {layout}: allgather {out[0].shape}, gemm_allreduce correct={ok}")
+        world.close()
+    return 0
+
+
+def plot(path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["experiment"] == "multi_gpu" and r["metric"] == "time"]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for layout in sorted({r["layout"] for r in rows}):
+        mine = [r for r in rows if r["layout"] == layout]
+        ax.plot([f"{r['m']}x{r['n']}x{r['k_per_rank']}" for r in mine], [r["ratio"] for r in mine],
+                marker="o", label=f"{layout} vs torch+NCCL")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("torch+NCCL time / mkrt fused time")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default=str(RESULTS / "multi_gpu.jsonl"))
+    args = parser.parse_args()
+    if args.rank_job:
+        return rank_job(args)
+    if args.dry_run:
+        return dry_run(args)
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
