@@ -127,9 +127,18 @@ class World:
         """The world's proxy service (queues, proxy threads, region table), started on
         first use; kernels that send between nodes post to it (mkrt/proxy/world.py)."""
         if self._proxy is None:
+            import atexit
+
             from mkrt.proxy.world import WorldProxy
             self._proxy = WorldProxy(self)
+            # Proxy threads must stop before CUDA and the interpreter go away.
+            atexit.register(self._close_proxy)
         return self._proxy
+
+    def _close_proxy(self) -> None:
+        if self._proxy is not None:
+            proxy, self._proxy = self._proxy, None
+            proxy.close()
 
     def check(self, *, synchronize: bool = False) -> None:
         """Raise mkrt.CommTimeout if any device-side wait of this process's ranks gave up,
@@ -165,9 +174,7 @@ class World:
         for rank in list(self._streams):
             self._streams[rank].synchronize()
         self._streams.clear()
-        if self._proxy is not None:
-            self._proxy.close()
-            self._proxy = None
+        self._close_proxy()
         for block in self._status.values():
             block.close()
         self._status.clear()

@@ -34,6 +34,7 @@ for call in range(3):
     worst = max(worst, error)
 worst = world.comm.allreduce(worst, op=__import__("mpi4py").MPI.MAX)
 op.close()
+world.close()
 if me.rank == 0:
     print(f"MPI_GEMM_ALLREDUCE ranks={world.size} layout={world.layout} worst_error={worst:.2e}")
 sys.exit(0 if worst < 1e-2 else 1)
