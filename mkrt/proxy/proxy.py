@@ -109,98 +109,143 @@ def _address(regions, rank, region, offset, nbytes):
     return regions[rank, region, 0] + offset, regions[rank, region, 2], 0, np.uint64(0)
 
 
-def _build_loop(put, signal, progress, quiesce):
-    """The polling loop specialised for one transport's functions."""
+# decoded command (what validate_command fills; the compiled loop and the verbs proxy read it)
+V_OPCODE, V_RANK, V_SRC, V_SRC_KIND, V_DST, V_DST_KIND, V_BYTES, V_FLAG, V_FLAG_KIND, \
+    V_VALUE, V_SIGNAL, V_SREGION, V_DREGION, V_GREGION, V_SOFFSET, V_DOFFSET, V_GOFFSET = range(17)
+VALIDATED_WORDS = 17
 
-    @njit(nogil=True, cache=False)
-    def execute(ring, base, regions, my_rank, tstate, stats):
-        """Run one command; (error code, detail). Code 0: fine."""
-        w1 = ring[base + _W_OP]
-        opcode = (w1 >> np.uint64(_S_OP)) & np.uint64(_M_OP)
-        if opcode == np.uint64(Q.OP_NOP):
-            return 0, np.uint64(0)
-        rank = (ring[base + _W_RANK] >> np.uint64(_S_RANK)) & np.uint64(_M_RANK)
-        gregion = (ring[base + _W_GREG] >> np.uint64(_S_GREG)) & np.uint64(_M_GREG)
-        goffset = ring[base + _W_GOFF]
-        gvalue = ring[base + _W_GVAL]
-        if opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL):
-            sregion = (ring[base + _W_SREG] >> np.uint64(_S_SREG)) & np.uint64(_M_SREG)
-            dregion = (ring[base + _W_DREG] >> np.uint64(_S_DREG)) & np.uint64(_M_DREG)
-            nbytes = ring[base + _W_BYTES]
-            src, skind, err, detail = _address(regions, my_rank, sregion, ring[base + _W_SOFF], nbytes)
-            if err != 0:
-                return err, detail
-            dst, dkind, err, detail = _address(regions, rank, dregion, ring[base + _W_DOFF], nbytes)
-            if err != 0:
-                return err, detail
-            flag = np.uint64(0)
-            fkind = np.uint64(0)
-            if opcode == np.uint64(Q.OP_PUT_SIGNAL):
-                if goffset & np.uint64(7):
-                    return Q.E_ALIGN, goffset
-                flag, fkind, err, detail = _address(regions, rank, gregion, goffset, np.uint64(8))
-                if err != 0:
-                    return err, detail
-            if nbytes > np.uint64(0):
-                rc = put(tstate, dst, src, nbytes, dkind)
-                stats[S_TRANSPORT] += np.uint64(1)
-                if rc != 0:
-                    return Q.E_TRANSPORT, np.uint64(rc)
-            stats[S_PUTS] += np.uint64(1)
-            stats[S_BYTES] += nbytes
-            if opcode == np.uint64(Q.OP_PUT_SIGNAL):
-                rc = signal(tstate, flag, gvalue, fkind)
-                stats[S_TRANSPORT] += np.uint64(1)
-                if rc != 0:
-                    return Q.E_TRANSPORT, np.uint64(rc)
-                stats[S_SIGNALS] += np.uint64(1)
-            return 0, np.uint64(0)
-        if opcode == np.uint64(Q.OP_SIGNAL) or opcode == np.uint64(Q.OP_FENCE):
-            if opcode == np.uint64(Q.OP_FENCE):
-                rc = quiesce(tstate)
-                stats[S_FENCES] += np.uint64(1)
-                if rc != 0:
-                    return Q.E_TRANSPORT, np.uint64(rc)
-                if gregion == np.uint64(_NO_REGION):
-                    return 0, np.uint64(0)
+
+@njit(nogil=True, cache=False)
+def validate_command(ring, base, regions, my_rank, out):
+    """Decode the command at ring[base:base+8] and check it against the region table.
+
+    Shared by the compiled loop and :class:`mkrt.proxy.verbs_proxy.VerbsProxy`, so both
+    reject exactly the same commands with the same (error code, detail). Fills `out`
+    (``VALIDATED_WORDS`` u64, ``V_*`` indices); ``out[V_SIGNAL]`` is 1 when a flag write
+    at ``out[V_FLAG]`` follows (a barrier's per-rank flags: ``V_GREGION``/``V_GOFFSET``,
+    the offset already advanced by 8 * my_rank, every rank checked here).
+    """
+    w1 = ring[base + _W_OP]
+    opcode = (w1 >> np.uint64(_S_OP)) & np.uint64(_M_OP)
+    out[V_OPCODE] = opcode
+    out[V_SIGNAL] = np.uint64(0)
+    out[V_BYTES] = np.uint64(0)
+    if opcode == np.uint64(Q.OP_NOP):
+        return 0, np.uint64(0)
+    rank = (ring[base + _W_RANK] >> np.uint64(_S_RANK)) & np.uint64(_M_RANK)
+    gregion = (ring[base + _W_GREG] >> np.uint64(_S_GREG)) & np.uint64(_M_GREG)
+    goffset = ring[base + _W_GOFF]
+    out[V_RANK] = rank
+    out[V_GREGION] = gregion
+    out[V_GOFFSET] = goffset
+    out[V_VALUE] = ring[base + _W_GVAL]
+    if opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL):
+        sregion = (ring[base + _W_SREG] >> np.uint64(_S_SREG)) & np.uint64(_M_SREG)
+        dregion = (ring[base + _W_DREG] >> np.uint64(_S_DREG)) & np.uint64(_M_DREG)
+        nbytes = ring[base + _W_BYTES]
+        out[V_SREGION] = sregion
+        out[V_DREGION] = dregion
+        out[V_SOFFSET] = ring[base + _W_SOFF]
+        out[V_DOFFSET] = ring[base + _W_DOFF]
+        out[V_BYTES] = nbytes
+        src, skind, err, detail = _address(regions, my_rank, sregion, ring[base + _W_SOFF], nbytes)
+        if err != 0:
+            return err, detail
+        dst, dkind, err, detail = _address(regions, rank, dregion, ring[base + _W_DOFF], nbytes)
+        if err != 0:
+            return err, detail
+        out[V_SRC] = src
+        out[V_SRC_KIND] = skind
+        out[V_DST] = dst
+        out[V_DST_KIND] = dkind
+        if opcode == np.uint64(Q.OP_PUT_SIGNAL):
             if goffset & np.uint64(7):
                 return Q.E_ALIGN, goffset
             flag, fkind, err, detail = _address(regions, rank, gregion, goffset, np.uint64(8))
             if err != 0:
                 return err, detail
-            rc = signal(tstate, flag, gvalue, fkind)
-            stats[S_TRANSPORT] += np.uint64(1)
-            if rc != 0:
-                return Q.E_TRANSPORT, np.uint64(rc)
-            stats[S_SIGNALS] += np.uint64(1)
+            out[V_FLAG] = flag
+            out[V_FLAG_KIND] = fkind
+            out[V_SIGNAL] = np.uint64(1)
+        return 0, np.uint64(0)
+    if opcode == np.uint64(Q.OP_SIGNAL) or opcode == np.uint64(Q.OP_FENCE):
+        if opcode == np.uint64(Q.OP_FENCE) and gregion == np.uint64(_NO_REGION):
             return 0, np.uint64(0)
-        if opcode == np.uint64(Q.OP_BARRIER):
+        if goffset & np.uint64(7):
+            return Q.E_ALIGN, goffset
+        flag, fkind, err, detail = _address(regions, rank, gregion, goffset, np.uint64(8))
+        if err != 0:
+            return err, detail
+        out[V_FLAG] = flag
+        out[V_FLAG_KIND] = fkind
+        out[V_SIGNAL] = np.uint64(1)
+        return 0, np.uint64(0)
+    if opcode == np.uint64(Q.OP_BARRIER):
+        if goffset & np.uint64(7):
+            return Q.E_ALIGN, goffset
+        slot_offset = goffset + np.uint64(8) * np.uint64(my_rank)
+        out[V_GOFFSET] = slot_offset
+        if gregion >= np.uint64(regions.shape[1]):
+            return Q.E_REGION, gregion
+        # every rank that registered the region takes part; validate all before writing
+        for r in range(regions.shape[0]):
+            if regions[r, gregion, 3] != np.uint64(0):
+                flag, fkind, err, detail = _address(regions, np.uint64(r), gregion,
+                                                    slot_offset, np.uint64(8))
+                if err != 0:
+                    return err, detail
+        out[V_SIGNAL] = np.uint64(1)
+        return 0, np.uint64(0)
+    return Q.E_OPCODE, opcode
+
+
+def _build_loop(put, signal, progress, quiesce):
+    """The polling loop specialised for one transport's functions."""
+
+    @njit(nogil=True, cache=False)
+    def execute(ring, base, regions, my_rank, tstate, stats, v):
+        """Run one command; (error code, detail). Code 0: fine. `v`: scratch for the decode."""
+        err, detail = validate_command(ring, base, regions, my_rank, v)
+        opcode = v[V_OPCODE]
+        if opcode == np.uint64(Q.OP_FENCE) or opcode == np.uint64(Q.OP_BARRIER):
+            # earlier work completes first (also when this command is malformed, as before)
             rc = quiesce(tstate)
+            if opcode == np.uint64(Q.OP_FENCE):
+                stats[S_FENCES] += np.uint64(1)
             if rc != 0:
                 return Q.E_TRANSPORT, np.uint64(rc)
-            if goffset & np.uint64(7):
-                return Q.E_ALIGN, goffset
-            slot_offset = goffset + np.uint64(8) * np.uint64(my_rank)
-            if gregion >= np.uint64(regions.shape[1]):
-                return Q.E_REGION, gregion
-            # every rank that registered the region takes part; validate all before writing
+        if err != 0:
+            return err, detail
+        if opcode == np.uint64(Q.OP_NOP):
+            return 0, np.uint64(0)
+        if opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL):
+            nbytes = v[V_BYTES]
+            if nbytes > np.uint64(0):
+                rc = put(tstate, v[V_DST], v[V_SRC], nbytes, v[V_DST_KIND])
+                stats[S_TRANSPORT] += np.uint64(1)
+                if rc != 0:
+                    return Q.E_TRANSPORT, np.uint64(rc)
+            stats[S_PUTS] += np.uint64(1)
+            stats[S_BYTES] += nbytes
+        if opcode == np.uint64(Q.OP_BARRIER):
+            gregion = v[V_GREGION]
             for r in range(regions.shape[0]):
                 if regions[r, gregion, 3] != np.uint64(0):
                     flag, fkind, err, detail = _address(regions, np.uint64(r), gregion,
-                                                        slot_offset, np.uint64(8))
-                    if err != 0:
-                        return err, detail
-            for r in range(regions.shape[0]):
-                if regions[r, gregion, 3] != np.uint64(0):
-                    flag, fkind, err, detail = _address(regions, np.uint64(r), gregion,
-                                                        slot_offset, np.uint64(8))
-                    rc = signal(tstate, flag, gvalue, fkind)
+                                                        v[V_GOFFSET], np.uint64(8))
+                    rc = signal(tstate, flag, v[V_VALUE], fkind)
                     stats[S_TRANSPORT] += np.uint64(1)
                     if rc != 0:
                         return Q.E_TRANSPORT, np.uint64(rc)
             stats[S_BARRIERS] += np.uint64(1)
             return 0, np.uint64(0)
-        return Q.E_OPCODE, opcode
+        if v[V_SIGNAL] != np.uint64(0):
+            rc = signal(tstate, v[V_FLAG], v[V_VALUE], v[V_FLAG_KIND])
+            stats[S_TRANSPORT] += np.uint64(1)
+            if rc != 0:
+                return Q.E_TRANSPORT, np.uint64(rc)
+            stats[S_SIGNALS] += np.uint64(1)
+        return 0, np.uint64(0)
 
     @njit(nogil=True, cache=False)
     def loop(ring, header, regions, queue_ids, queue_ranks, slots, control, stats, tstate,
@@ -214,6 +259,7 @@ def _build_loop(put, signal, progress, quiesce):
             tails[i] = load_acquire(header, q * _HW + Q.H_TAIL)
             done[i] = tails[i]
         mask = slots - np.uint64(1)
+        scratch = np.zeros(VALIDATED_WORDS, dtype=np.uint64)
         pending = False
         store_release(control, C_RUNNING, np.uint64(1))
         while True:
@@ -232,7 +278,7 @@ def _build_loop(put, signal, progress, quiesce):
                     if failed[i] != 0:
                         stats[S_DROPPED] += np.uint64(1)
                     else:
-                        err, detail = execute(ring, base, regions, queue_ranks[i], tstate, stats)
+                        err, detail = execute(ring, base, regions, queue_ranks[i], tstate, stats, scratch)
                         if err != 0:
                             failed[i] = 1
                             _error(header, q, control, stats, err, detail, tail, i)
