@@ -48,7 +48,7 @@ def test_a_plan_whose_owner_never_reduces_is_reported(monkeypatch):
     assert any("not node-reduced exactly once" in text for text in problems)
 
 
-@pytest.mark.parametrize("k,expected_share", [(256, (0.3, 0.6)), (1024, (0.1, 0.3)), (8192, (0.0, 0.06))])
+@pytest.mark.parametrize("k,expected_share", [(256, (0.5, 0.75)), (1024, (0.2, 0.4)), (8192, (0.0, 0.08))])
 def test_default_role_split_follows_k(k, expected_share):
     reduce = gar.default_reduce_ctas(k, 132)
     assert 1 <= reduce < 132

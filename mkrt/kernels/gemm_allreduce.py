@@ -521,7 +521,7 @@ class Ceilings:
 
     gemm_tflops: float = 700.0          # bf16 GEMM, whole chip
     sms: int = 132
-    sm_stream_gbps: float = 30.0        # what one reduce CTA moves (read + write), measured
+    sm_stream_gbps: float = 22.0        # what one reduce CTA moves (read + write), measured
     nvlink_gbps: float = 360.0          # per direction, per GPU
     network_gbps: float = 45.0          # per GPU (one 400 Gb/s NIC)
     launch_us: float = 6.0
@@ -813,13 +813,16 @@ class GemmAllReduce(Op):
         info = self.world.local[0]
         ranks_per_gpu = len(self.world.ranks_on_device(info.device))
         ctas = self.ctas or self.world.sm_count(info.rank)
-        # Emulated nodes talk through the `ce` proxy on the same GPUs, not a network.
-        ceilings = Ceilings(network_gbps=1500.0) if self.world.emulated else Ceilings()
+        # Nodes on one host talk through the `ce` proxy, not a network: puts cost
+        # microseconds of driver time each, so they are made bigger.
+        same_host = self.world.emulated or len(set(self.world.hosts)) == 1
+        ceilings = Ceilings(network_gbps=35.0) if same_host else Ceilings()
+        send_bytes = (2 << 20) if same_host else (1 << 20)
         return plan(m, n, k, nodes=self.world.nodes, ranks_per_node=self.world.ranks_per_node,
                     ctas=ctas, dtype=dtype, b_layout=self.b_layout, reduce_ctas=self.reduce_ctas,
                     fuse=self.fuse if mode_fuse is None else mode_fuse,
                     sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
-                    ranks_per_gpu=ranks_per_gpu, ceilings=ceilings)
+                    ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings)
 
     def _ensure_buffers(self, p: Plan) -> None:
         """Symmetric buffers big enough for `p` (re-made, after a sync, when a shape grows)."""

@@ -16,7 +16,9 @@ MAX_REGIONS = 4096
 
 
 class WorldProxy:
-    def __init__(self, world, *, slots: int = 1024, threads_per_gpu: int = 1):
+    def __init__(self, world, *, slots: int = 1024, threads_per_gpu: int | None = None):
+        """``threads_per_gpu``: proxy threads per GPU (default: one per local rank on it,
+        each with its own copy stream, since a `ce` put costs microseconds of driver time)."""
         from mkrt.proxy.proxy import Proxy
         from mkrt.proxy.transports.ce import CopyEngineTransport
         if not world.emulated and len(set(world.hosts)) > 1:
@@ -36,8 +38,9 @@ class WorldProxy:
                 self.queue_sets[device] = queue_set
                 for index, rank in enumerate(ranks):
                     self._queue_index[rank] = (device, index)
+                threads = len(ranks) if threads_per_gpu is None else min(threads_per_gpu, len(ranks))
                 self.proxies[device] = Proxy(queue_set, self.regions, CopyEngineTransport(device),
-                                             threads=min(threads_per_gpu, len(ranks)))
+                                             threads=threads)
             for buffer in world._regions:
                 if buffer is not None:
                     self.register(buffer)
