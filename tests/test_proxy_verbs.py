@@ -100,7 +100,111 @@ def test_device_transport_available_or_skipped_with_reason():
     reason = V.availability()
     if reason is not None:
         with pytest.raises(TransportUnavailable, match="verbs transport unavailable"):
-            V.VerbsTransport(comm=None)
+            V.VerbsTransport(0, 1, 2)
         pytest.skip(f"verbs device part not exercised: {reason}")
-    transport = V.VerbsTransport(comm=None)
+    transport = V.VerbsTransport(0, 1, 2)       # loopback: one rank connected to itself
+    buffer = bytearray(4096)
+    import ctypes
+    address = ctypes.addressof((ctypes.c_char * 4096).from_buffer(buffer))
+    transport.register_region(0, address, 4096)
+    transport.complete(transport.connection_data())
     transport.close()
+
+
+def test_pyverbs_api_surface_when_installed():
+    """The classes, attributes and enums the pyverbs backend uses exist (no device needed)."""
+    pytest.importorskip("pyverbs.wr", reason="pyverbs not installed (CI: by design)")
+    import pyverbs.enums as e
+    from pyverbs import addr, cq, device, mr, pd, qp
+    for obj, names in [(qp.QP, ["to_init", "to_rtr", "to_rts", "post_send", "post_recv", "qp_num"]),
+                       (qp.QPAttr, ["dest_qp_num", "rq_psn", "sq_psn", "path_mtu", "ah_attr", "qkey",
+                                    "max_dest_rd_atomic", "min_rnr_timer", "timeout", "retry_cnt",
+                                    "rnr_retry", "max_rd_atomic", "qp_access_flags", "port_num"]),
+                       (cq.CQ, ["poll"]), (cq.WC, ["wr_id", "status", "opcode", "imm_data", "qp_num"]),
+                       (mr.MR, ["lkey", "rkey", "close"]), (mr.DmaBufMR, ["lkey", "rkey"]),
+                       (device.Context, ["query_port", "query_gid"]), (pd.PD, ["close"]),
+                       (addr.AHAttr, ["dlid", "is_global"])]:
+        missing = [n for n in names if not hasattr(obj, n)]
+        assert not missing, (obj, missing)
+    assert (e.IBV_WR_RDMA_WRITE, e.IBV_WR_RDMA_WRITE_WITH_IMM) == (V.IBV_WR_RDMA_WRITE,
+                                                                    V.IBV_WR_RDMA_WRITE_WITH_IMM)
+    assert (e.IBV_SEND_SIGNALED, e.IBV_SEND_INLINE, e.IBV_WC_SUCCESS) == (
+        V.IBV_SEND_SIGNALED, V.IBV_SEND_INLINE, V.IBV_WC_SUCCESS)
+    assert e.IBV_WC_RECV_RDMA_WITH_IMM == V.IBV_WC_RECV_RDMA_WITH_IMM
+    assert (e.IBV_ACCESS_LOCAL_WRITE, e.IBV_ACCESS_REMOTE_WRITE, e.IBV_ACCESS_REMOTE_READ) == (
+        V.IBV_ACCESS_LOCAL_WRITE, V.IBV_ACCESS_REMOTE_WRITE, V.IBV_ACCESS_REMOTE_READ)
+    efadv = pytest.importorskip("pyverbs.providers.efa.efadv")
+    assert all(hasattr(efadv, n) for n in ("SRDQPEx", "EfaQPInitAttr", "EfaContext"))
+    assert all(hasattr(efadv.SRDQPEx, n) for n in ("wr_start", "wr_rdma_write_imm", "wr_set_sge",
+                                                    "wr_set_ud_addr", "wr_complete"))
+    # the WR chain the backend posts, built for real (SendWR/SGE need no device)
+    b = V.WorkRequestBuilder(V.Credits(16, 4), staging=V.LocalRegion(0x5000, 128, 3))
+    wrs = b.put(V.LocalRegion(0x1000, 4096, 1), 0, V.RemoteRegion(0x2000, 4096, 2), 64, 256,
+                flag=(V.RemoteRegion(0x3000, 64, 4), 8, 7, 1), force_signal=True)
+    head = V.pyverbs_chain(wrs)
+    assert head.wr_id == wrs[0].wr_id and head.opcode == e.IBV_WR_RDMA_WRITE
+    assert wrs[1].send_flags == e.IBV_SEND_INLINE | e.IBV_SEND_SIGNALED and wrs[1].local_address == 0x5000 + 16
+
+
+MPI_SCRIPT = r'''"""Run by tests/test_proxy_verbs.py under `mpiexec -n 2 python -m mpi4py`: connection data
+of the verbs transport exchanged with alltoall (fake backend; no RDMA device)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, sys.argv[1])   # tests/: the fake backend
+from mkrt.proxy.transports import verbs as V          # noqa: E402
+from test_proxy_verbs_fake import Fabric, FakeBackend  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+fabric = Fabric()
+fabric.next_qpn = 1000 * (rank + 1)          # distinct QP numbers per process
+fabric.next_key = 100 * (rank + 1)
+backend = FakeBackend(fabric, rank)
+buffers = [np.zeros(4096 * (r + 1), np.uint8) for r in range(2)]
+t = V.VerbsTransport(rank, size, 3, backend=backend)
+t.register_region(0, buffers[0].ctypes.data, buffers[0].nbytes)
+t.register_region(2, buffers[1].ctypes.data, buffers[1].nbytes, dmabuf_fd=7, dmabuf_offset=64)
+t.connect(comm)
+qpns = comm.allgather({p: t.qps[p].qp_num for p in range(size)})
+regions = comm.allgather([tuple(int(x) for x in t.regions[rank, i]) for i in range(3)])
+rkeys = comm.allgather([int(k) for k in t.rkeys[rank]])
+for local, remote, remote_qpn, psn in backend.connects:
+    if qpns[remote][local] != remote_qpn:
+        raise SystemExit(f"rank {rank}: QP to {remote} got qpn {remote_qpn}, expected {qpns[remote][local]}")
+for p in range(size):
+    if not t.connections[p].ready:
+        raise SystemExit(f"rank {rank}: connection to {p} is {t.connections[p].state}")
+    for i in range(3):
+        if p != rank and tuple(int(x) for x in t.regions[p, i]) != regions[p][i] and regions[p][i][3]:
+            raise SystemExit(f"rank {rank}: region ({p}, {i}) = {t.regions[p, i]}, expected {regions[p][i]}")
+        if int(t.rkeys[p, i]) != rkeys[p][i]:
+            raise SystemExit(f"rank {rank}: rkey ({p}, {i}) = {t.rkeys[p, i]}, expected {rkeys[p][i]}")
+if int(t.regions[1 - rank, 2, 0]) != 64 or int(t.regions[1 - rank, 1, 3]) != 0:
+    raise SystemExit(f"rank {rank}: dma-buf region must be addressed by iova 64; got {t.regions[1 - rank]}")
+print(f"rank {rank} connected {len(backend.connects)}", flush=True)
+t.close()
+'''
+
+
+def test_connection_data_exchange_over_mpiexec(tmp_path):
+    """mpiexec -n 2: alltoall of connection data with the fake backend; each rank checks
+    that its QPs point at the peer's QPs and its region table holds the peer's regions."""
+    import subprocess
+    from pathlib import Path
+    from mkrt import launch
+    try:
+        script = tmp_path / "proxy_verbs_mpi.py"
+        script.write_text(MPI_SCRIPT)
+        command = launch.mpiexec_command(2, str(script), str(Path(__file__).parent))
+    except Exception as error:
+        pytest.skip(f"no mpiexec: {error}")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=launch.child_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import re
+    lines = sorted(re.findall(r"rank \d connected \d", proc.stdout))   # ranks' output may share a line
+    assert lines == ["rank 0 connected 2", "rank 1 connected 2"], proc.stdout + proc.stderr
