@@ -35,3 +35,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def make_world():
+    """make_world("2x2") -> an emulated world on the visible GPUs, closed after the test."""
+    import mkrt
+    worlds = []
+
+    def make(layout):
+        world = mkrt.init(emulate=layout)
+        worlds.append(world)
+        return world
+    yield make
+    for world in worlds:
+        world.close()

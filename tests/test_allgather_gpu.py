@@ -31,20 +31,6 @@ def expected_for(world, inputs, info):
     return cupy.stack([inputs[r] for r in world.node_ranks(info.node)])
 
 
-@pytest.fixture
-def make_world():
-    import mkrt
-    worlds = []
-
-    def make(layout):
-        world = mkrt.init(emulate=layout)
-        worlds.append(world)
-        return world
-    yield make
-    for world in worlds:
-        world.close()
-
-
 @pytest.mark.parametrize("layout", ["1x1", "1x2", "1x4", "2x2"])
 @pytest.mark.parametrize("shape,dtype", [((1 << 20,), np.float32), ((333, 7), np.float32),
                                           ((5,), np.int32), ((4096, 128), np.float16)])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 
 from mkrt.kernels import gemm_allreduce as gar

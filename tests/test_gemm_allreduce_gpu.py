@@ -38,20 +38,6 @@ def relative_error(result, expected):
     return float(cupy.linalg.norm(diff) / cupy.linalg.norm(expected))
 
 
-@pytest.fixture
-def make_world():
-    import mkrt
-    worlds = []
-
-    def make(layout):
-        world = mkrt.init(emulate=layout)
-        worlds.append(world)
-        return world
-    yield make
-    for world in worlds:
-        world.close()
-
-
 @pytest.mark.parametrize("case", gar.test_cases(), ids=lambda c: "-".join(map(str, c)))
 def test_fused_matches_float64_reference(make_world, case):
     import cupy

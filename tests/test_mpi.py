@@ -6,7 +6,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from mkrt.launch import child_env, mpiexec_command
 

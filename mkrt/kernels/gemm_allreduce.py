@@ -29,11 +29,10 @@ falls back to it when the planner predicts fusion loses.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
-from mkrt.arrays import as_cupy, dtype_name, like_input
+from mkrt.arrays import like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.op import Op
@@ -902,7 +901,6 @@ class GemmAllReduce(Op):
         return a_list, b_list, outs, as_list, (m, n, k, dtype)
 
     def __call__(self, a, b, out=None):
-        import cupy
         if self.world.size == 1 and not isinstance(a, (list, tuple)):
             # One rank: the plain GEMM (it checks its operands); nothing to reduce.
             self.before_launch()
@@ -914,10 +912,7 @@ class GemmAllReduce(Op):
         self.last_plan = p
         self.before_launch()
         if outs is None:
-            outs = []
-            for info in self.world.local:
-                with cupy.cuda.Device(info.device):
-                    outs.append(cupy.empty((m, n), a_list[0].dtype))
+            outs = self._new_outputs((m, n), a_list[0].dtype)
         if self.world.size == 1:
             gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout,
                              sms=self.ctas)
@@ -929,6 +924,14 @@ class GemmAllReduce(Op):
         if out is not None:
             return out
         return outs if as_list else like_input(outs[0], a)
+
+    def _new_outputs(self, shape, dtype) -> list:
+        import cupy
+        outs = []
+        for info in self.world.local:
+            with cupy.cuda.Device(info.device):
+                outs.append(cupy.empty(shape, dtype))
+        return outs
 
     def _launch(self, p: Plan, a_list, b_list, outs, *, copy_sources=None) -> None:
         """One fused (or, with copy_sources, all-reduce-only) launch on every local rank."""
@@ -980,10 +983,7 @@ class GemmAllReduce(Op):
         p = self.plan_for(m, n, k, dtype, mode_fuse=False)
         self.before_launch()
         if outs is None:
-            outs = []
-            for info in self.world.local:
-                with cupy.cuda.Device(info.device):
-                    outs.append(cupy.empty((m, n), a_list[0].dtype))
+            outs = self._new_outputs((m, n), a_list[0].dtype)
         if self.world.size == 1:
             outs[0][...] = cupy.matmul(a_list[0], b_list[0].T if self.b_layout == "nk" else b_list[0])
         else:

@@ -24,6 +24,8 @@ _EXPORTS = {
     "TransportUnavailable": "mkrt.proxy.transports.base",
     "HostTransport": "mkrt.proxy.transports.host",
     "CopyEngineTransport": "mkrt.proxy.transports.ce",
+    "VerbsTransport": "mkrt.proxy.transports.verbs",
+    "VerbsProxy": "mkrt.proxy.verbs_proxy",
 }
 __all__ = sorted(_EXPORTS) + ["copy_engine_transport"]
 
