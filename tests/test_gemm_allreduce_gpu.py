@@ -178,3 +178,16 @@ def test_a_rank_that_never_signals_raises_comm_timeout(make_world, layout, muted
     assert record.flag in named, (record, sorted(named)[:8])
     with pytest.raises(mkrt.MkrtError, match="failed earlier"):
         op(a_list, b_list)
+
+
+def test_unfused_nccl_is_refused_where_it_cannot_run(make_world):
+    world = make_world("1x2")
+    op = gar.GemmAllReduce(world, timeout_ms=5000)
+    a_list, b_list = operands(world, 256, 256, 64, "kn", "bf16")
+    with pytest.raises(ValueError, match="torch.distributed"):
+        op.unfused(a_list, b_list, allreduce="nccl")      # emulated: no NCCL between ranks
+    with pytest.raises(ValueError, match="allreduce='bogus'"):
+        op.unfused(a_list, b_list, allreduce="bogus")
+    out = op.unfused(a_list, b_list)                       # auto: mkrt's all-reduce
+    world.synchronize()
+    assert relative_error(out[0], gar.reference(a_list, b_list)) < REL_ERROR_BOUND

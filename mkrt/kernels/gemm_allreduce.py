@@ -961,23 +961,40 @@ class GemmAllReduce(Op):
                          shared_mem=spec.smem_bytes, stream=self.world.stream(info.rank))
         self.release_to_caller_stream()
 
-    def _unfused(self, p: Plan, a_list, b_list, outs, *, gemm: str = "cublas") -> None:
-        """GEMM (cuBLAS through CuPy, or mkrt's engine), then the non-overlapped all-reduce."""
+    def _unfused(self, p: Plan, a_list, b_list, outs, *, gemm: str = "cublas",
+                 allreduce: str = "auto") -> None:
+        """GEMM (cuBLAS through CuPy, or mkrt's engine), then the all-reduce, not overlapped:
+        NCCL when the world is one process per GPU and torch.distributed is initialised
+        (``allreduce="auto"`` or ``"nccl"``), else mkrt's own over the same peer pointers
+        and transports (the fused kernel with its compute role copying C_r)."""
         import cupy
+        if allreduce not in ("auto", "nccl", "mkrt"):
+            raise ValueError(f"mkrt.gemm_allreduce: allreduce={allreduce!r}; expected 'auto', "
+                             "'nccl' or 'mkrt'")
+        use_nccl = _nccl_ready(self.world) if allreduce == "auto" else allreduce == "nccl"
+        if use_nccl and not _nccl_ready(self.world):
+            raise ValueError("mkrt.gemm_allreduce: allreduce='nccl' needs one process per GPU "
+                             "and torch.distributed initialised with the nccl backend")
         partials = []
-        for info, a_r, b_r in zip(self.world.local, a_list, b_list):
+        for info, a_r, b_r, out in zip(self.world.local, a_list, b_list, outs):
             with cupy.cuda.Device(info.device):
+                target = out if use_nccl else None
                 if gemm == "mkrt":
-                    partials.append(gemm_module.gemm(a_r, b_r, b_layout=self.b_layout))
+                    partials.append(gemm_module.gemm(a_r, b_r, out=target, b_layout=self.b_layout))
                 else:
-                    partials.append(cupy.matmul(a_r, b_r.T if self.b_layout == "nk" else b_r))
+                    b_view = b_r.T if self.b_layout == "nk" else b_r
+                    partials.append(cupy.matmul(a_r, b_view, out=target))
+        if use_nccl:
+            _nccl_all_reduce(outs[0])
+            return
         self._launch(p, a_list, b_list, outs, copy_sources=partials)
         # The partials are freed when this returns; the all-reduce has read them once the
         # caller's stream passes this point, and CuPy's pool reuses memory stream-ordered.
         self._scratch["partials"] = partials
 
-    def unfused(self, a, b, out=None, *, gemm: str = "cublas"):
-        """The baseline: cuBLAS (or ``gemm="mkrt"``) then mkrt's all-reduce, not overlapped."""
+    def unfused(self, a, b, out=None, *, gemm: str = "cublas", allreduce: str = "auto"):
+        """The baseline: cuBLAS (or ``gemm="mkrt"``) then the all-reduce (NCCL or mkrt's,
+        see :meth:`_unfused`), not overlapped."""
         import cupy
         a_list, b_list, outs, as_list, (m, n, k, dtype) = self._operands(a, b, out)
         p = self.plan_for(m, n, k, dtype, mode_fuse=False)
@@ -987,7 +1004,7 @@ class GemmAllReduce(Op):
         if self.world.size == 1:
             outs[0][...] = cupy.matmul(a_list[0], b_list[0].T if self.b_layout == "nk" else b_list[0])
         else:
-            self._unfused(p, a_list, b_list, outs, gemm=gemm)
+            self._unfused(p, a_list, b_list, outs, gemm=gemm, allreduce=allreduce)
         self.after_launch()
         return out if out is not None else (outs if as_list else outs[0])
 
@@ -996,6 +1013,28 @@ class GemmAllReduce(Op):
             buffer.close()
         self._buffers.clear()
         self._layout_key = None
+
+
+def _nccl_ready(world) -> bool:
+    """One process per GPU, and the caller has initialised torch.distributed with NCCL."""
+    if world.emulated or len(world.local) != 1:
+        return False
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def _nccl_all_reduce(out) -> None:
+    """Sum `out` (a CuPy array) over the world with NCCL, in CuPy's current stream order."""
+    import cupy
+    import torch
+    import torch.distributed as dist
+    stream = torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr,
+                                       device=torch.device("cuda", out.device.id))
+    with torch.cuda.stream(stream):
+        dist.all_reduce(torch.from_dlpack(out))
 
 
 def _descriptors(p: Plan, a, b):
