@@ -14,7 +14,7 @@ def cmd_compile(args) -> int:
     if args.filter:
         specs = [(m, s) for m, s in specs if args.filter in s.uri]
     print(f"{'kernel spec':56} {'entry':24} {'regs':>4} {'spill':>6} {'stack':>6} "
-          f"{'smem':>6} {'compile s':>9}")
+          f"{'smem':>6} {'dyn smem':>8} {'compile s':>9}")
     failures = 0
     for module, spec in specs:
         try:
@@ -23,9 +23,10 @@ def cmd_compile(args) -> int:
             failures += 1
             print(f"{spec.uri:56} FAILED: {str(error).splitlines()[0]}")
             continue
+        dynamic = getattr(spec, "smem_bytes", 0)     # what the launcher asks for
         for entry, res in sorted(build.resources.items()):
             print(f"{spec.uri:56} {entry:24} {res.registers:>4} {res.spills:>6} "
-                  f"{res.stack_frame:>6} {res.static_shared:>6} {build.seconds:>9.2f}")
+                  f"{res.stack_frame:>6} {res.static_shared:>6} {dynamic:>8} {build.seconds:>9.2f}")
     print(f"{len(specs)} specs, {failures} failed")
     return 1 if failures else 0
 

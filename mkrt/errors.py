@@ -44,8 +44,15 @@ class WaitRecord:
     kernel: str = ""
 
     def __str__(self) -> str:
+        meaning = SPECIAL_FLAGS.get(self.flag)
+        flag = f"{self.flag} ({meaning})" if meaning else str(self.flag)
         return (f"rank={self.rank} role={self.role} cta={self.cta} tile={self.tile} "
-                f"flag={self.flag} expected={self.expected} seen={self.seen}")
+                f"flag={flag} expected={self.expected} seen={self.seen}")
+
+
+# Flag ids that name a condition rather than a flag word (mkrt/kernels/device/queue.py).
+SPECIAL_FLAGS = {-2: "the proxy reported an error; seen = its error word",
+                 -3: "no space in the proxy's command ring"}
 
 
 class CommTimeout(MkrtError):

@@ -140,6 +140,11 @@ class ProxyKernelsSpec(KernelSpec):
         return {"KERNEL_ID": f"{KERNEL_ID}ull", "LAYOUT_PROBES": probes}
 
 
+def default_specs() -> list[ProxyKernelsSpec]:
+    """The queue's test and benchmark kernels (compiled by `python -m mkrt compile --all`)."""
+    return [ProxyKernelsSpec()]
+
+
 class StatusWords:
     """A status block for one device (layout in mkrt/kernels/device/sync.py) and the
     pinned host word its waits also raise; ``args`` = the two kernel arguments."""
