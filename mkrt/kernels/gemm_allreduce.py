@@ -239,6 +239,19 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
     }
     __syncthreads();
 
+    if (a.nodes > 1) {
+        // node_sum is what last epoch's puts read. Every other node begins this epoch only
+        // after it has read them (its previous launch waited for our data), so wait for
+        // every node's arrival before overwriting node_sum.
+        if (threadIdx.x < a.nodes) {
+            wait_flags[threadIdx.x] = a.flags + L.node_arrive(threadIdx.x);
+            wait_ids[threadIdx.x] = L.node_arrive(threadIdx.x);
+        }
+        __syncthreads();
+        if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx, -1,
+                           wait_ids, true, a.queue)) return;
+    }
+
     const T* my_partials = (const T*)a.peer_partial[a.me];
     const int owned = (L.tiles - a.me + L.G - 1) / L.G;
     const int batch = a.send_batch;
