@@ -12,6 +12,10 @@ import os as _os
 # launch wait for running kernels (a deadlock until the bounded wait fires). Load eagerly
 # unless the user chose otherwise (only effective before CUDA initialises).
 _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# Ranks' streams, proxy copy streams and the caller's stream must not share hardware work
+# queues: a proxy's flag write queued behind a kernel that waits for it never runs. 32 is
+# the most CUDA allows (default 8); only effective before CUDA initialises.
+_os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 from mkrt import envs as _envs
 from mkrt.errors import CommTimeout, CompileError, MkrtError, WaitRecord

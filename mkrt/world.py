@@ -111,9 +111,11 @@ class World:
         return self._streams[rank]
 
     def sm_count(self, rank: int) -> int:
-        """SMs this rank may fill: the device's, split evenly among ranks sharing it."""
+        """SMs this rank may fill: the device's, split evenly among the ranks sharing it
+        (in this process, or, under mpiexec, in other processes on the same host)."""
         device = self._require_device(rank)
-        return max(1, device_sm_count(device) // len(self.ranks_on_device(device)))
+        sharing = sum(1 for r in self.ranks if r.device == device and self.same_host(rank, r.rank))
+        return max(1, device_sm_count(device) // max(1, sharing))
 
     def status(self, device: int):
         """The status block of `device` (see mkrt/status.py)."""

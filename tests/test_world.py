@@ -69,3 +69,23 @@ def test_init_uses_environment_layout(monkeypatch):
     assert world.layout == "2x3" and world.emulated and mkrt.current_world() is world
     with pytest.raises(ValueError):
         mkrt.init(emulate="2x2", comm=object())
+
+
+def test_too_few_hardware_queues_for_the_proxy_are_refused(monkeypatch):
+    from mkrt.proxy.world import _check_connections
+    world = emulated_world("2x2", gpus=0)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        _check_connections(world, threads_per_gpu=1)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    _check_connections(world, threads_per_gpu=1)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    _check_connections(world, threads_per_gpu=1)
+
+
+def test_ranks_sharing_a_gpu_split_its_sms(monkeypatch):
+    import mkrt.world as world_module
+    monkeypatch.setattr(world_module, "device_sm_count", lambda device: 132)
+    world = emulated_world("1x4", gpus=1)
+    monkeypatch.setattr(world, "_require_device", lambda rank: world.ranks[rank].device)
+    assert [world.sm_count(r) for r in range(4)] == [33, 33, 33, 33]

@@ -405,7 +405,12 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
     } else {
         const int cta = blockIdx.x - a.compute_ctas;
         reduce_role(a, L, epoch, ctx, cta, reduce_ctas);
-        if (aborted(ctx)) return;
+        // Leave together: a per-thread read of the abort word could split the CTA at
+        // the barriers below.
+        __shared__ int stop;
+        if (threadIdx.x == 0) stop = aborted(ctx);
+        __syncthreads();
+        if (stop) return;
         ok = wait_own_result(a, L, epoch, ctx, cta, reduce_ctas);
         if (!ok) return;
         if (a.peer_result) {
@@ -798,6 +803,10 @@ class GemmAllReduce(Op):
     ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
     the planner choose fused or unfused per shape (``op.last_plan`` says which and why).
     ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
+
+    Launches of one op are ordered on each rank's stream (epochs are read and advanced on
+    the device): do not run a captured graph of an op concurrently with eager calls of
+    the same op, or replays of it on two unordered streams.
     """
 
     name = "gemm_allreduce"
@@ -812,6 +821,14 @@ class GemmAllReduce(Op):
         if len(sizes) != 1:
             raise ValueError(f"mkrt.gemm_allreduce: nodes of different sizes ({self.world.layout}) "
                              "are not supported")
+        share = min(self.world.sm_count(info.rank) for info in self.world.local
+                    if info.device is not None) if any(
+                        info.device is not None for info in self.world.local) else None
+        if ctas is not None and share is not None and ctas > share:
+            # Every CTA of the fused kernel needs a whole SM, and all ranks' CTAs must be
+            # resident together: more than the rank's share can wait forever for an SM.
+            raise ValueError(f"mkrt.gemm_allreduce: ctas={ctas} exceeds this rank's share of "
+                             f"{share} SMs (ranks sharing a GPU split its SMs)")
         self.b_layout, self.ctas, self.reduce_ctas, self.fuse = b_layout, ctas, reduce_ctas, fuse
         self.group_m = group_m
         self.muted_rank = -1 if muted_rank is None else int(muted_rank)

@@ -28,6 +28,7 @@ class WorldProxy:
                 "wired into worlds yet; split one host into nodes (MKRT_WORLD_RANKS_PER_NODE) "
                 "or use an emulated world")
         self.world = world
+        _check_connections(world, threads_per_gpu)
         self.regions = Q.new_region_table(world.size, MAX_REGIONS)
         self.queue_sets: dict[int, Q.QueueSet] = {}
         self.proxies = {}
@@ -85,3 +86,19 @@ class WorldProxy:
         if errors:
             raise errors[0]
 
+
+
+def _check_connections(world, threads_per_gpu: int) -> None:
+    """Refuse a hardware-queue setting under which proxy copies can queue behind kernels."""
+    import os
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if value is None:
+        return
+    busiest = max(len(world.ranks_on_device(r.device)) for r in world.local)
+    needed = busiest + min(threads_per_gpu, busiest) + 2     # ranks, proxies, caller, reader
+    if int(value) < needed:
+        raise ValueError(
+            f"mkrt.proxy: CUDA_DEVICE_MAX_CONNECTIONS={value} but this world needs {needed} "
+            "hardware queues per GPU (rank streams, proxy streams, the caller's); with fewer, "
+            "a proxy's copy can wait behind a kernel that waits for it. Unset it (mkrt sets "
+            "32 when imported before CUDA starts) or raise it")
