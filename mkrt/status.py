@@ -7,13 +7,13 @@ synchronisation: ops check at every call, ``world.synchronize()`` checks after w
 
 from __future__ import annotations
 
-import ctypes
 import zlib
 
 import numpy as np
 
 from mkrt.errors import ROLE_NAMES, CommTimeout, WaitRecord
 from mkrt.kernels.device.sync import STATUS_HEADER_WORDS, STATUS_RECORD_WORDS
+from mkrt.proxy.queue import PinnedMemory
 
 _KERNEL_NAMES: dict[int, str] = {}
 
@@ -25,27 +25,21 @@ def kernel_id(name: str) -> int:
     return ident
 
 
-class PinnedWords:
-    """u64 words in pinned, mapped host memory: host view and device pointer."""
-
-    def __init__(self, count: int):
-        import cupy
-        runtime = cupy.cuda.runtime
-        flags = runtime.hostAllocMapped | runtime.hostAllocPortable
-        self.nbytes = 8 * count
-        self.host_ptr = runtime.hostAlloc(self.nbytes, flags)
-        # Unified addressing: a mapped host allocation has the same address on the device.
-        self.device_ptr = self.host_ptr
-        buffer = (ctypes.c_uint64 * count).from_address(self.host_ptr)
-        self.words = np.frombuffer(buffer, dtype=np.uint64)
-        self.words[:] = 0
-
-    def close(self):
-        if self.host_ptr:
-            import cupy
-            self.words = None
-            cupy.cuda.runtime.freeHost(self.host_ptr)
-            self.host_ptr = 0
+def decode_records(words: np.ndarray, slots: int) -> dict[int, WaitRecord]:
+    """slot -> the record a failed wait wrote there (slots with none are absent)."""
+    out = {}
+    for slot in range(slots):
+        rec = words[STATUS_HEADER_WORDS + STATUS_RECORD_WORDS * slot:][:STATUS_RECORD_WORDS]
+        if rec[7] == 0:
+            continue
+        ident = int(rec[7]) & ~(1 << 63)
+        role = int(rec[1])
+        out[slot] = WaitRecord(rank=int(rec[0]),
+                               role=ROLE_NAMES[role] if role < len(ROLE_NAMES) else str(role),
+                               cta=int(rec[2]), tile=int(np.int64(rec[3])),
+                               flag=int(np.int64(rec[4])), expected=int(rec[5]), seen=int(rec[6]),
+                               kernel=_KERNEL_NAMES.get(ident, f"kernel#{ident:x}"))
+    return out
 
 
 class StatusBlock:
@@ -54,7 +48,8 @@ class StatusBlock:
         self.device, self.slots, self.world = device, slots, world
         with cupy.cuda.Device(device):
             self.words = cupy.zeros(STATUS_HEADER_WORDS + STATUS_RECORD_WORDS * slots, np.uint64)
-            self.host = PinnedWords(1)
+            self.host = PinnedMemory(8)      # the abort word's mirror, readable for free
+            self.host_word = self.host.array.view(np.uint64)
             self._reader = cupy.cuda.Stream(non_blocking=True)
         self.timeout_ms: dict[int, float] = {}
 
@@ -64,10 +59,10 @@ class StatusBlock:
 
     @property
     def host_flag_ptr(self) -> int:
-        return self.host.device_ptr
+        return self.host.device_address
 
     def failed(self) -> bool:
-        return bool(self.host.words[0])
+        return bool(self.host_word[0])
 
     def read(self) -> np.ndarray:
         import cupy
@@ -77,20 +72,7 @@ class StatusBlock:
         return out
 
     def records(self) -> list[WaitRecord]:
-        words = self.read()
-        out = []
-        for slot in range(self.slots):
-            rec = words[STATUS_HEADER_WORDS + STATUS_RECORD_WORDS * slot:][:STATUS_RECORD_WORDS]
-            if rec[7] == 0:
-                continue
-            ident = int(rec[7]) & ~(1 << 63)
-            role = int(rec[1])
-            out.append(WaitRecord(rank=int(rec[0]),
-                                  role=ROLE_NAMES[role] if role < len(ROLE_NAMES) else str(role),
-                                  cta=int(rec[2]), tile=int(np.int64(rec[3])),
-                                  flag=int(np.int64(rec[4])), expected=int(rec[5]), seen=int(rec[6]),
-                                  kernel=_KERNEL_NAMES.get(ident, f"kernel#{ident:x}")))
-        return out
+        return list(decode_records(self.read(), self.slots).values())
 
     def raise_if_failed(self, *, blocking: bool = False) -> None:
         if not self.failed() and not (blocking and self.read()[0]):
@@ -100,12 +82,11 @@ class StatusBlock:
             import cupy
             cupy.cuda.Device(self.device).synchronize()
         words = self.read()
-        records = self.records()
+        records = decode_records(words, self.slots)
         self.reset()
         if not records:
             raise CommTimeout(WaitRecord(-1, "unknown", -1, -1, -1, 0, 0), None)
-        first = int(words[1]) - 1
-        head = next((r for r in records if self.world.device_slot(r.rank) == first), records[0])
+        head = records.get(int(words[1]) - 1, next(iter(records.values())))
         raise CommTimeout(head, self.timeout_ms.get(head.rank), others=int(words[2]) - 1)
 
     def reset(self) -> None:
@@ -114,8 +95,9 @@ class StatusBlock:
         with cupy.cuda.Device(self.device):
             self.words.fill(0)
             cupy.cuda.Device(self.device).synchronize()
-        self.host.words[0] = 0
+        self.host_word[0] = 0
 
     def close(self) -> None:
+        self.host_word = None
         self.host.close()
         self.words = None

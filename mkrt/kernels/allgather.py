@@ -30,7 +30,7 @@ import dataclasses
 import numpy as np
 
 from mkrt.jit import cuda_source
-from mkrt.kernels.op import Op
+from mkrt.kernels.op import Op, shared_op
 from mkrt.kernels.spec import KernelSpec
 from mkrt.memory import SymmetricBuffer, flags
 from mkrt.status import kernel_id
@@ -236,16 +236,7 @@ class AllGather(Op):
             self._receive.close()
 
 
-_DEFAULT_OPS: dict = {}
-
-
 def allgather(x, *, world=None, out=None, ctas: int | None = None, timeout_ms: float | None = None):
     """Gather x from every rank of the node; see :class:`AllGather`. Keeps one op per
     (world, ctas, timeout); an op that failed is replaced on the next call."""
-    from mkrt.world import current_world
-    world = world if world is not None else current_world()
-    key = (id(world), ctas, timeout_ms)
-    op = _DEFAULT_OPS.get(key)
-    if op is None or op.world is not world or op._failed is not None:
-        op = _DEFAULT_OPS[key] = AllGather(world, ctas=ctas, timeout_ms=timeout_ms)
-    return op(x, out=out)
+    return shared_op(AllGather, world, ctas=ctas, timeout_ms=timeout_ms)(x, out=out)

@@ -33,6 +33,7 @@ from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register the pieces)
 from mkrt.kernels.spec import KernelSpec
+from mkrt.world import device_sm_count
 
 GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;
@@ -278,24 +279,18 @@ def tma_descriptor_2d(pointer: int, dtype: str, inner: int, outer: int, row_byte
     return descriptor
 
 
+def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, n: int, k: int,
+                        *, b_columns: int | None = None):
+    """Tensor maps of A [M, K] and B ([N, K], or [K, b_columns] for "kn") as the engine loads
+    them: A in BM x 64 boxes, B in BN x 64 (nk) or 64 x 64 (kn) boxes."""
+    tma_a = tma_descriptor_2d(a_pointer, spec.dtype, k, m, k * 2, 64, spec.block_m)
+    if spec.b_layout == "nk":
+        return tma_a, tma_descriptor_2d(b_pointer, spec.dtype, k, n, k * 2, 64, spec.block_n)
+    columns = n if b_columns is None else b_columns
+    return tma_a, tma_descriptor_2d(b_pointer, spec.dtype, columns, k, columns * 2, 64, 64)
+
+
 # ---- launcher ------------------------------------------------------------------------
-
-_FUNCTIONS: dict = {}
-
-
-@functools.cache
-def _sm_count(device: int) -> int:
-    import cupy
-    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-
-
-def _function(spec: GemmSpec, device: int):
-    key = (spec, device)
-    function = _FUNCTIONS.get(key)
-    if function is None:
-        function = _FUNCTIONS[key] = spec.function("gemm", device, spec.smem_bytes)
-    return function
-
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_n: int = 256, stages: int | None = None, epilogue: str = "auto", stream=None):
@@ -326,7 +321,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
                              "not C-contiguous (row-major); pass a contiguous array")
         if x.data.ptr % 16:
             raise ValueError(f"mkrt.gemm: {name} starts at {x.data.ptr:#x}, not 16-byte aligned")
-    total_sms = _sm_count(device)
+    total_sms = device_sm_count(device)
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_n=block_n, stages=stages, group_m=group_m, epilogue=epilogue)
     if sms is not None and sms > total_sms:
@@ -335,21 +330,18 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     with cupy.cuda.Device(device):
         if out_view is None:
             out_view = cupy.empty((m, n), dtype=a_view.dtype)
-        tma_a = tma_descriptor_2d(a_view.data.ptr, dtype, k, m, k * 2, 64, spec.block_m)
-        if b_layout == "nk":
-            tma_b = tma_descriptor_2d(b_view.data.ptr, dtype, k, n, k * 2, 64, spec.block_n)
-        else:
-            b_rows = b_view
-            if p.pad_n != n:   # TMA needs 16-byte row strides: pad N to a multiple of 8
-                b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
-                b_rows[:, :n] = b_view
-            tma_b = tma_descriptor_2d(b_rows.data.ptr, dtype, p.pad_n, k, p.pad_n * 2, 64, 64)
+        b_rows = b_view
+        if b_layout == "kn" and p.pad_n != n:   # TMA needs 16-byte rows: pad N to a multiple of 8
+            b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
+            b_rows[:, :n] = b_view
+        tma_a, tma_b = operand_descriptors(spec, a_view.data.ptr, b_rows.data.ptr, m, n, k,
+                                           b_columns=p.pad_n)
         if spec.epilogue == "tma":
             tma_out = tma_descriptor_2d(out_view.data.ptr, dtype, n, m, n * 2, 64, 64)
         else:
             tma_out = tma_a   # unused by the direct epilogue
         pairs_aligned = np.int32(n % 2 == 0)
-        function = _function(spec, device)
+        function = spec.function("gemm", device, spec.smem_bytes)   # built, loaded once
         function((p.grid,), (spec.threads,),
                  (tma_a.argument, tma_b.argument, tma_out.argument, out_view, np.int32(m), np.int32(n),
                   np.int32(k), np.int32(n), np.int32(p.group_m), pairs_aligned),

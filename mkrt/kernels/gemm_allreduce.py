@@ -35,7 +35,7 @@ import numpy as np
 from mkrt.arrays import like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
-from mkrt.kernels.op import Op
+from mkrt.kernels.op import Op, shared_op
 from mkrt.kernels.schedule import find_stall
 from mkrt.kernels.spec import KernelSpec
 from mkrt.memory import SymmetricBuffer
@@ -753,12 +753,13 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
                   + ("" if fused else " (fusion loses at this size: unfused path)"))
     else:
         fused, reason = bool(fuse), f"fuse={fuse} requested"
-    tile_bytes = spec.block_m * spec.block_n * 2
-    owned = -(-(-(-m // spec.block_m) * -(-n // spec.block_n)) // ranks_per_node)
-    send_batch = 1 if nodes == 1 else max(1, min(-(-send_bytes // tile_bytes),
-                                                  -(-owned // reduce_ctas)))
-    return Plan(spec, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,
-                fused_us, unfused_us, send_batch)
+    p = Plan(spec, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,
+             fused_us, unfused_us)
+    if nodes == 1:
+        return p
+    # p.slots: the most tiles a rank owns.
+    send_batch = max(1, min(-(-send_bytes // p.tile_bytes), -(-p.slots // reduce_ctas)))
+    return dataclasses.replace(p, send_batch=send_batch)
 
 
 def _predict(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_gpu, c: Ceilings):
@@ -855,7 +856,7 @@ class GemmAllReduce(Op):
 
     def _ensure_buffers(self, p: Plan) -> None:
         """Symmetric buffers big enough for `p` (re-made, after a sync, when a shape grows)."""
-        tile_bytes = p.spec.block_m * p.spec.block_n * 2
+        tile_bytes = p.tile_bytes
         need = {"flags": p.flags.words * 8,
                 "partial": p.G * p.slots * tile_bytes,
                 "result": 0 if self.world.emulated else p.m * p.n * 2}
@@ -882,11 +883,8 @@ class GemmAllReduce(Op):
         """The kernel's Args struct for one rank (a numpy record; its bytes are the argument)."""
         b = self._buffers
         rank = info.rank
-        key = ("tables", rank)
-        if key not in self._scratch:
-            self._scratch[key] = (b["flags"].peer_table(rank), b["partial"].peer_table(rank),
-                                  b["result"].peer_table(rank) if "result" in b else None)
-        flags_table, partial_table, result_table = self._scratch[key]
+        flags_table, partial_table = b["flags"].peer_table(rank), b["partial"].peer_table(rank)
+        result_table = b["result"].peer_table(rank) if "result" in b else None
         args = np.zeros((), ARGS_DTYPE)
         args["copy_source"], args["out"] = copy_source, out_ptr
         args["m"], args["n"], args["k"], args["group_m"] = p.m, p.n, p.k, self.group_m
@@ -1068,16 +1066,10 @@ def _nccl_all_reduce(out) -> None:
 
 
 def _descriptors(p: Plan, a, b):
-    dtype, k, m, n = p.spec.dtype, p.k, p.m, p.n
-    tma_a = gemm_module.tma_descriptor_2d(a.data.ptr, dtype, k, m, k * 2, 64, p.spec.block_m)
-    if p.spec.b_layout == "nk":
-        tma_b = gemm_module.tma_descriptor_2d(b.data.ptr, dtype, k, n, k * 2, 64, p.spec.block_n)
-    else:
-        if n % 8:
-            raise ValueError(f"mkrt.gemm_allreduce: b_layout='kn' needs n % 8 == 0 (TMA rows of "
-                             f"16 bytes); got n={n}: pass B as [N, K] (b_layout='nk')")
-        tma_b = gemm_module.tma_descriptor_2d(b.data.ptr, dtype, n, k, n * 2, 64, 64)
-    return tma_a, tma_b
+    if p.spec.b_layout == "kn" and p.n % 8:
+        raise ValueError(f"mkrt.gemm_allreduce: b_layout='kn' needs n % 8 == 0 (TMA rows of "
+                         f"16 bytes); got n={p.n}: pass B as [N, K] (b_layout='nk')")
+    return gemm_module.operand_descriptors(p.spec.engine, a.data.ptr, b.data.ptr, p.m, p.n, p.k)
 
 
 _DUMMY = None
@@ -1104,18 +1096,10 @@ def _struct_argument(record: np.ndarray):
 _KEEP: list = []
 
 
-_DEFAULT_OPS: dict = {}
-
-
 def gemm_allreduce(a, b, *, world=None, out=None, b_layout: str = "kn", **options):
-    """C = sum over ranks of a_r @ b_r on every rank; see :class:`GemmAllReduce`."""
-    from mkrt.world import current_world
-    world = world if world is not None else current_world()
-    key = (id(world), b_layout, tuple(sorted(options.items())))
-    op = _DEFAULT_OPS.get(key)
-    if op is None or op.world is not world or op._failed is not None:
-        op = _DEFAULT_OPS[key] = GemmAllReduce(world, b_layout=b_layout, **options)
-    return op(a, b, out=out)
+    """C = sum over ranks of a_r @ b_r on every rank; see :class:`GemmAllReduce`. Keeps one
+    op per (world, options); an op that failed is replaced on the next call."""
+    return shared_op(GemmAllReduce, world, b_layout=b_layout, **options)(a, b, out=out)
 
 
 def test_cases():

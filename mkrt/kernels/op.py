@@ -134,3 +134,17 @@ class Op:
         return (np.uint64(block.device_ptr), np.uint64(block.host_flag_ptr),
                 np.int32(self.world.device_slot(rank)), np.int32(rank),
                 np.uint64(int(self.timeout_ms * 1e6)))
+
+
+_SHARED_OPS: dict = {}
+
+
+def shared_op(op_class, world=None, **options):
+    """The op the function forms (``mkrt.allgather(x)``) call: one per (class, world,
+    options), built on first use, replaced once it has failed."""
+    world = world if world is not None else current_world()
+    key = (op_class, id(world), tuple(sorted(options.items())))
+    op = _SHARED_OPS.get(key)
+    if op is None or op.world is not world or op._failed is not None:
+        op = _SHARED_OPS[key] = op_class(world, **options)
+    return op

@@ -21,6 +21,7 @@ import numpy as np
 
 from mkrt.jit import cuda_source
 from mkrt.kernels.spec import KernelSpec
+from mkrt.status import kernel_id
 
 KERNELS = cuda_source("proxy_kernels", r"""
 // Fields by name: robust to the Context growing (new fields start zeroed).
@@ -121,7 +122,7 @@ extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* an
 }
 """, requires=("queue",), register=False)
 
-KERNEL_ID = 0x70726F7879  # "proxy"
+KERNEL_ID = kernel_id("proxy_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +168,11 @@ def status_words(slots: int = 1) -> StatusWords:
 
 def raise_status(status, timeout_ms: float | None = None):
     """Raise CommTimeout from a status block whose abort word is set (slot 0's record)."""
-    from mkrt.errors import ROLE_NAMES, CommTimeout, WaitRecord
+    from mkrt.errors import CommTimeout, WaitRecord
+    from mkrt.status import decode_records
     words = status.get() if hasattr(status, "get") else np.asarray(status)
     if not words[0]:
         return
-    r = words[8:16]
-    record = WaitRecord(rank=int(r[0]), role=ROLE_NAMES[int(r[1])] if r[1] < len(ROLE_NAMES) else str(int(r[1])),
-                        cta=int(r[2]), tile=int(np.int64(r[3])), flag=int(np.int64(r[4])),
-                        expected=int(r[5]), seen=int(r[6]), kernel="proxy_kernels")
+    record = decode_records(words, 1).get(0) or WaitRecord(-1, "unknown", -1, -1, -1, 0, 0,
+                                                           kernel="proxy_kernels")
     raise CommTimeout(record, timeout_ms=timeout_ms, others=max(0, int(words[2]) - 1))
