@@ -116,6 +116,21 @@ VALIDATED_WORDS = 17
 
 
 @njit(nogil=True, cache=False)
+def _signal_target(regions, rank, region, offset, out):
+    """Check the u64 flag a command signals (aligned, inside a registered region) and
+    record where it is in `out`; (error code, detail)."""
+    if offset & np.uint64(7):
+        return Q.E_ALIGN, offset
+    flag, kind, err, detail = _address(regions, rank, region, offset, np.uint64(8))
+    if err != 0:
+        return err, detail
+    out[V_FLAG] = flag
+    out[V_FLAG_KIND] = kind
+    out[V_SIGNAL] = np.uint64(1)
+    return 0, np.uint64(0)
+
+
+@njit(nogil=True, cache=False)
 def validate_command(ring, base, regions, my_rank, out):
     """Decode the command at ring[base:base+8] and check it against the region table.
 
@@ -159,27 +174,12 @@ def validate_command(ring, base, regions, my_rank, out):
         out[V_DST] = dst
         out[V_DST_KIND] = dkind
         if opcode == np.uint64(Q.OP_PUT_SIGNAL):
-            if goffset & np.uint64(7):
-                return Q.E_ALIGN, goffset
-            flag, fkind, err, detail = _address(regions, rank, gregion, goffset, np.uint64(8))
-            if err != 0:
-                return err, detail
-            out[V_FLAG] = flag
-            out[V_FLAG_KIND] = fkind
-            out[V_SIGNAL] = np.uint64(1)
+            return _signal_target(regions, rank, gregion, goffset, out)
         return 0, np.uint64(0)
     if opcode == np.uint64(Q.OP_SIGNAL) or opcode == np.uint64(Q.OP_FENCE):
         if opcode == np.uint64(Q.OP_FENCE) and gregion == np.uint64(_NO_REGION):
             return 0, np.uint64(0)
-        if goffset & np.uint64(7):
-            return Q.E_ALIGN, goffset
-        flag, fkind, err, detail = _address(regions, rank, gregion, goffset, np.uint64(8))
-        if err != 0:
-            return err, detail
-        out[V_FLAG] = flag
-        out[V_FLAG_KIND] = fkind
-        out[V_SIGNAL] = np.uint64(1)
-        return 0, np.uint64(0)
+        return _signal_target(regions, rank, gregion, goffset, out)
     if opcode == np.uint64(Q.OP_BARRIER):
         if goffset & np.uint64(7):
             return Q.E_ALIGN, goffset
