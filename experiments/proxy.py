@@ -9,7 +9,9 @@ Measures, in one run on one GPU:
      host memory, many CTAs posting) — target >= 5 M/s for one thread;
   3. the one-thread rate again while another Python thread runs pure-Python code (GIL busy);
   4. `ce` bandwidth vs message size against back-to-back cuMemcpyAsync D2D issued from
-     compiled code (no Python in the loop) — target >= 90% from 1 MiB up.
+     compiled code (no Python in the loop) — target >= 90% from 1 MiB up — for each
+     transport mode (batched copies with/without the copy-engine hint, one call per put);
+  5. whether a `ce` copy lands while a kernel holds every SM waiting for it.
 
 Launch (GPU machine, checkout in place):
     PYTHONPATH=$PWD python3 experiments/proxy.py --out experiments/results/proxy.jsonl
@@ -19,46 +21,30 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 
 
-def _commit() -> str:
-    if os.environ.get("MKRT_COMMIT"):
-        return os.environ["MKRT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
-
-
 class Recorder:
-    def __init__(self, path, gpu):
-        self.path, self.gpu = path, gpu
-        self.common = {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": _commit(),
-                       "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
-        self.rows = []
+    """Prints each result and appends it to `path` (records from mkrt.bench: one commit
+    stamp, MKRT_BENCH_COMMIT on the device copy)."""
+
+    def __init__(self, path):
+        self.path = path
 
     def add(self, case, metric, value, baseline, unit, **extra):
-        ratio = (value / baseline) if baseline else None
-        row = {"experiment": "proxy", "case": case, "metric": metric, "value": round(value, 4),
-               "baseline": None if baseline is None else round(baseline, 4),
-               "ratio": None if ratio is None else round(ratio, 4), "unit": unit,
-               **self.common, **extra}
-        self.rows.append(row)
+        from mkrt.bench import append_jsonl, record
+        row = record("proxy", case, metric, round(value, 4),
+                     None if baseline is None else round(baseline, 4), unit, **extra)
+        if row["ratio"] is not None:
+            row["ratio"] = round(row["ratio"], 4)
+        ratio = row["ratio"] or float("nan")
         print(f"{case:<40} {metric:<22} {value:>12.3f} {unit:<6} | ref "
-              f"{(baseline if baseline is not None else float('nan')):>10.3f} | x{(ratio or float('nan')):.3f}",
+              f"{(baseline if baseline is not None else float('nan')):>10.3f} | x{ratio:.3f}",
               flush=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(self.path, [row])
 
 
 # ---------------------------------------------------------------------------- latency
@@ -98,7 +84,7 @@ def latency(rec, args, fn_raw, fn_pp):
     w = words.array.view(np.uint64)
     respond(w, 0, 1)  # compile
     results = {}
-    for trial in range(2):
+    for trial in range(args.trials):
         w[:] = 0
         cycles = cupy.zeros(iters, dtype=np.int64)
         elapsed = cupy.zeros(2, dtype=np.uint64)
@@ -142,7 +128,7 @@ def latency(rec, args, fn_raw, fn_pp):
         qs.close()
         flag.close()
     words.close()
-    raw = min(results["raw"])           # best of two trials for each, same treatment
+    raw = min(results["raw"])           # best of the trials for each, same treatment
     host = min(results["host"])
     ce = min(results["ce"])
     rec.add("roundtrip_raw_pinned_pingpong", "median_us", raw[0], None, "us", p99_us=raw[1])
@@ -227,6 +213,13 @@ def _copier():
     return copies
 
 
+CE_MODES = {   # CopyEngineTransport options per mode
+    "batch_ce": dict(batch_copies=True, prefer_copy_engines=True),     # the default
+    "batch": dict(batch_copies=True, prefer_copy_engines=False),
+    "per_put": dict(batch_copies=False),
+}
+
+
 def ce_bandwidth(rec, args, fn_puts):
     import cupy
     from mkrt.proxy import Proxy, QueueSet, new_region_table, set_region, REGION_DEVICE
@@ -240,48 +233,129 @@ def ce_bandwidth(rec, args, fn_puts):
     set_region(regions, 0, 0, src.data.ptr, region, REGION_DEVICE)
     set_region(regions, 1, 0, dst.data.ptr, region, REGION_DEVICE)
     set_region(regions, 1, 1, flags.data.ptr, flags.nbytes, REGION_DEVICE)
-    qs = QueueSet(1, 4096, [0], memory="pinned")
     status = status_words()
     result = cupy.zeros(1, dtype=np.uint64)
     copies = _copier()
     stream = cupy.cuda.Stream(non_blocking=True)
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    with Proxy(qs, regions, CopyEngineTransport(0), threads=1, batch=64):
-        desc = qs.device_descriptors()
-        for size_kib in args.sizes_kib:
-            chunk = size_kib << 10
-            count = min(4096, region // chunk)
-            proxy_ms, ref_ms = [], []
-            for rep in range(args.reps + 1):
-                dst[:] = 0
-                flags[:] = 0
-                cupy.cuda.Device(0).synchronize()
-                start.record(stream)
-                fn_puts((1,), (32,), (desc, np.int32(1), np.uint32(1), np.uint32(1), flags,
-                                      np.uint64(chunk), np.int32(count), np.int32(count), *status.args,
-                                      np.uint64(10**10), result), stream=stream)
-                end.record(stream)
-                end.synchronize()
-                raise_status(status)
-                if rep == 0:
-                    if not bool((dst[: chunk * count] == src[: chunk * count]).all()):
-                        raise RuntimeError(f"ce data mismatch at {chunk=}")
-                    continue
-                proxy_ms.append(cupy.cuda.get_elapsed_time(start, end))
-                start.record(stream)
-                rc = copies(np.uint64(dst.data.ptr), np.uint64(src.data.ptr), np.uint64(chunk),
-                            count, np.uint64(stream.ptr))
-                end.record(stream)
-                end.synchronize()
-                if rc:
-                    raise RuntimeError(f"cuMemcpyAsync failed: {rc}")
-                ref_ms.append(cupy.cuda.get_elapsed_time(start, end))
-            nbytes = chunk * count
-            bw = nbytes / (np.median(proxy_ms) * 1e-3) / 1e9
-            ref = nbytes / (np.median(ref_ms) * 1e-3) / 1e9
-            rec.add(f"ce_put_{size_kib}KiB_x{count}", "bandwidth_GBps", bw, ref, "GB/s",
-                    target="ratio >= 0.90 from 1 MiB", bytes_counted="copied bytes (not read+write)")
-    qs.close()
+    for mode in args.ce_modes:
+        qs = QueueSet(1, 4096, [0], memory="pinned")
+        transport = CopyEngineTransport(0, **CE_MODES[mode])
+        with Proxy(qs, regions, transport, threads=1, batch=64):
+            desc = qs.device_descriptors()
+            for size_kib in args.sizes_kib:
+                chunk = size_kib << 10
+                count = min(4096, region // chunk)
+                proxy_ms, ref_ms = [], []
+                calls_before = transport.copy_calls()
+                for rep in range(args.reps + 1):
+                    dst[:] = 0
+                    flags[:] = 0
+                    cupy.cuda.Device(0).synchronize()
+                    start.record(stream)
+                    fn_puts((1,), (32,), (desc, np.int32(1), np.uint32(1), np.uint32(1), flags,
+                                          np.uint64(chunk), np.int32(count), np.int32(count),
+                                          *status.args, np.uint64(10**10), result), stream=stream)
+                    end.record(stream)
+                    end.synchronize()
+                    raise_status(status)
+                    if rep == 0:
+                        if not bool((dst[: chunk * count] == src[: chunk * count]).all()):
+                            raise RuntimeError(f"ce data mismatch at {chunk=} ({mode=})")
+                        continue
+                    proxy_ms.append(cupy.cuda.get_elapsed_time(start, end))
+                    start.record(stream)
+                    rc = copies(np.uint64(dst.data.ptr), np.uint64(src.data.ptr), np.uint64(chunk),
+                                count, np.uint64(stream.ptr))
+                    end.record(stream)
+                    end.synchronize()
+                    if rc:
+                        raise RuntimeError(f"cuMemcpyAsync failed: {rc}")
+                    ref_ms.append(cupy.cuda.get_elapsed_time(start, end))
+                calls = (transport.copy_calls() - calls_before) / (args.reps + 1)
+                nbytes = chunk * count
+                bw = nbytes / (np.median(proxy_ms) * 1e-3) / 1e9
+                ref = nbytes / (np.median(ref_ms) * 1e-3) / 1e9
+                rec.add(f"ce_put_{size_kib}KiB_x{count}_{mode}", "bandwidth_GBps", bw, ref, "GB/s",
+                        target="ratio >= 0.90 from 1 MiB", transport_options=CE_MODES[mode],
+                        driver_copy_calls_per_run=round(calls, 1),
+                        reference="back-to-back cuMemcpyAsync D2D from compiled code, same sizes",
+                        bytes_counted="copied bytes (not read+write)")
+        qs.close()
+
+
+def ce_with_every_sm_held(rec, args, fn_hold):
+    """Can a proxy copy land while persistent CTAs hold every SM and wait for it?
+
+    A kernel of 2 CTAs x 1024 threads per SM holds every thread slot until a flag in
+    device memory is set; the host then posts one 64 MiB put + signal (host producer, the
+    same ring protocol) and the proxy's `ce` copies it. If the copy needs an SM kernel it
+    cannot run until the holder gives up (timeout, result 2 per CTA). The reference: the
+    same copy + flag write issued directly (cuMemcpyAsync + cuStreamWriteValue64).
+    """
+    import cupy
+    from mkrt.proxy import Proxy, QueueSet, new_region_table, set_region, REGION_DEVICE
+    from mkrt.proxy import OP_PUT_SIGNAL
+    from mkrt.proxy import producer as P
+    from mkrt.proxy.transports.ce import CopyEngineTransport, _function, _libcuda
+    nbytes = 64 << 20
+    sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    src = cupy.random.randint(0, 256, nbytes, dtype=np.uint8)
+    dst = cupy.zeros(nbytes, dtype=np.uint8)
+    flag = cupy.zeros(8, dtype=np.uint64)
+    result = cupy.zeros(2 * sms, dtype=np.uint64)
+    regions = new_region_table(2, 2)
+    set_region(regions, 0, 0, src.data.ptr, nbytes, REGION_DEVICE)
+    set_region(regions, 1, 0, dst.data.ptr, nbytes, REGION_DEVICE)
+    set_region(regions, 1, 1, flag.data.ptr, flag.nbytes, REGION_DEVICE)
+    hold_stream = cupy.cuda.Stream(non_blocking=True)
+    copy_stream = cupy.cuda.Stream(non_blocking=True)
+    lib = _libcuda()
+    u64 = ctypes.c_uint64
+    memcpy_async = _function(lib, ["cuMemcpyAsync"], [u64, u64, u64, u64])
+    write_value = _function(lib, ["cuStreamWriteValue64_v2", "cuStreamWriteValue64"],
+                            [u64, u64, u64, ctypes.c_uint32])
+    timeout_ns = 1_000_000_000
+    put_signal = P.command(OP_PUT_SIGNAL, dst_rank=1, src_region=0, dst_region=0, nbytes=nbytes,
+                           signal_region=1, signal_offset=0, signal_value=1)
+
+    def trial(issue):
+        dst[:] = 0
+        flag[:] = 0
+        result[:] = 7
+        cupy.cuda.Device(0).synchronize()
+        fn_hold((2 * sms,), (1024,), (flag, np.uint64(1), np.uint64(timeout_ns), result),
+                stream=hold_stream)
+        time.sleep(0.002)                       # the holder is resident
+        t0 = time.perf_counter()
+        issue()
+        hold_stream.synchronize()
+        held_us = (time.perf_counter() - t0) * 1e6
+        cupy.cuda.Device(0).synchronize()
+        landed = bool((dst == src).all())
+        timed_out = int((result == 2).sum().get())
+        return held_us, timed_out, landed
+
+    def direct():
+        memcpy_async(dst.data.ptr, src.data.ptr, nbytes, copy_stream.ptr)
+        write_value(copy_stream.ptr, flag.data.ptr, 1, 0)
+
+    outcomes = {"direct_cuMemcpyAsync": [trial(direct) for _ in range(2)]}
+    for mode in args.ce_modes:
+        qs = QueueSet(1, 64, [0], memory="pinned")
+        with Proxy(qs, regions, CopyEngineTransport(0, **CE_MODES[mode]), threads=1):
+            def via_proxy():
+                P.post(qs.ring, qs.header, np.uint64(qs.slots), 0, put_signal, np.int64(10**9))
+            outcomes[mode] = [trial(via_proxy) for _ in range(2)]
+        qs.close()
+    for name, runs in outcomes.items():
+        held_us, timed_out, landed = min(runs)
+        if not all(r[2] for r in runs):
+            raise RuntimeError(f"every-SM-held probe: data did not land ({name})")
+        rec.add(f"ce_64MiB_every_sm_held_{name}", "flag_seen_us", held_us, None, "us",
+                holder_ctas_timed_out=timed_out, holder_ctas=2 * sms,
+                holder_timeout_us=timeout_ns / 1e3,
+                note="0 CTAs timed out: the copy ran while every thread slot was held")
 
 
 def main():
@@ -292,12 +366,11 @@ def main():
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--sizes-kib", type=int, nargs="*", default=[64, 256, 1024, 4096, 16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--ce-modes", nargs="*", default=list(CE_MODES), choices=list(CE_MODES))
+    parser.add_argument("--trials", type=int, default=3, help="round-trip trials (best median)")
     args = parser.parse_args()
-    import cupy
     from mkrt.proxy.kernels import ProxyKernelsSpec
-    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    rec = Recorder(args.out, gpu)
+    rec = Recorder(args.out)
     spec = ProxyKernelsSpec()
     fn_raw = spec.function("ping_pong_raw", 0)
     fn_pp = spec.function("ping_pong_proxy", 0)
@@ -317,6 +390,7 @@ def main():
     rec.add("command_rate_1_thread_python_busy", "Mcommands_per_s", busy, base, "M/s",
             note="another Python thread runs pure-Python arithmetic throughout")
     ce_bandwidth(rec, args, fn_puts)
+    ce_with_every_sm_held(rec, args, spec.function("hold_sms_until", 0))
 
 
 if __name__ == "__main__":

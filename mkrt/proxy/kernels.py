@@ -5,6 +5,8 @@
   same offset), signalling (dst_rank, flag_region, 8*b) = i+1 after every
   `signal_every`-th chunk and the last. Then it waits, bounded,
   for its own flag on the destination (a device pointer) to reach `count`.
+* ``hold_sms_until``: every thread slot of the GPU held until a flag is set (can a
+  proxy copy run while persistent CTAs occupy every SM?).
 * ``post_signals``: CTA b posts `count` signals (value i+1) to (rank, flag_region, 8*b).
 * ``ping_pong_proxy``: one thread: post a signal to itself, wait for it, `iters` times,
   cycles per round trip into `cycles`.
@@ -53,6 +55,23 @@ extern "C" __global__ void post_puts(const mkrt::Queue* queues, int nqueues, uns
     const bool ok = mkrt::proxy_wait_at_least(dst_flags + blockIdx.x, (mkrt::u64)count, ctx, q,
                                               mkrt::ROLE_INTER, count, (int)blockIdx.x);
     result[blockIdx.x] = ok ? 0 : 2;
+}
+
+// Every thread of every CTA stays resident until *flag >= expected (or timeout_ns, then
+// result[cta] = 2). Launched as 2 CTAs x 1024 threads per SM it holds every thread slot
+// of the GPU, so a proxy copy that needs an SM kernel cannot run until it gives up. (The
+// spin is written out here: a call would not fit the 32 registers this occupancy allows.)
+extern "C" __global__ void __launch_bounds__(1024, 2)
+hold_sms_until(const mkrt::u64* flag, mkrt::u64 expected, mkrt::u64 timeout_ns,
+               mkrt::u64* result) {
+    if (threadIdx.x == 0) {
+        const mkrt::u64 start = mkrt::global_timer_ns();
+        mkrt::u64 outcome = 0;
+        while (mkrt::ld_acquire_sys(flag) < expected)
+            if (mkrt::global_timer_ns() - start > timeout_ns) { outcome = 2; break; }
+        result[blockIdx.x] = outcome;
+    }
+    __syncthreads();
 }
 
 extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, unsigned rank,
@@ -128,7 +147,7 @@ KERNEL_ID = kernel_id("proxy_kernels")
 @dataclasses.dataclass(frozen=True)
 class ProxyKernelsSpec(KernelSpec):
     family = "proxy_kernels"
-    entry_points = ("post_puts", "post_signals", "ping_pong_proxy", "ping_pong_raw",
+    entry_points = ("post_puts", "hold_sms_until", "post_signals", "ping_pong_proxy", "ping_pong_raw",
                     "command_layout")
 
     def template(self):

@@ -51,7 +51,6 @@ struct Queue {
 };
 static_assert(sizeof(Queue) == 48, "mkrt::Queue");
 
-constexpr int PROXY_ERROR_FLAG = -2;
 constexpr int QUEUE_TAIL_FLAG = -3;
 constexpr u64 POST_FAILED = ~0ull;
 
@@ -60,37 +59,19 @@ __device__ __forceinline__ u64 queue_error(const Queue& q) {
 }
 
 // wait_at_least that also leaves when the queue's proxy reports an error.
-__device__ bool proxy_wait_at_least(const u64* flag, u64 expected, const Context& ctx,
-                                    const Queue& q, int role, int tile, int flag_id) {
-    u64 seen = ld_acquire_sys(flag);
-    if (seen >= expected) return true;
-    const u64 start = global_timer_ns();
-    u32 backoff = 0;
-    for (unsigned spin = 0;; ++spin) {
-        seen = ld_acquire_sys(flag);
-        if (seen >= expected) return true;
-        if ((spin & 63) == 63) {
-            if (aborted(ctx)) return false;
-            const u64 error = queue_error(q);
-            if (error != 0) {
-                report_timeout(ctx, role, tile, PROXY_ERROR_FLAG, expected, error);
-                return false;
-            }
-            if (global_timer_ns() - start > ctx.timeout_ns) {
-                report_timeout(ctx, role, tile, flag_id, expected, seen);
-                return false;
-            }
-            if (backoff < 256) backoff += 32;
-        }
-        if (backoff) sleep_ns(backoff);
-    }
+__device__ __forceinline__ bool proxy_wait_at_least(const u64* flag, u64 expected, const Context& ctx,
+                                                    const Queue& q, int role, int tile, int flag_id) {
+    return wait_at_least(flag, expected, ctx, role, tile, flag_id, q.header + QUEUE_ERROR);
 }
 
 // Bounded wait until slot `ticket` is free (the proxy consumed ticket - slots).
-__device__ __forceinline__ bool queue_reserve(const Queue& q, u64 ticket, const Context& ctx,
-                                              int role, int tile) {
+// `cached_tail`: tail_cache read before the ticket was claimed (a lower bound: tails only
+// grow), so the two device-memory reads of a post overlap instead of queueing.
+__device__ __forceinline__ bool queue_reserve(const Queue& q, u64 ticket, u64 cached_tail,
+                                              const Context& ctx, int role, int tile) {
     if (ticket < q.slots) return true;
     const u64 needed = ticket - q.slots + 1;
+    if (cached_tail >= needed) return true;
     if (*(volatile const u64*)q.tail_cache >= needed) return true;
     if (!proxy_wait_at_least(q.header + QUEUE_TAIL, needed, ctx, q, role, tile, QUEUE_TAIL_FLAG))
         return false;
@@ -117,8 +98,9 @@ __device__ __forceinline__ void queue_write(const Queue& q, u64 ticket, const Co
 // No read of host memory on the fast path (a PCIe round trip): the proxy's error word is
 // checked only when the post must wait for space, and in proxy_wait_at_least.
 __device__ __forceinline__ u64 post(const Queue& q, const Context& ctx, Command& c, int role, int tile) {
+    const u64 cached_tail = *(volatile const u64*)q.tail_cache;   // in flight with the claim
     const u64 ticket = atomicAdd((unsigned long long*)q.head, 1ull);
-    if (!queue_reserve(q, ticket, ctx, role, tile)) return POST_FAILED;
+    if (!queue_reserve(q, ticket, cached_tail, ctx, role, tile)) return POST_FAILED;
     c.valid = 0;
     queue_write(q, ticket, c);
     return ticket;

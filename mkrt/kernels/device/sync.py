@@ -63,26 +63,38 @@ __device__ __noinline__ void report_timeout(const Context& ctx, int role, int ti
     st_release_sys(ctx.host_flag, 1ull);
 }
 
-// Wait (one thread) until *flag >= expected. False: timed out or the launch aborted; the
-// caller must then leave the kernel.
-__device__ bool wait_at_least(const u64* flag, u64 expected, const Context& ctx,
-                              int role, int tile, int flag_id) {
+constexpr int PROXY_ERROR_FLAG = -2;   // recorded flag of a wait its error word ended
+
+// Wait (one thread) until *flag >= expected. False: timed out, the launch aborted, or
+// `error_word` (optional: a proxy's error word in mapped host memory) became nonzero;
+// the caller must then leave the kernel. Polls without sleeping for the first 64 reads
+// (a proxy's answer is ~1 us away), then backs off up to 256 ns between reads.
+__device__ __noinline__ bool wait_at_least(const u64* flag, u64 expected, const Context& ctx,
+                              int role, int tile, int flag_id,
+                              const u64* error_word = nullptr) {
     u64 seen = ld_acquire_sys(flag);
     if (seen >= expected) return true;
     const u64 start = global_timer_ns();
-    u32 backoff = 32;
+    u32 backoff = 0;
     for (unsigned spin = 0;; ++spin) {
         seen = ld_acquire_sys(flag);
         if (seen >= expected) return true;
         if ((spin & 63) == 63) {
             if (aborted(ctx)) return false;
+            if (error_word != nullptr) {
+                const u64 error = ld_relaxed_sys(error_word);
+                if (error != 0) {
+                    report_timeout(ctx, role, tile, PROXY_ERROR_FLAG, expected, error);
+                    return false;
+                }
+            }
             if (global_timer_ns() - start > ctx.timeout_ns) {
                 report_timeout(ctx, role, tile, flag_id, expected, seen);
                 return false;
             }
+            backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
         }
-        sleep_ns(backoff);
-        if (backoff < 256) backoff <<= 1;
+        if (backoff) sleep_ns(backoff);
     }
 }
 

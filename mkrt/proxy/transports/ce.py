@@ -1,17 +1,23 @@
-"""`ce` transport: copy-engine DMA issued by the proxy, then a stream-ordered flag write.
+"""`ce` transport: DMA issued by the proxy, then a stream-ordered flag write.
 
-Per proxy thread: one non-blocking CUDA stream. A put is ``cuMemcpyAsync(dst, src, n,
-stream)`` (unified addresses: device or mapped host memory); a signal is
-``cuStreamWriteValue64(stream, flag, value)`` after it on the same stream, so the flag
-lands after the data. A signal with no copy outstanding on the stream whose flag lies
-in mapped host memory is a plain release store (no driver call, lowest latency).
+Per proxy thread: one non-blocking CUDA stream. Puts are collected while the proxy reads
+a batch of commands and go to the driver together, as ONE ``cuMemcpyBatchAsync`` (one
+driver call for up to :data:`MAX_PENDING` copies; per-call cost, not bandwidth, is what
+limits 1 MiB messages), or one ``cuMemcpyAsync`` each (``batch_copies=False``, or when
+the driver has no batch call). A signal first issues the pending copies, then
+``cuStreamWriteValue64(stream, flag, value)`` on the same stream, so the flag lands after
+the data. A signal with no copy outstanding whose flag lies in mapped host memory is a
+plain release store (no driver call, lowest latency).
+
+Copies of one batch may run in any order, so a put that overlaps a pending one (writes
+what it reads or writes, or reads what it writes) issues the pending ones first: puts
+land as if in order. ``prefer_copy_engines`` asks the driver to run batched copies on
+copy engines rather than SMs (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``): a copy
+kernel cannot start while persistent CTAs hold every SM and wait for that copy.
 
 libcuda is called from the compiled loop through ctypes function objects (Numba calls
 them directly, without the GIL). The proxy thread makes the device's primary context
 current before its loop (``thread_setup``).
-
-Thread state words: [0] stream handle, [1] operations outstanding on the stream since it
-was last seen idle.
 """
 
 from __future__ import annotations
@@ -27,6 +33,24 @@ from mkrt.proxy.transports.base import Transport, TransportUnavailable
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+
+#: most copies held before they go to the driver as one batch
+MAX_PENDING = 128
+
+# thread state (u64 words)
+T_STREAM = 0        # CUstream
+T_OUTSTANDING = 1   # driver operations issued since the stream was last seen idle
+T_PENDING = 2       # puts collected, not yet issued
+T_BATCH = 3         # 1: cuMemcpyBatchAsync, 0: one cuMemcpyAsync per put
+T_BATCH_CALLS = 4   # driver copy calls made (statistics)
+T_FAIL_INDEX = 5    # cuMemcpyBatchAsync (v1) writes the failing copy's index here
+T_ATTRS = 8         # CUmemcpyAttributes (24 bytes), then its index word
+T_DSTS = 12
+T_SRCS = T_DSTS + MAX_PENDING
+T_SIZES = T_SRCS + MAX_PENDING
+STATE_WORDS = T_SIZES + MAX_PENDING
 
 
 def _libcuda():
@@ -36,52 +60,121 @@ def _libcuda():
         raise TransportUnavailable(f"mkrt.proxy: ce transport needs the CUDA driver (libcuda.so.1): {error}") from None
 
 
-def _function(lib, names, argtypes):
+def _function(lib, names, argtypes, required=True):
     for name in names:
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
             return fn
-    raise TransportUnavailable(f"mkrt.proxy: libcuda has none of {names}")
+    if required:
+        raise TransportUnavailable(f"mkrt.proxy: libcuda has none of {names}")
+    return None
 
 
-_OPS = None
+_DRIVER_OPS = None
 
 
-def _build_ops():
-    lib = _libcuda()
+def build_ops(lib):
+    """The transport's four loop functions over `lib` (libcuda, or a fake with the same
+    function names in CPU tests), and whether it has a batch copy call."""
     u64 = ctypes.c_uint64
     memcpy_async = _function(lib, ["cuMemcpyAsync"], [u64, u64, u64, u64])
     write_value = _function(lib, ["cuStreamWriteValue64_v2", "cuStreamWriteValue64"],
                             [u64, u64, u64, ctypes.c_uint32])
     stream_query = _function(lib, ["cuStreamQuery"], [u64])
     stream_sync = _function(lib, ["cuStreamSynchronize"], [u64])
+    # CUDA 13 (_v2): (dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream);
+    # CUDA 12.8: the same with size_t* fail_idx before the stream.
+    batch_v2 = _function(lib, ["cuMemcpyBatchAsync_v2"], [u64] * 8, required=False)
+    batch_v1 = None if batch_v2 else _function(lib, ["cuMemcpyBatchAsync"], [u64] * 9,
+                                               required=False)
+    has_batch = batch_v2 is not None or batch_v1 is not None
+    if batch_v2 is not None:
+        @njit(nogil=True, cache=False)
+        def memcpy_batch(state, base, count):
+            return batch_v2(base + np.uint64(8 * T_DSTS), base + np.uint64(8 * T_SRCS),
+                            base + np.uint64(8 * T_SIZES), count, base + np.uint64(8 * T_ATTRS),
+                            base + np.uint64(8 * (T_ATTRS + 3)), np.uint64(1), state[T_STREAM])
+    elif batch_v1 is not None:
+        @njit(nogil=True, cache=False)
+        def memcpy_batch(state, base, count):
+            return batch_v1(base + np.uint64(8 * T_DSTS), base + np.uint64(8 * T_SRCS),
+                            base + np.uint64(8 * T_SIZES), count, base + np.uint64(8 * T_ATTRS),
+                            base + np.uint64(8 * (T_ATTRS + 3)), np.uint64(1),
+                            base + np.uint64(8 * T_FAIL_INDEX), state[T_STREAM])
+    else:
+        @njit(nogil=True, cache=False)
+        def memcpy_batch(state, base, count):
+            return 801   # CUDA_ERROR_NOT_SUPPORTED (never called: T_BATCH stays 0)
+
+    @njit(nogil=True, cache=False)
+    def issue(state):
+        """Hand the pending puts to the driver (0 or a CUDA error)."""
+        count = state[T_PENDING]
+        if count == np.uint64(0):
+            return 0
+        state[T_PENDING] = np.uint64(0)
+        state[T_OUTSTANDING] += count
+        if state[T_BATCH] != np.uint64(0):    # also one copy: it carries the copy-engine hint
+            state[T_BATCH_CALLS] += np.uint64(1)
+            return memcpy_batch(state, np.uint64(state.ctypes.data), count)
+        for i in range(np.int64(count)):
+            state[T_BATCH_CALLS] += np.uint64(1)
+            rc = memcpy_async(state[T_DSTS + i], state[T_SRCS + i], state[T_SIZES + i],
+                              state[T_STREAM])
+            if rc != CUDA_SUCCESS:
+                return rc
+        return 0
+
+    @njit(nogil=True, cache=False)
+    def overlaps(a, an, b, bn):
+        return a < b + bn and b < a + an
 
     @njit(nogil=True, cache=False)
     def put(state, dst, src, nbytes, dst_kind):
-        rc = memcpy_async(dst, src, nbytes, state[0])
-        state[1] += np.uint64(1)
-        return rc
+        # copies of one batch run in any order: a dependent copy must not share one
+        for i in range(np.int64(state[T_PENDING])):
+            pd, ps, pn = state[T_DSTS + i], state[T_SRCS + i], state[T_SIZES + i]
+            if overlaps(dst, nbytes, pd, pn) or overlaps(src, nbytes, pd, pn) \
+                    or overlaps(dst, nbytes, ps, pn):
+                rc = issue(state)
+                if rc != CUDA_SUCCESS:
+                    return rc
+                break
+        count = np.int64(state[T_PENDING])
+        state[T_DSTS + count] = dst
+        state[T_SRCS + count] = src
+        state[T_SIZES + count] = nbytes
+        state[T_PENDING] = np.uint64(count + 1)
+        if state[T_PENDING] == np.uint64(MAX_PENDING):
+            return issue(state)
+        return 0
 
     @njit(nogil=True, cache=False)
     def signal(state, address, value, kind):
-        if state[1] == np.uint64(0) and kind == np.uint64(REGION_HOST):
+        rc = issue(state)
+        if rc != CUDA_SUCCESS:
+            return rc
+        if state[T_OUTSTANDING] == np.uint64(0) and kind == np.uint64(REGION_HOST):
             store_release_at(address, value)
             return 0
-        rc = write_value(state[0], address, value, np.uint32(0))
-        state[1] += np.uint64(1)
+        rc = write_value(state[T_STREAM], address, value, np.uint32(0))
+        state[T_OUTSTANDING] += np.uint64(1)
         return rc
 
     @njit(nogil=True, cache=False)
     def progress(state, idle):
-        if state[1] == np.uint64(0):
+        rc = issue(state)            # the proxy read a batch: its puts go out now
+        if rc != CUDA_SUCCESS:
+            return -rc
+        if state[T_OUTSTANDING] == np.uint64(0):
             return 1
         if not idle:
             return 0
-        rc = stream_query(state[0])
+        rc = stream_query(state[T_STREAM])
         if rc == CUDA_SUCCESS:
-            state[1] = np.uint64(0)
+            state[T_OUTSTANDING] = np.uint64(0)
             return 1
         if rc == CUDA_ERROR_NOT_READY:
             return 0
@@ -89,42 +182,72 @@ def _build_ops():
 
     @njit(nogil=True, cache=False)
     def quiesce(state):
-        if state[1] == np.uint64(0):
+        rc = issue(state)
+        if rc != CUDA_SUCCESS:
+            return rc
+        if state[T_OUTSTANDING] == np.uint64(0):
             return 0
-        rc = stream_sync(state[0])
+        rc = stream_sync(state[T_STREAM])
         if rc == CUDA_SUCCESS:
-            state[1] = np.uint64(0)
+            state[T_OUTSTANDING] = np.uint64(0)
         return rc
 
-    return put, signal, progress, quiesce
+    return (put, signal, progress, quiesce), has_batch
 
 
 class CopyEngineTransport(Transport):
-    """Copies between any registered regions of one process (an emulated world's ranks)."""
+    """Copies between any registered regions of one process (an emulated world's ranks).
+
+    ``batch_copies``: collect puts and issue them with one ``cuMemcpyBatchAsync`` (when
+    the driver has it); ``prefer_copy_engines``: ask for copy engines, not SM copy kernels.
+    """
 
     name = "ce"
 
-    def __init__(self, device: int = 0):
-        global _OPS
+    def __init__(self, device: int = 0, *, batch_copies: bool = True,
+                 prefer_copy_engines: bool = True):
+        self.device = device
+        self._ops, has_batch = self._driver_ops()
+        self.batch_copies = bool(batch_copies) and has_batch
+        self.prefer_copy_engines = bool(prefer_copy_engines)
+        self._streams = []
+        self._states = []
+
+    @staticmethod
+    def _driver_ops():
+        global _DRIVER_OPS
         import cupy
         if not cupy.cuda.is_available():
             raise TransportUnavailable("mkrt.proxy: ce transport needs a CUDA GPU; none is visible")
-        if _OPS is None:
-            _OPS = _build_ops()
-        self.device = device
-        self._streams = []
+        if _DRIVER_OPS is None:
+            _DRIVER_OPS = build_ops(_libcuda())
+        return _DRIVER_OPS
 
-    def ops(self):
-        return _OPS
-
-    def thread_state(self, thread: int):
+    def _new_stream(self) -> int:
         import cupy
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.Stream(non_blocking=True)
         self._streams.append(stream)
-        state = np.zeros(8, dtype=np.uint64)
-        state[0] = stream.ptr
+        return stream.ptr
+
+    def ops(self):
+        return self._ops
+
+    def thread_state(self, thread: int):
+        state = np.zeros(STATE_WORDS, dtype=np.uint64)
+        state[T_STREAM] = self._new_stream()
+        state[T_BATCH] = int(self.batch_copies)
+        # CUmemcpyAttributes {u32 srcAccessOrder; CUmemLocation src, dst (i32 type, i32 id);
+        # u32 flags} then attrsIdxs[0] = 0: one attribute for every copy of a batch.
+        attrs = state[T_ATTRS:T_ATTRS + 4].view(np.uint32)
+        attrs[0] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        attrs[5] = CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if self.prefer_copy_engines else 0
+        self._states.append(state)
         return state
+
+    def copy_calls(self) -> int:
+        """Driver copy calls the proxy threads made (a batch counts once)."""
+        return int(sum(int(s[T_BATCH_CALLS]) for s in self._states))
 
     def thread_setup(self):
         import cupy
