@@ -50,6 +50,7 @@ C_RUNNING = 4       # 1 while the compiled loop runs
 CONTROL_WORDS = 8
 STOP_DRAIN = 1
 STOP_NOW = 2
+HOT_POLLS = 4096    # idle polls without a CPU pause after the last command (tens of us)
 
 # decoding constants, from the one command dtype
 _W_OP, _S_OP, _M_OP = Q.FIELDS["opcode"]
@@ -261,6 +262,7 @@ def _build_loop(put, signal, progress, quiesce):
         mask = slots - np.uint64(1)
         scratch = np.zeros(VALIDATED_WORDS, dtype=np.uint64)
         pending = False
+        idle_streak = 0
         store_release(control, C_RUNNING, np.uint64(1))
         while True:
             stop = load_acquire(control, C_STOP)
@@ -312,7 +314,11 @@ def _build_loop(put, signal, progress, quiesce):
                 stats[S_IDLE] += np.uint64(1)
                 if stop == np.uint64(STOP_DRAIN) and not pending:
                     break
-                spin_pause()
+                idle_streak += 1
+                if idle_streak > HOT_POLLS:    # a command just after the last one is seen
+                    spin_pause()               # without a pause's delay; then be polite
+            else:
+                idle_streak = 0
         if load_acquire(control, C_STOP) != np.uint64(STOP_NOW):
             quiesce(tstate)
         store_release(control, C_RUNNING, np.uint64(0))
