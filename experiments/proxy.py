@@ -10,7 +10,8 @@ Measures, in one run on one GPU:
   3. the one-thread rate again while another Python thread runs pure-Python code (GIL busy);
   4. `ce` bandwidth vs message size against back-to-back cuMemcpyAsync D2D issued from
      compiled code (no Python in the loop) — target >= 90% from 1 MiB up — for each
-     transport mode (batched copies with/without the copy-engine hint, one call per put);
+     transport mode (batched copies with/without the copy-engine hint, one call per put),
+     with one and with 8 CTAs posting (one GPU thread posts a put every few us);
   5. whether a `ce` copy lands while a kernel holds every SM waiting for it.
 
 Launch (GPU machine, checkout in place):
@@ -228,13 +229,13 @@ def ce_bandwidth(rec, args, fn_puts):
     region = 1 << 30
     src = cupy.random.randint(0, 256, region, dtype=np.uint8)
     dst = cupy.zeros(region, dtype=np.uint8)
-    flags = cupy.zeros(8, dtype=np.uint64)
+    flags = cupy.zeros(max(8, max(args.posters)), dtype=np.uint64)
     regions = new_region_table(2, 2)
     set_region(regions, 0, 0, src.data.ptr, region, REGION_DEVICE)
     set_region(regions, 1, 0, dst.data.ptr, region, REGION_DEVICE)
     set_region(regions, 1, 1, flags.data.ptr, flags.nbytes, REGION_DEVICE)
     status = status_words()
-    result = cupy.zeros(1, dtype=np.uint64)
+    result = cupy.zeros(max(args.posters), dtype=np.uint64)
     copies = _copier()
     stream = cupy.cuda.Stream(non_blocking=True)
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -243,44 +244,49 @@ def ce_bandwidth(rec, args, fn_puts):
         transport = CopyEngineTransport(0, **CE_MODES[mode])
         with Proxy(qs, regions, transport, threads=1, batch=64):
             desc = qs.device_descriptors()
-            for size_kib in args.sizes_kib:
-                chunk = size_kib << 10
-                count = min(4096, region // chunk)
-                proxy_ms, ref_ms = [], []
-                calls_before = transport.copy_calls()
-                for rep in range(args.reps + 1):
-                    dst[:] = 0
-                    flags[:] = 0
-                    cupy.cuda.Device(0).synchronize()
-                    start.record(stream)
-                    fn_puts((1,), (32,), (desc, np.int32(1), np.uint32(1), np.uint32(1), flags,
-                                          np.uint64(chunk), np.int32(count), np.int32(count),
-                                          *status.args, np.uint64(10**10), result), stream=stream)
-                    end.record(stream)
-                    end.synchronize()
-                    raise_status(status)
-                    if rep == 0:
-                        if not bool((dst[: chunk * count] == src[: chunk * count]).all()):
-                            raise RuntimeError(f"ce data mismatch at {chunk=} ({mode=})")
-                        continue
-                    proxy_ms.append(cupy.cuda.get_elapsed_time(start, end))
-                    start.record(stream)
-                    rc = copies(np.uint64(dst.data.ptr), np.uint64(src.data.ptr), np.uint64(chunk),
-                                count, np.uint64(stream.ptr))
-                    end.record(stream)
-                    end.synchronize()
-                    if rc:
-                        raise RuntimeError(f"cuMemcpyAsync failed: {rc}")
-                    ref_ms.append(cupy.cuda.get_elapsed_time(start, end))
-                calls = (transport.copy_calls() - calls_before) / (args.reps + 1)
-                nbytes = chunk * count
-                bw = nbytes / (np.median(proxy_ms) * 1e-3) / 1e9
-                ref = nbytes / (np.median(ref_ms) * 1e-3) / 1e9
-                rec.add(f"ce_put_{size_kib}KiB_x{count}_{mode}", "bandwidth_GBps", bw, ref, "GB/s",
-                        target="ratio >= 0.90 from 1 MiB", transport_options=CE_MODES[mode],
-                        driver_copy_calls_per_run=round(calls, 1),
-                        reference="back-to-back cuMemcpyAsync D2D from compiled code, same sizes",
-                        bytes_counted="copied bytes (not read+write)")
+            for posters in args.posters:
+                for size_kib in args.sizes_kib:
+                    chunk = size_kib << 10
+                    count = min(4096, region // chunk) // posters * posters
+                    per_poster = count // posters
+                    proxy_ms, ref_ms = [], []
+                    calls_before = transport.copy_calls()
+                    for rep in range(args.reps + 1):
+                        dst[:] = 0
+                        flags[:] = 0
+                        cupy.cuda.Device(0).synchronize()
+                        start.record(stream)
+                        # CTA b: chunks [b * per_poster, (b + 1) * per_poster), its flag b
+                        fn_puts((posters,), (32,), (desc, np.int32(1), np.uint32(1), np.uint32(1), flags,
+                                                    np.uint64(chunk), np.int32(per_poster),
+                                                    np.int32(per_poster), *status.args,
+                                                    np.uint64(10**10), result), stream=stream)
+                        end.record(stream)
+                        end.synchronize()
+                        raise_status(status)
+                        if rep == 0:
+                            if not bool((dst[: chunk * count] == src[: chunk * count]).all()):
+                                raise RuntimeError(f"ce data mismatch at {chunk=} ({mode=}, {posters=})")
+                            continue
+                        proxy_ms.append(cupy.cuda.get_elapsed_time(start, end))
+                        start.record(stream)
+                        rc = copies(np.uint64(dst.data.ptr), np.uint64(src.data.ptr), np.uint64(chunk),
+                                    count, np.uint64(stream.ptr))
+                        end.record(stream)
+                        end.synchronize()
+                        if rc:
+                            raise RuntimeError(f"cuMemcpyAsync failed: {rc}")
+                        ref_ms.append(cupy.cuda.get_elapsed_time(start, end))
+                    calls = (transport.copy_calls() - calls_before) / (args.reps + 1)
+                    nbytes = chunk * count
+                    bw = nbytes / (np.median(proxy_ms) * 1e-3) / 1e9
+                    ref = nbytes / (np.median(ref_ms) * 1e-3) / 1e9
+                    rec.add(f"ce_put_{size_kib}KiB_x{count}_{mode}_{posters}posters", "bandwidth_GBps",
+                            bw, ref, "GB/s", target="ratio >= 0.90 from 1 MiB",
+                            transport_options=CE_MODES[mode], posting_threads=posters,
+                            driver_copy_calls_per_run=round(calls, 1),
+                            reference="back-to-back cuMemcpyAsync D2D from compiled code, same sizes",
+                            bytes_counted="copied bytes (not read+write)")
         qs.close()
 
 
@@ -366,6 +372,8 @@ def main():
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--sizes-kib", type=int, nargs="*", default=[64, 256, 1024, 4096, 16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--posters", type=int, nargs="*", default=[1, 8],
+                        help="CTAs posting the ce puts (one thread each)")
     parser.add_argument("--ce-modes", nargs="*", default=list(CE_MODES), choices=list(CE_MODES))
     parser.add_argument("--trials", type=int, default=3, help="round-trip trials (best median)")
     args = parser.parse_args()

@@ -112,10 +112,20 @@ class World:
 
     def sm_count(self, rank: int) -> int:
         """SMs this rank may fill: the device's, split evenly among the ranks sharing it
-        (in this process, or, under mpiexec, in other processes on the same host)."""
+        (in this process, or, under mpiexec, in other processes on the same host), less
+        :data:`CE_COPY_SMS` when nodes share this host (their traffic is `ce` copies)."""
         device = self._require_device(rank)
         sharing = sum(1 for r in self.ranks if r.device == device and self.same_host(rank, r.rank))
-        return max(1, device_sm_count(device) // max(1, sharing))
+        usable = device_sm_count(device) - (CE_COPY_SMS if self.copies_need_sms(rank) else 0)
+        return max(1, usable // max(1, sharing))
+
+    def copies_need_sms(self, rank: int) -> bool:
+        """Whether `rank`'s traffic to other nodes is `ce` copies on this host: a
+        device-to-device copy runs as an SM kernel, even with the driver's copy-engine
+        hint, and cannot start while waiting CTAs hold every SM (measured:
+        experiments/results/proxy.jsonl, case ce_64MiB_every_sm_held_*)."""
+        return self.nodes > 1 and any(self.same_host(rank, r.rank) and r.node != self.ranks[rank].node
+                                      for r in self.ranks)
 
     def status(self, device: int):
         """The status block of `device` (see mkrt/status.py)."""
@@ -193,6 +203,10 @@ class World:
         held = [r.rank for r in self.local]
         devices = sorted({r.device for r in self.local if r.device is not None})
         return f"World({kind} {self.layout}, size={self.size}, local ranks={held}, GPUs={devices})"
+
+
+#: SMs per GPU that ranks leave free for the proxy's copy kernels when nodes share a host
+CE_COPY_SMS = 4
 
 
 @functools.cache

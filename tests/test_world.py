@@ -89,3 +89,13 @@ def test_ranks_sharing_a_gpu_split_its_sms(monkeypatch):
     world = emulated_world("1x4", gpus=1)
     monkeypatch.setattr(world, "_require_device", lambda rank: world.ranks[rank].device)
     assert [world.sm_count(r) for r in range(4)] == [33, 33, 33, 33]
+    assert not world.copies_need_sms(0)
+
+
+def test_nodes_sharing_a_gpu_leave_sms_for_copy_kernels(monkeypatch):
+    import mkrt.world as world_module
+    monkeypatch.setattr(world_module, "device_sm_count", lambda device: 132)
+    world = emulated_world("2x2", gpus=1)
+    monkeypatch.setattr(world, "_require_device", lambda rank: world.ranks[rank].device)
+    assert all(world.copies_need_sms(r) for r in range(4))
+    assert [world.sm_count(r) for r in range(4)] == [(132 - world_module.CE_COPY_SMS) // 4] * 4
