@@ -67,6 +67,10 @@ def _responder():
     return respond
 
 
+#: ping_pong_raw's `extra` modes: one part of a post's work added to the reference
+RAW_EXTRAS = {1: "claim_atomic", 2: "command_words", 3: "claim_atomic_and_command_words"}
+
+
 def _percentiles(cycles, elapsed):
     ns_per_cycle = elapsed[0] / max(1, elapsed[1])
     ns = cycles.astype(np.float64) * ns_per_cycle / 1000.0   # microseconds
@@ -85,33 +89,44 @@ def latency(rec, args, fn_raw, fn_pp):
     w = words.array.view(np.uint64)
     respond(w, 0, 1)  # compile
     results = {}
-    for trial in range(args.trials):
+    counter = cupy.zeros(2, dtype=np.uint64)
+
+    def raw_trial(extra):
         w[:] = 0
-        cycles = cupy.zeros(iters, dtype=np.int64)
-        elapsed = cupy.zeros(2, dtype=np.uint64)
         out = []
         th = threading.Thread(target=lambda: out.append(respond(w, iters, 10**10)), daemon=True)
         th.start()
         fn_raw((1,), (32,), (np.uint64(words.device_address), np.uint64(words.device_address + 64),
-                             np.int32(iters), cycles, elapsed))
+                             np.int32(iters), cycles, elapsed, np.int32(extra), counter))
         cupy.cuda.Device(0).synchronize()
         th.join(30)
-        results.setdefault("raw", []).append(_percentiles(cycles.get()[100:], elapsed.get()))
+        return _percentiles(cycles.get()[100:], elapsed.get())
 
-        # through the proxy, host transport, flag in mapped host memory
-        qs = QueueSet(1, 256, [0], memory="pinned")
-        regions = new_region_table(1, 2)
-        flag = PinnedMemory(4096)
-        set_region(regions, 0, 1, flag.address, flag.nbytes, REGION_HOST)
-        status = status_words()
-        with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
-            fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
-                                np.uint64(flag.device_address), np.int32(iters), *status.args,
-                                np.uint64(10**10), cycles, elapsed))
-            cupy.cuda.Device(0).synchronize()
-        raise_status(status)
-        results.setdefault("host", []).append(_percentiles(cycles.get()[100:], elapsed.get()))
-        qs.close()
+    cycles = cupy.zeros(iters, dtype=np.int64)
+    elapsed = cupy.zeros(2, dtype=np.uint64)
+    for trial in range(args.trials):
+        results.setdefault("raw", []).append(raw_trial(0))
+        for extra, name in RAW_EXTRAS.items():
+            results.setdefault(name, []).append(raw_trial(extra))
+
+        # through the proxy, host transport, flag in mapped host memory; shared and owned queue
+        for owned, name in ((0, "host"), (1, "host_owned")):
+            qs = QueueSet(1, 256, [0], memory="pinned")
+            regions = new_region_table(1, 2)
+            flag = PinnedMemory(4096)
+            set_region(regions, 0, 1, flag.address, flag.nbytes, REGION_HOST)
+            status = status_words()
+            with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
+                fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
+                                    np.uint64(flag.device_address), np.int32(iters), *status.args,
+                                    np.uint64(10**10), cycles, elapsed, np.int32(owned)))
+                cupy.cuda.Device(0).synchronize()
+            raise_status(status)
+            results.setdefault(name, []).append(_percentiles(cycles.get()[100:], elapsed.get()))
+            if owned and int(qs.device_heads()[0]) != iters:
+                raise RuntimeError(f"owned queue gave back head {qs.device_heads()[0]}, expected {iters}")
+            qs.close()
+            flag.close()
 
         # through the proxy, ce transport, flag in device memory (cuStreamWriteValue64)
         from mkrt.proxy.transports.ce import CopyEngineTransport
@@ -122,20 +137,26 @@ def latency(rec, args, fn_raw, fn_pp):
         with Proxy(qs, regions, CopyEngineTransport(0), threads=1, batch=64):
             fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
                                 dflag, np.int32(iters // 4), *status.args, np.uint64(10**10), cycles,
-                                elapsed))
+                                elapsed, np.int32(0)))
             cupy.cuda.Device(0).synchronize()
         raise_status(status)
         results.setdefault("ce", []).append(_percentiles(cycles.get()[50:iters // 4], elapsed.get()))
         qs.close()
-        flag.close()
     words.close()
     raw = min(results["raw"])           # best of the trials for each, same treatment
     host = min(results["host"])
     ce = min(results["ce"])
     rec.add("roundtrip_raw_pinned_pingpong", "median_us", raw[0], None, "us", p99_us=raw[1])
+    for name in RAW_EXTRAS.values():      # what each part of a post adds to the reference
+        part = min(results[name])
+        rec.add(f"roundtrip_raw_plus_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1])
     rec.add("roundtrip_proxy_host_flag_pinned", "median_us", host[0], raw[0], "us",
             target="ratio <= 1.10")
     rec.add("roundtrip_proxy_host_flag_pinned", "p99_us", host[1], raw[1], "us")
+    owned = min(results["host_owned"])
+    rec.add("roundtrip_proxy_host_flag_pinned_owned_queue", "median_us", owned[0], raw[0], "us",
+            target="ratio <= 1.10", p99_us=owned[1],
+            note="the poster owns the queue (OwnedQueue): no claim atomic per post")
     rec.add("roundtrip_proxy_ce_flag_device", "median_us", ce[0], raw[0], "us",
             note="flag written by cuStreamWriteValue64 on the proxy's stream")
     rec.add("roundtrip_proxy_ce_flag_device", "p99_us", ce[1], raw[1], "us")

@@ -132,3 +132,48 @@ def test_killed_proxy_ends_in_comm_timeout():
     proxy.close()
     qs.close()
     flags.close()
+
+
+@pytest.mark.parametrize("owned", [0, 1])
+def test_ping_pong_through_a_shared_and_an_owned_queue(owned):
+    """1000 signals, each waited for, on a 16-slot ring (wraps 62 times); an owned queue
+    hands its head back, so a shared poster can go on after it."""
+    import cupy
+    from mkrt.proxy import HostTransport, Proxy, QueueSet, REGION_HOST, new_region_table, set_region
+    from mkrt.proxy.kernels import ProxyKernelsSpec, raise_status, status_words
+    from mkrt.proxy.queue import PinnedMemory
+    iters = 1000
+    qs = QueueSet(1, 16, [0], memory="pinned")
+    flag = PinnedMemory(4096)
+    regions = new_region_table(1, 2)
+    set_region(regions, 0, 1, flag.address, flag.nbytes, REGION_HOST)
+    status = status_words()
+    cycles = cupy.zeros(iters, dtype=np.int64)
+    elapsed = cupy.zeros(2, dtype=np.uint64)
+    spec = ProxyKernelsSpec()
+    with Proxy(qs, regions, HostTransport()) as proxy:
+        spec.function("ping_pong_proxy", 0)(
+            (1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
+                          np.uint64(flag.device_address), np.int32(iters), *status.args,
+                          TIMEOUT_NS, cycles, elapsed, np.int32(owned)))
+        cupy.cuda.Device(0).synchronize()
+        raise_status(status)
+        assert int(qs.device_heads()[0]) == iters
+        assert int(flag.array.view(np.uint64)[0]) == iters
+        assert (cycles.get() > 0).all()
+        # a shared poster after it: 100 more signals to word 8*1 (CTA 1 of post_signals)
+        result = cupy.full(2, 7, dtype=np.uint64)
+        spec.function("post_signals", 0)((2,), (32,), (qs.device_descriptors(), np.int32(1),
+                                                       np.uint32(0), np.uint32(1), np.int32(100),
+                                                       *status.args, TIMEOUT_NS, result))
+        cupy.cuda.Device(0).synchronize()
+        raise_status(status)
+        assert result.get().tolist() == [0, 0]
+        deadline = time.monotonic() + 10
+        while proxy.stats["commands"] < iters + 200 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert proxy.stats["commands"] == iters + 200 and proxy.stats["errors"] == 0
+    assert int(flag.array.view(np.uint64)[1]) == 100
+    assert int(qs.device_heads()[0]) == iters + 200
+    qs.close()
+    flag.close()

@@ -9,7 +9,7 @@
   proxy copy run while persistent CTAs occupy every SM?).
 * ``post_signals``: CTA b posts `count` signals (value i+1) to (rank, flag_region, 8*b).
 * ``ping_pong_proxy``: one thread: post a signal to itself, wait for it, `iters` times,
-  cycles per round trip into `cycles`.
+  cycles per round trip into `cycles` (through a shared or an owned queue).
 * ``ping_pong_raw``: the reference: release-store a word in mapped host memory, wait for
   a host thread's answer, `iters` times.
 * ``elapsed``: globaltimer ns and clock64 of the whole loop, to convert cycles to ns.
@@ -88,19 +88,17 @@ extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, 
     result[blockIdx.x] = 0;
 }
 
-extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned rank,
-                                           unsigned flag_region, mkrt::u64 flag_offset,
-                                           const mkrt::u64* flag, int iters, mkrt::u64* status, mkrt::u64* host_flag,
-                                           mkrt::u64 timeout_ns, long long* cycles,
-                                           mkrt::u64* elapsed) {
-    const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const mkrt::Queue& q = queues[0];
+// One thread: post a signal to itself, wait for it, `iters` times. `owned`: post through
+// an OwnedQueue (no claim atomic).
+template <class Q>
+__device__ void ping_pong_loop(Q& poster, const mkrt::Queue& q, unsigned rank, unsigned flag_region,
+                               mkrt::u64 flag_offset, const mkrt::u64* flag, int iters,
+                               const mkrt::Context& ctx, long long* cycles, mkrt::u64* elapsed) {
     const mkrt::u64 t0 = mkrt::global_timer_ns();
     const long long c0 = clock64();
     long long last = c0;
     for (int i = 0; i < iters; ++i) {
-        if (mkrt::post_signal(q, ctx, rank, flag_region, flag_offset, (mkrt::u64)(i + 1))
+        if (mkrt::post_signal(poster, ctx, rank, flag_region, flag_offset, (mkrt::u64)(i + 1))
             == mkrt::POST_FAILED) return;
         if (!mkrt::proxy_wait_at_least(flag, (mkrt::u64)(i + 1), ctx, q, mkrt::ROLE_TEST, i, 0))
             return;
@@ -112,6 +110,23 @@ extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned r
     elapsed[1] = (mkrt::u64)(clock64() - c0);
 }
 
+extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned rank,
+                                           unsigned flag_region, mkrt::u64 flag_offset,
+                                           const mkrt::u64* flag, int iters, mkrt::u64* status, mkrt::u64* host_flag,
+                                           mkrt::u64 timeout_ns, long long* cycles,
+                                           mkrt::u64* elapsed, int owned) {
+    const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const mkrt::Queue& q = queues[0];
+    if (owned) {
+        mkrt::OwnedQueue mine = mkrt::own_queue(q);
+        ping_pong_loop(mine, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed);
+        mkrt::release_queue(mine);
+    } else {
+        ping_pong_loop(q, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed);
+    }
+}
+
 extern "C" __global__ void command_layout(mkrt::u64* out) {
     mkrt::Command c;
     const char* base = reinterpret_cast<const char*>(&c);
@@ -120,13 +135,25 @@ $LAYOUT_PROBES
     out[i] = sizeof(mkrt::Command);
 }
 
+// The reference ping-pong; `extra` adds one part of a post before each store, to see
+// what each costs: 1 = a claim atomic on device memory (`counter`), 2 = the 56 bytes of
+// command words (st + 3 x st.v2) into the same host line first, 3 = both (a post's work).
 extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* answer, int iters,
-                                         long long* cycles, mkrt::u64* elapsed) {
+                                         long long* cycles, mkrt::u64* elapsed, int extra,
+                                         mkrt::u64* counter) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const mkrt::u64 t0 = mkrt::global_timer_ns();
     const long long c0 = clock64();
     long long last = c0;
+    mkrt::u64 claimed = 0;
     for (int i = 0; i < iters; ++i) {
+        if (extra & 1) claimed += atomicAdd((unsigned long long*)counter, 1ull);
+        if (extra & 2) {
+            asm volatile("st.global.u64 [%0], %1;" :: "l"(command + 1), "l"(claimed) : "memory");
+            mkrt::st_v2_u64(command + 2, claimed, (mkrt::u64)i);
+            mkrt::st_v2_u64(command + 4, claimed, (mkrt::u64)i);
+            mkrt::st_v2_u64(command + 6, claimed, (mkrt::u64)i);
+        }
         mkrt::st_release_sys(command, (mkrt::u64)(i + 1));
         const mkrt::u64 start = mkrt::global_timer_ns();
         while (mkrt::ld_acquire_sys(answer) < (mkrt::u64)(i + 1)) {
@@ -138,6 +165,7 @@ extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* an
     }
     elapsed[0] = mkrt::global_timer_ns() - t0;
     elapsed[1] = (mkrt::u64)(clock64() - c0);
+    if (claimed == 1) counter[1] = claimed;    // keeps the atomics' results live
 }
 """, requires=("queue",), register=False)
 

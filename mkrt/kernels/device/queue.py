@@ -106,6 +106,40 @@ __device__ __forceinline__ u64 post(const Queue& q, const Context& ctx, Command&
     return ticket;
 }
 
+// A queue one thread posts to alone for a while (a comm CTA that owns it) needs no claim
+// atomic: the thread keeps the next ticket and the largest tail it saw in registers, and
+// gives them back with release_queue (then others may post again). Saves a device-memory
+// atomic per post; the post_* functions take an OwnedQueue wherever they take a Queue.
+struct OwnedQueue {
+    const Queue* queue;
+    u64 next;          // the next ticket
+    u64 tail_seen;     // largest proxy tail seen (space bound)
+};
+
+__device__ __forceinline__ OwnedQueue own_queue(const Queue& q) {
+    return OwnedQueue{&q, *(volatile const u64*)q.head, *(volatile const u64*)q.tail_cache};
+}
+
+__device__ __forceinline__ void release_queue(const OwnedQueue& o) {
+    *(volatile u64*)o.queue->head = o.next;
+    atomicMax((unsigned long long*)o.queue->tail_cache, o.tail_seen);
+}
+
+__device__ __forceinline__ u64 post(OwnedQueue& o, const Context& ctx, Command& c, int role, int tile) {
+    const Queue& q = *o.queue;
+    const u64 ticket = o.next;
+    if (ticket >= q.slots && o.tail_seen < ticket - q.slots + 1) {
+        if (!proxy_wait_at_least(q.header + QUEUE_TAIL, ticket - q.slots + 1, ctx, q, role, tile,
+                                 QUEUE_TAIL_FLAG))
+            return POST_FAILED;
+        o.tail_seen = ld_relaxed_sys(q.header + QUEUE_TAIL);
+    }
+    c.valid = 0;
+    queue_write(q, ticket, c);
+    o.next = ticket + 1;
+    return ticket;
+}
+
 __device__ __forceinline__ Command make_command(unsigned opcode, unsigned dst_rank) {
     Command c;
     c.valid = 0; c.opcode = (unsigned short)opcode; c.dst_rank = (unsigned short)dst_rank;
@@ -116,7 +150,8 @@ __device__ __forceinline__ Command make_command(unsigned opcode, unsigned dst_ra
 }
 
 // Copy `bytes` from (q.rank, src_region, src_offset) to (dst_rank, dst_region, dst_offset).
-__device__ u64 post_put(const Queue& q, const Context& ctx, unsigned dst_rank,
+template <class Q>
+__device__ u64 post_put(Q& q, const Context& ctx, unsigned dst_rank,
                         unsigned dst_region, u64 dst_offset, unsigned src_region,
                         u64 src_offset, u64 bytes, int role = ROLE_INTER, int tile = -1) {
     Command c = make_command(OP_PUT, dst_rank);
@@ -127,7 +162,8 @@ __device__ u64 post_put(const Queue& q, const Context& ctx, unsigned dst_rank,
 
 // A put, then `value` written to the u64 at (dst_rank, signal_region, signal_offset),
 // delivered after the data.
-__device__ u64 post_put_signal(const Queue& q, const Context& ctx, unsigned dst_rank,
+template <class Q>
+__device__ u64 post_put_signal(Q& q, const Context& ctx, unsigned dst_rank,
                                unsigned dst_region, u64 dst_offset, unsigned src_region,
                                u64 src_offset, u64 bytes, unsigned signal_region,
                                u64 signal_offset, u64 value, int role = ROLE_INTER,
@@ -142,7 +178,8 @@ __device__ u64 post_put_signal(const Queue& q, const Context& ctx, unsigned dst_
 
 // `value` written to the u64 at (dst_rank, signal_region, signal_offset), after every
 // earlier put of this queue.
-__device__ u64 post_signal(const Queue& q, const Context& ctx, unsigned dst_rank,
+template <class Q>
+__device__ u64 post_signal(Q& q, const Context& ctx, unsigned dst_rank,
                            unsigned signal_region, u64 signal_offset, u64 value,
                            int role = ROLE_INTER, int tile = -1) {
     Command c = make_command(OP_SIGNAL, dst_rank);
@@ -153,7 +190,8 @@ __device__ u64 post_signal(const Queue& q, const Context& ctx, unsigned dst_rank
 
 // Every earlier command of this queue completes before any later one starts; then, if
 // signal_region != NO_REGION, `value` is written at (dst_rank, signal_region, signal_offset).
-__device__ u64 post_fence(const Queue& q, const Context& ctx, unsigned dst_rank = 0,
+template <class Q>
+__device__ u64 post_fence(Q& q, const Context& ctx, unsigned dst_rank = 0,
                           unsigned signal_region = NO_REGION, u64 signal_offset = 0,
                           u64 value = 0, int role = ROLE_INTER, int tile = -1) {
     Command c = make_command(OP_FENCE, dst_rank);
@@ -165,7 +203,8 @@ __device__ u64 post_fence(const Queue& q, const Context& ctx, unsigned dst_rank 
 // Fence, then `epoch` written at (r, signal_region, signal_offset + 8 * q.rank) on every
 // rank r that registered signal_region. Wait for all ranks with
 // proxy_wait_at_least on each u64 of your own (signal_region, signal_offset + 8 * r).
-__device__ u64 post_barrier(const Queue& q, const Context& ctx, unsigned signal_region,
+template <class Q>
+__device__ u64 post_barrier(Q& q, const Context& ctx, unsigned signal_region,
                             u64 signal_offset, u64 epoch, int role = ROLE_INTER, int tile = -1) {
     Command c = make_command(OP_BARRIER, 0);
     c.signal_region = (unsigned short)signal_region; c.signal_offset = signal_offset;
