@@ -67,8 +67,46 @@ def _responder():
     return respond
 
 
+def _ring_responder():
+    """A bare answerer of ping_pong_proxy's ring (no Proxy): poll the next slot, write the
+    flag the signal names. mode 1: also publish the tail; mode 2: also decode and check
+    the command with the proxy's validate_command. What the proxy loop adds beyond them
+    is its own cost."""
+    from numba import njit
+    from mkrt.proxy import queue as Q
+    from mkrt.proxy.atomics import load_acquire, store_release, store_release_at
+    from mkrt.proxy.proxy import V_FLAG, VALIDATED_WORDS, validate_command
+    w_value = Q.FIELDS["signal_value"][0]
+
+    @njit(nogil=True)
+    def respond(ring, header, slots, iters, max_spins, flag_address, mode, regions):
+        scratch = np.zeros(VALIDATED_WORDS, dtype=np.uint64)
+        mask = slots - np.uint64(1)
+        for i in range(iters):
+            tail = np.uint64(i)
+            base = (tail & mask) * np.uint64(8)
+            spins = 0
+            while load_acquire(ring, base) != tail + np.uint64(1):
+                spins += 1
+                if spins > max_spins:
+                    return i
+            address = flag_address
+            if mode >= 2:
+                err, detail = validate_command(ring, base, regions, np.uint64(0), scratch)
+                if err != 0:
+                    return -1
+                address = scratch[V_FLAG]
+            store_release_at(address, ring[base + np.uint64(w_value)])
+            if mode >= 1:
+                store_release(header, Q.H_TAIL, tail + np.uint64(1))
+        return iters
+    return respond
+
+
 #: ping_pong_raw's `extra` modes: one part of a post's work added to the reference
 RAW_EXTRAS = {1: "claim_atomic", 2: "command_words", 3: "claim_atomic_and_command_words"}
+#: _ring_responder's modes: the ring without the Proxy, step by step
+RING_MODES = {0: "ring_bare", 1: "ring_and_tail", 2: "ring_tail_and_validate"}
 
 
 def _percentiles(cycles, elapsed):
@@ -85,6 +123,7 @@ def latency(rec, args, fn_raw, fn_pp):
     from mkrt.proxy.queue import PinnedMemory
     iters = args.iters
     respond = _responder()
+    ring_respond = _ring_responder()
     words = PinnedMemory(4096)
     w = words.array.view(np.uint64)
     respond(w, 0, 1)  # compile
@@ -128,6 +167,30 @@ def latency(rec, args, fn_raw, fn_pp):
             qs.close()
             flag.close()
 
+        # the ring answered by a bare responder (no Proxy), growing towards the proxy's work
+        for mode in RING_MODES:
+            qs = QueueSet(1, 256, [0], memory="pinned")
+            regions = new_region_table(1, 2)
+            flag = PinnedMemory(4096)
+            set_region(regions, 0, 1, flag.address, flag.nbytes, REGION_HOST)
+            status = status_words()
+            ring_respond(qs.ring, qs.header, np.uint64(qs.slots), 0, 1, np.uint64(flag.address),
+                         mode, regions)    # compile
+            out = []
+            th = threading.Thread(target=lambda: out.append(ring_respond(
+                qs.ring, qs.header, np.uint64(qs.slots), iters, 10**10, np.uint64(flag.address),
+                mode, regions)), daemon=True)
+            th.start()
+            fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
+                                np.uint64(flag.device_address), np.int32(iters), *status.args,
+                                np.uint64(10**10), cycles, elapsed, np.int32(0)))
+            cupy.cuda.Device(0).synchronize()
+            th.join(30)
+            raise_status(status)
+            results.setdefault(RING_MODES[mode], []).append(_percentiles(cycles.get()[100:], elapsed.get()))
+            qs.close()
+            flag.close()
+
         # through the proxy, ce transport, flag in device memory (cuStreamWriteValue64)
         from mkrt.proxy.transports.ce import CopyEngineTransport
         qs = QueueSet(1, 256, [0], memory="pinned")
@@ -153,6 +216,9 @@ def latency(rec, args, fn_raw, fn_pp):
     rec.add("roundtrip_proxy_host_flag_pinned", "median_us", host[0], raw[0], "us",
             target="ratio <= 1.10")
     rec.add("roundtrip_proxy_host_flag_pinned", "p99_us", host[1], raw[1], "us")
+    for name in RING_MODES.values():     # the ring answered without the Proxy's loop
+        part = min(results[name])
+        rec.add(f"roundtrip_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1])
     owned = min(results["host_owned"])
     rec.add("roundtrip_proxy_host_flag_pinned_owned_queue", "median_us", owned[0], raw[0], "us",
             target="ratio <= 1.10", p99_us=owned[1],
@@ -200,7 +266,7 @@ def command_rate(rec, args, fn_sig, threads, *, busy=False, batch=256):
         target = count * ctas
         deadline = time.monotonic() + 60
         while proxy.stats["commands"] < target and time.monotonic() < deadline:
-            pass
+            time.sleep(0.0002)     # reading the stats line nonstop would slow its writer
         seconds = time.perf_counter() - t0
         stats = proxy.stats
     stop.set()
@@ -397,6 +463,8 @@ def main():
                         help="CTAs posting the ce puts (one thread each)")
     parser.add_argument("--ce-modes", nargs="*", default=list(CE_MODES), choices=list(CE_MODES))
     parser.add_argument("--trials", type=int, default=3, help="round-trip trials (best median)")
+    parser.add_argument("--parts", nargs="*", default=["latency", "rate", "ce", "held"],
+                        choices=["latency", "rate", "ce", "held"])
     args = parser.parse_args()
     from mkrt.proxy.kernels import ProxyKernelsSpec
     rec = Recorder(args.out)
@@ -405,21 +473,25 @@ def main():
     fn_pp = spec.function("ping_pong_proxy", 0)
     fn_sig = spec.function("post_signals", 0)
     fn_puts = spec.function("post_puts", 0)
-    latency(rec, args, fn_raw, fn_pp)
-    base = None
-    for threads in args.threads:
-        rate, stats = command_rate(rec, args, fn_sig, threads)
-        if threads == 1:
-            base = rate
-        rec.add(f"command_rate_{threads}_threads", "Mcommands_per_s", rate,
-                5.0 if threads == 1 else base, "M/s",
-                target="1 thread >= 5 M/s; others vs 1 thread",
-                mean_batch=round(stats["commands"] / max(1, stats["batches"]), 1))
-    busy, _ = command_rate(rec, args, fn_sig, 1, busy=True)
-    rec.add("command_rate_1_thread_python_busy", "Mcommands_per_s", busy, base, "M/s",
-            note="another Python thread runs pure-Python arithmetic throughout")
-    ce_bandwidth(rec, args, fn_puts)
-    ce_with_every_sm_held(rec, args, spec.function("hold_sms_until", 0))
+    if "latency" in args.parts:
+        latency(rec, args, fn_raw, fn_pp)
+    if "rate" in args.parts:
+        base = None
+        for threads in args.threads:
+            rate, stats = command_rate(rec, args, fn_sig, threads)
+            if threads == 1:
+                base = rate
+            rec.add(f"command_rate_{threads}_threads", "Mcommands_per_s", rate,
+                    5.0 if threads == 1 else base, "M/s",
+                    target="1 thread >= 5 M/s; others vs 1 thread",
+                    mean_batch=round(stats["commands"] / max(1, stats["batches"]), 1))
+        busy, _ = command_rate(rec, args, fn_sig, 1, busy=True)
+        rec.add("command_rate_1_thread_python_busy", "Mcommands_per_s", busy, base, "M/s",
+                note="another Python thread runs pure-Python arithmetic throughout")
+    if "ce" in args.parts:
+        ce_bandwidth(rec, args, fn_puts)
+    if "held" in args.parts:
+        ce_with_every_sm_held(rec, args, spec.function("hold_sms_until", 0))
 
 
 if __name__ == "__main__":
