@@ -69,7 +69,8 @@ def _responder():
 
 def _ring_responder():
     """A bare answerer of ping_pong_proxy's ring (no Proxy): poll the next slot, write the
-    flag the signal names. mode 1: also publish the tail; mode 2: also decode and check
+    flag the signal names, publish the tail every 64 commands (the ring's space). mode 1:
+    publish it after every command; mode 2: also decode and check
     the command with the proxy's validate_command. What the proxy loop adds beyond them
     is its own cost."""
     from numba import njit
@@ -97,7 +98,7 @@ def _ring_responder():
                     return -1
                 address = scratch[V_FLAG]
             store_release_at(address, ring[base + np.uint64(w_value)])
-            if mode >= 1:
+            if mode >= 1 or (tail & np.uint64(63)) == np.uint64(63):
                 store_release(header, Q.H_TAIL, tail + np.uint64(1))
         return iters
     return respond
