@@ -150,7 +150,8 @@ def latency(rec, args, fn_raw, fn_pp):
             results.setdefault(name, []).append(raw_trial(extra))
 
         # through the proxy, host transport, flag in mapped host memory; shared and owned queue
-        for owned, name in ((0, "host"), (1, "host_owned")):
+        for owned, name in ((0, "host"), (1, "host_owned"), (2, "host_prefetch"),
+                            (3, "host_owned_prefetch")):
             qs = QueueSet(1, 256, [0], memory="pinned")
             regions = new_region_table(1, 2)
             flag = PinnedMemory(4096)
@@ -163,7 +164,7 @@ def latency(rec, args, fn_raw, fn_pp):
                 cupy.cuda.Device(0).synchronize()
             raise_status(status)
             results.setdefault(name, []).append(_percentiles(cycles.get()[100:], elapsed.get()))
-            if owned and int(qs.device_heads()[0]) != iters:
+            if owned & 1 and int(qs.device_heads()[0]) != iters:
                 raise RuntimeError(f"owned queue gave back head {qs.device_heads()[0]}, expected {iters}")
             qs.close()
             flag.close()
@@ -220,6 +221,10 @@ def latency(rec, args, fn_raw, fn_pp):
     for name in RING_MODES.values():     # the ring answered without the Proxy's loop
         part = min(results[name])
         rec.add(f"roundtrip_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1])
+    for name in ("host_prefetch", "host_owned_prefetch"):
+        part = min(results[name])
+        rec.add(f"roundtrip_proxy_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1],
+                note="the kernel prefetches the next ring slot's line into L2 after each post")
     owned = min(results["host_owned"])
     rec.add("roundtrip_proxy_host_flag_pinned_owned_queue", "median_us", owned[0], raw[0], "us",
             target="ratio <= 1.10", p99_us=owned[1],

@@ -88,18 +88,22 @@ extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, 
     result[blockIdx.x] = 0;
 }
 
-// One thread: post a signal to itself, wait for it, `iters` times. `owned`: post through
-// an OwnedQueue (no claim atomic).
+// One thread: post a signal to itself, wait for it, `iters` times. `owned` bit 0: post
+// through an OwnedQueue (no claim atomic); bit 1: prefetch the next slot's line to L2.
 template <class Q>
 __device__ void ping_pong_loop(Q& poster, const mkrt::Queue& q, unsigned rank, unsigned flag_region,
                                mkrt::u64 flag_offset, const mkrt::u64* flag, int iters,
-                               const mkrt::Context& ctx, long long* cycles, mkrt::u64* elapsed) {
+                               const mkrt::Context& ctx, long long* cycles, mkrt::u64* elapsed,
+                               bool prefetch_next) {
     const mkrt::u64 t0 = mkrt::global_timer_ns();
     const long long c0 = clock64();
     long long last = c0;
     for (int i = 0; i < iters; ++i) {
-        if (mkrt::post_signal(poster, ctx, rank, flag_region, flag_offset, (mkrt::u64)(i + 1))
-            == mkrt::POST_FAILED) return;
+        const mkrt::u64 ticket = mkrt::post_signal(poster, ctx, rank, flag_region, flag_offset,
+                                                   (mkrt::u64)(i + 1));
+        if (ticket == mkrt::POST_FAILED) return;
+        if (prefetch_next)     // the next slot's line into L2 while this one is answered
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(q.ring + ((ticket + 1) & (q.slots - 1))));
         if (!mkrt::proxy_wait_at_least(flag, (mkrt::u64)(i + 1), ctx, q, mkrt::ROLE_TEST, i, 0))
             return;
         const long long now = clock64();
@@ -118,12 +122,15 @@ extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned r
     const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const mkrt::Queue& q = queues[0];
-    if (owned) {
+    const bool prefetch_next = (owned & 2) != 0;
+    if (owned & 1) {
         mkrt::OwnedQueue mine = mkrt::own_queue(q);
-        ping_pong_loop(mine, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed);
+        ping_pong_loop(mine, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
+                       prefetch_next);
         mkrt::release_queue(mine);
     } else {
-        ping_pong_loop(q, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed);
+        ping_pong_loop(q, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
+                       prefetch_next);
     }
 }
 
