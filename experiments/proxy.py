@@ -54,15 +54,16 @@ def _responder():
     from mkrt.proxy.atomics import load_acquire, store_release
 
     @njit(nogil=True)
-    def respond(words, iters, max_spins):
+    def respond(words, iters, max_spins, answer, lines):
+        """Answer command i (word 16*(i % lines) of `words`) in answer[0]."""
         for i in range(iters):
             want = np.uint64(i + 1)
             spins = 0
-            while load_acquire(words, 0) < want:
+            while load_acquire(words, 16 * (i % lines)) < want:
                 spins += 1
                 if spins > max_spins:
                     return i
-            store_release(words, 8, want)
+            store_release(answer, 0, want)
         return iters
     return respond
 
@@ -105,7 +106,9 @@ def _ring_responder():
 
 
 #: ping_pong_raw's `extra` modes: one part of a post's work added to the reference
-RAW_EXTRAS = {1: "claim_atomic", 2: "command_words", 3: "claim_atomic_and_command_words"}
+RAW_EXTRAS = {1: "claim_atomic", 2: "command_words", 3: "claim_atomic_and_command_words",
+              6: "command_words_new_line_each_time", 8: "answer_in_its_own_allocation",
+              14: "new_line_and_own_answer_allocation"}
 #: _ring_responder's modes: the ring without the Proxy, step by step
 RING_MODES = {0: "ring_bare", 1: "ring_and_tail", 2: "ring_tail_and_validate"}
 
@@ -127,17 +130,25 @@ def latency(rec, args, fn_raw, fn_pp):
     ring_respond = _ring_responder()
     words = PinnedMemory(4096)
     w = words.array.view(np.uint64)
-    respond(w, 0, 1)  # compile
+    respond(w, 0, 1, w, 1)  # compile
     results = {}
     counter = cupy.zeros(2, dtype=np.uint64)
 
+    apart = PinnedMemory(4096)       # an answer word in its own allocation, like a proxy flag
+    a = apart.array.view(np.uint64)
+
     def raw_trial(extra):
         w[:] = 0
+        a[:] = 0
+        own_page = extra >= 8           # 8: the answer in its own allocation
+        answer, answer_address = (a, apart.device_address) if own_page else (w[8:], words.device_address + 64)
+        lines = 16 if extra & 4 else 1
         out = []
-        th = threading.Thread(target=lambda: out.append(respond(w, iters, 10**10)), daemon=True)
+        th = threading.Thread(target=lambda: out.append(respond(w, iters, 10**10, answer, lines)),
+                              daemon=True)
         th.start()
-        fn_raw((1,), (32,), (np.uint64(words.device_address), np.uint64(words.device_address + 64),
-                             np.int32(iters), cycles, elapsed, np.int32(extra), counter))
+        fn_raw((1,), (32,), (np.uint64(words.device_address), np.uint64(answer_address),
+                             np.int32(iters), cycles, elapsed, np.int32(extra & 7), counter))
         cupy.cuda.Device(0).synchronize()
         th.join(30)
         return _percentiles(cycles.get()[100:], elapsed.get())
@@ -208,6 +219,7 @@ def latency(rec, args, fn_raw, fn_pp):
         results.setdefault("ce", []).append(_percentiles(cycles.get()[50:iters // 4], elapsed.get()))
         qs.close()
     words.close()
+    apart.close()
     raw = min(results["raw"])           # best of the trials for each, same treatment
     host = min(results["host"])
     ce = min(results["ce"])

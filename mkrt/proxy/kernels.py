@@ -154,14 +154,16 @@ extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* an
     long long last = c0;
     mkrt::u64 claimed = 0;
     for (int i = 0; i < iters; ++i) {
+        // extra & 4: a new line each time, like a ring (16 lines, 128 bytes apart)
+        mkrt::u64* command_line = (extra & 4) ? command + 16 * (i % 16) : command;
         if (extra & 1) claimed += atomicAdd((unsigned long long*)counter, 1ull);
         if (extra & 2) {
-            asm volatile("st.global.u64 [%0], %1;" :: "l"(command + 1), "l"(claimed) : "memory");
-            mkrt::st_v2_u64(command + 2, claimed, (mkrt::u64)i);
-            mkrt::st_v2_u64(command + 4, claimed, (mkrt::u64)i);
-            mkrt::st_v2_u64(command + 6, claimed, (mkrt::u64)i);
+            asm volatile("st.global.u64 [%0], %1;" :: "l"(command_line + 1), "l"(claimed) : "memory");
+            mkrt::st_v2_u64(command_line + 2, claimed, (mkrt::u64)i);
+            mkrt::st_v2_u64(command_line + 4, claimed, (mkrt::u64)i);
+            mkrt::st_v2_u64(command_line + 6, claimed, (mkrt::u64)i);
         }
-        mkrt::st_release_sys(command, (mkrt::u64)(i + 1));
+        mkrt::st_release_sys(command_line, (mkrt::u64)(i + 1));
         const mkrt::u64 start = mkrt::global_timer_ns();
         while (mkrt::ld_acquire_sys(answer) < (mkrt::u64)(i + 1)) {
             if (mkrt::global_timer_ns() - start > 2000000000ull) return;   // 2 s: host gone
