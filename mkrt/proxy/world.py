@@ -19,7 +19,10 @@ class WorldProxy:
     def __init__(self, world, *, slots: int = 1024, threads_per_gpu: int = 1):
         """``threads_per_gpu``: proxy threads per GPU. One is the default: with one per
         rank (4 on one H200, 2 MiB puts) a 2x2 gemm_allreduce run ended in CommTimeout
-        (experiments/results/gemm_allreduce_v5_timeout.log); not yet understood."""
+        (experiments/results/gemm_allreduce_v5_timeout.log). Likely cause, since measured:
+        device-to-device copies are SM kernels, and its 4 x 33 CTAs held all 132 SMs;
+        worlds like it now leave mkrt.world.CE_COPY_SMS free (experiments/notes/proxy.md).
+        Not yet re-run with more threads."""
         from mkrt.proxy.proxy import Proxy
         from mkrt.proxy.transports.ce import CopyEngineTransport
         if not world.emulated and len(set(world.hosts)) > 1:

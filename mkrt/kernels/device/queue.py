@@ -17,6 +17,13 @@ Posting (one thread; any number of CTAs and queues at once)::
    also leaves when the proxy's error word is set (``proxy_wait_at_least``);
 3. write words 1..7 of the slot, then release-store ``valid = ticket + 1``.
 
+A thread that alone posts to a queue for a while can own it and skip step 1's atomic
+(about 0.15 us of a 3.5 us round trip on the H200)::
+
+    mkrt::OwnedQueue mine = mkrt::own_queue(queues[i]);
+    mkrt::post_signal(mine, ctx, ...);                // every post_* takes either
+    mkrt::release_queue(mine);                        // others may post again
+
 Data a put reads must be visible at system scope before the post: the CTA writes,
 ``__syncthreads()``, and the posting thread's release store orders it (add
 ``__threadfence_system()`` when other CTAs wrote the data).
