@@ -10,7 +10,8 @@ Measures, in one run on one GPU:
   3. the one-thread rate again while another Python thread runs pure-Python code (GIL busy);
   4. `ce` bandwidth vs message size against back-to-back cuMemcpyAsync D2D issued from
      compiled code (no Python in the loop) — target >= 90% from 1 MiB up — for each
-     transport mode (batched copies with/without the copy-engine hint, one call per put),
+     transport mode (one batch copy kernel launch per batch, one cuMemcpyBatchAsync per
+     batch with the copy-engine hint, one cuMemcpyAsync per put),
      with one and with 8 CTAs posting (one GPU thread posts a put every few us);
   5. whether a `ce` copy lands while a kernel holds every SM waiting for it.
 
@@ -162,7 +163,7 @@ def latency(rec, args, fn_raw, fn_pp):
 
         # through the proxy, host transport, flag in mapped host memory; shared and owned queue
         for owned, name, slots in ((0, "host", 256), (1, "host_owned", 256),
-                                   (0, "host_4_slots", 4), (1, "host_owned_4_slots", 4)):
+                                   (5, "host_owned_inline_wait", 256)):
             qs = QueueSet(1, slots, [0], memory="pinned")
             regions = new_region_table(1, 2)
             flag = PinnedMemory(4096)
@@ -233,10 +234,9 @@ def latency(rec, args, fn_raw, fn_pp):
     for name in RING_MODES.values():     # the ring answered without the Proxy's loop
         part = min(results[name])
         rec.add(f"roundtrip_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1])
-    for name in ("host_4_slots", "host_owned_4_slots"):
-        part = min(results[name])
-        rec.add(f"roundtrip_proxy_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1],
-                note="a ring of 4 slots: its lines are written again every 4 posts")
+    part = min(results["host_owned_inline_wait"])
+    rec.add("roundtrip_proxy_host_owned_inline_wait", "median_us", part[0], raw[0], "us",
+            p99_us=part[1], note="owned queue; the flag waited for with the reference's loop")
     owned = min(results["host_owned"])
     rec.add("roundtrip_proxy_host_flag_pinned_owned_queue", "median_us", owned[0], raw[0], "us",
             target="ratio <= 1.10", p99_us=owned[1],
@@ -320,9 +320,9 @@ def _copier():
 
 
 CE_MODES = {   # CopyEngineTransport options per mode
-    "batch_ce": dict(batch_copies=True, prefer_copy_engines=True),     # the default
-    "batch": dict(batch_copies=True, prefer_copy_engines=False),
-    "per_put": dict(batch_copies=False),
+    "kernel": dict(copy_method="kernel"),                              # the default
+    "batch_ce": dict(copy_method="batch", prefer_copy_engines=True),
+    "per_put": dict(copy_method="each"),
 }
 
 

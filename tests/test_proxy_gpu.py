@@ -54,7 +54,8 @@ def test_command_layout_on_device_matches_dtype():
     assert out.get().tolist() == expected
 
 
-def test_ce_thousands_of_puts_data_and_flags():
+@pytest.mark.parametrize("copy_method", ["kernel", "batch", "each"])
+def test_ce_thousands_of_puts_data_and_flags(copy_method):
     import cupy
     from mkrt.proxy import Proxy
     from mkrt.proxy.kernels import raise_status, status_words
@@ -62,7 +63,8 @@ def test_ce_thousands_of_puts_data_and_flags():
     chunk, ctas, count = 4096, 32, 128           # 4096 puts, 16 MiB, ring of 64 wraps 16 times
     qs, regions, src, dst, flags = _world(chunk, ctas, count)
     status = status_words()
-    with Proxy(qs, regions, CopyEngineTransport(0), threads=2, batch=32) as proxy:
+    with Proxy(qs, regions, CopyEngineTransport(0, copy_method=copy_method), threads=2,
+               batch=32) as proxy:
         result = _launch_puts(qs, flags, chunk, ctas, count, status)
         cupy.cuda.Device(0).synchronize()
         raise_status(status)

@@ -19,7 +19,7 @@ KERNEL_MODULES = [
 def optional_modules() -> list[str]:
     """Kernel modules that exist in this checkout (some land in later issues)."""
     found = []
-    for name in ("mkrt.proxy.kernels",):
+    for name in ("mkrt.proxy.kernels", "mkrt.proxy.transports.ce_copy"):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as error:

@@ -1,19 +1,25 @@
-"""`ce` transport: DMA issued by the proxy, then a stream-ordered flag write.
+"""`ce` transport: copies issued by the proxy, then a stream-ordered flag write.
 
 Per proxy thread: one non-blocking CUDA stream. Puts are collected while the proxy reads
-a batch of commands and go to the driver together, as ONE ``cuMemcpyBatchAsync`` (one
-driver call for up to :data:`MAX_PENDING` copies; per-call cost, not bandwidth, is what
-limits 1 MiB messages), or one ``cuMemcpyAsync`` each (``batch_copies=False``, or when
-the driver has no batch call). A signal first issues the pending copies, then
-``cuStreamWriteValue64(stream, flag, value)`` on the same stream, so the flag lands after
-the data. A signal with no copy outstanding whose flag lies in mapped host memory is a
-plain release store (no driver call, lowest latency).
+a batch of commands and go out together (``copy_method``):
+
+* ``"kernel"`` (default): ONE launch of mkrt's batch copy kernel
+  (:mod:`mkrt.proxy.transports.ce_copy`) for up to :data:`MAX_PENDING` puts;
+* ``"batch"``: one ``cuMemcpyBatchAsync`` (the driver still runs one copy per put);
+* ``"each"``: one ``cuMemcpyAsync`` per put.
+
+On the H200 a device-to-device copy is an SM kernel either way (measured; the driver's
+copy-engine hint does not change it), so per-copy launch cost, not bandwidth, is what
+limits 1 MiB messages: the batch kernel pays it once per batch.
+
+A signal first issues the pending copies, then ``cuStreamWriteValue64(stream, flag,
+value)`` on the same stream, so the flag lands after the data. A signal with no copy
+outstanding whose flag lies in mapped host memory is a plain release store (no driver
+call, lowest latency).
 
 Copies of one batch may run in any order, so a put that overlaps a pending one (writes
 what it reads or writes, or reads what it writes) issues the pending ones first: puts
-land as if in order. ``prefer_copy_engines`` asks the driver to run batched copies on
-copy engines rather than SMs (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``): a copy
-kernel cannot start while persistent CTAs hold every SM and wait for that copy.
+land as if in order.
 
 libcuda is called from the compiled loop through ctypes function objects (Numba calls
 them directly, without the GIL). The proxy thread makes the device's primary context
@@ -30,27 +36,32 @@ from numba import njit
 from mkrt.proxy.atomics import store_release_at
 from mkrt.proxy.queue import REGION_HOST
 from mkrt.proxy.transports.base import Transport, TransportUnavailable
+from mkrt.proxy.transports.ce_copy import COPY_THREADS, MAX_PENDING, copy_function_handle
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
-
-#: most copies held before they go to the driver as one batch
-MAX_PENDING = 128
+COPY_METHODS = {"each": 0, "batch": 1, "kernel": 2}
 
 # thread state (u64 words)
 T_STREAM = 0        # CUstream
 T_OUTSTANDING = 1   # driver operations issued since the stream was last seen idle
 T_PENDING = 2       # puts collected, not yet issued
-T_BATCH = 3         # 1: cuMemcpyBatchAsync, 0: one cuMemcpyAsync per put
-T_BATCH_CALLS = 4   # driver copy calls made (statistics)
+T_METHOD = 3        # COPY_METHODS value
+T_COPY_CALLS = 4    # driver copy calls or launches made (statistics)
 T_FAIL_INDEX = 5    # cuMemcpyBatchAsync (v1) writes the failing copy's index here
-T_ATTRS = 8         # CUmemcpyAttributes (24 bytes), then its index word
-T_DSTS = 12
+T_ATTRS = 6         # CUmemcpyAttributes (24 bytes), then its index word (9)
+T_FUNCTION = 10     # CUfunction of the batch copy kernel
+T_PARAMS = 11       # kernelParams[0]: the address of the CopyBatch below
+T_SMS = 12          # most CTAs a copy launch uses
+T_COUNT = 13        # CopyBatch {count; dst[MAX]; src[MAX]; bytes[MAX]} from here
+T_DSTS = T_COUNT + 1
 T_SRCS = T_DSTS + MAX_PENDING
 T_SIZES = T_SRCS + MAX_PENDING
 STATE_WORDS = T_SIZES + MAX_PENDING
+#: bytes one CTA of the copy kernel moves per pass over a batch (sizes its grid)
+BYTES_PER_CTA = COPY_THREADS * 16 * 8
 
 
 def _libcuda():
@@ -90,6 +101,23 @@ def build_ops(lib):
     batch_v1 = None if batch_v2 else _function(lib, ["cuMemcpyBatchAsync"], [u64] * 9,
                                                required=False)
     has_batch = batch_v2 is not None or batch_v1 is not None
+    u32 = ctypes.c_uint32
+    launch = _function(lib, ["cuLaunchKernel"], [u64, u32, u32, u32, u32, u32, u32, u32, u64,
+                                                 u64, u64])
+
+    @njit(nogil=True, cache=False)
+    def launch_copies(state, base, count):
+        """One launch of the batch copy kernel over the pending puts."""
+        total = np.uint64(0)
+        for i in range(np.int64(count)):
+            total += state[T_SIZES + i]
+        ctas = min(state[T_SMS], max(np.uint64(1), (total + np.uint64(BYTES_PER_CTA - 1))
+                                     // np.uint64(BYTES_PER_CTA)))
+        state[T_COUNT] = count
+        state[T_PARAMS] = base + np.uint64(8 * T_COUNT)
+        return launch(state[T_FUNCTION], np.uint32(ctas), np.uint32(1), np.uint32(1),
+                      np.uint32(COPY_THREADS), np.uint32(1), np.uint32(1), np.uint32(0),
+                      state[T_STREAM], base + np.uint64(8 * T_PARAMS), np.uint64(0))
     if batch_v2 is not None:
         @njit(nogil=True, cache=False)
         def memcpy_batch(state, base, count):
@@ -106,7 +134,7 @@ def build_ops(lib):
     else:
         @njit(nogil=True, cache=False)
         def memcpy_batch(state, base, count):
-            return 801   # CUDA_ERROR_NOT_SUPPORTED (never called: T_BATCH stays 0)
+            return 801   # CUDA_ERROR_NOT_SUPPORTED (never called: "batch" becomes "each")
 
     @njit(nogil=True, cache=False)
     def issue(state):
@@ -116,11 +144,15 @@ def build_ops(lib):
             return 0
         state[T_PENDING] = np.uint64(0)
         state[T_OUTSTANDING] += count
-        if state[T_BATCH] != np.uint64(0):    # also one copy: it carries the copy-engine hint
-            state[T_BATCH_CALLS] += np.uint64(1)
+        method = state[T_METHOD]
+        if method == np.uint64(2):
+            state[T_COPY_CALLS] += np.uint64(1)
+            return launch_copies(state, np.uint64(state.ctypes.data), count)
+        if method == np.uint64(1):    # also one copy: it carries the copy-engine hint
+            state[T_COPY_CALLS] += np.uint64(1)
             return memcpy_batch(state, np.uint64(state.ctypes.data), count)
         for i in range(np.int64(count)):
-            state[T_BATCH_CALLS] += np.uint64(1)
+            state[T_COPY_CALLS] += np.uint64(1)
             rc = memcpy_async(state[T_DSTS + i], state[T_SRCS + i], state[T_SIZES + i],
                               state[T_STREAM])
             if rc != CUDA_SUCCESS:
@@ -198,18 +230,24 @@ def build_ops(lib):
 class CopyEngineTransport(Transport):
     """Copies between any registered regions of one process (an emulated world's ranks).
 
-    ``batch_copies``: collect puts and issue them with one ``cuMemcpyBatchAsync`` (when
-    the driver has it); ``prefer_copy_engines``: ask for copy engines, not SM copy kernels.
+    ``copy_method``: "kernel" (one batch copy launch per batch of puts), "batch" (one
+    ``cuMemcpyBatchAsync``; "each" when the driver lacks it) or "each" (one
+    ``cuMemcpyAsync`` per put). ``prefer_copy_engines``: the "batch" call's hint to use
+    copy engines (it did not change where copies ran on the H200).
     """
 
     name = "ce"
 
-    def __init__(self, device: int = 0, *, batch_copies: bool = True,
+    def __init__(self, device: int = 0, *, copy_method: str = "kernel",
                  prefer_copy_engines: bool = True):
+        if copy_method not in COPY_METHODS:
+            raise ValueError(f"mkrt.proxy: copy_method={copy_method!r}; expected one of "
+                             f"{sorted(COPY_METHODS)}")
         self.device = device
         self._ops, has_batch = self._driver_ops()
-        self.batch_copies = bool(batch_copies) and has_batch
+        self.copy_method = "each" if copy_method == "batch" and not has_batch else copy_method
         self.prefer_copy_engines = bool(prefer_copy_engines)
+        self._kernel = self._copy_kernel() if self.copy_method == "kernel" else 0
         self._streams = []
         self._states = []
 
@@ -222,6 +260,13 @@ class CopyEngineTransport(Transport):
         if _DRIVER_OPS is None:
             _DRIVER_OPS = build_ops(_libcuda())
         return _DRIVER_OPS
+
+    def _copy_kernel(self) -> int:
+        return copy_function_handle(self.device)
+
+    def _copy_ctas(self) -> int:
+        from mkrt.world import device_sm_count
+        return device_sm_count(self.device)
 
     def _new_stream(self) -> int:
         import cupy
@@ -236,7 +281,9 @@ class CopyEngineTransport(Transport):
     def thread_state(self, thread: int):
         state = np.zeros(STATE_WORDS, dtype=np.uint64)
         state[T_STREAM] = self._new_stream()
-        state[T_BATCH] = int(self.batch_copies)
+        state[T_METHOD] = COPY_METHODS[self.copy_method]
+        state[T_FUNCTION] = self._kernel
+        state[T_SMS] = self._copy_ctas()
         # CUmemcpyAttributes {u32 srcAccessOrder; CUmemLocation src, dst (i32 type, i32 id);
         # u32 flags} then attrsIdxs[0] = 0: one attribute for every copy of a batch.
         attrs = state[T_ATTRS:T_ATTRS + 4].view(np.uint32)
@@ -246,8 +293,8 @@ class CopyEngineTransport(Transport):
         return state
 
     def copy_calls(self) -> int:
-        """Driver copy calls the proxy threads made (a batch counts once)."""
-        return int(sum(int(s[T_BATCH_CALLS]) for s in self._states))
+        """Driver copy calls or launches the proxy threads made (a batch counts once)."""
+        return int(sum(int(s[T_COPY_CALLS]) for s in self._states))
 
     def thread_setup(self):
         import cupy
