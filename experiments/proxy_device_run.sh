@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 python3 -m mkrt compile --all > $OUT/compile.log 2>&1; tail -2 $OUT/compile.log
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests -p no:cacheprovider --timeout 100 2>&1 \
   | tee $OUT/pytest.log | tail -15
-timeout ${BENCH_TIMEOUT:-300} python3 experiments/proxy.py --out $OUT/proxy.jsonl 2>&1 | tee $OUT/proxy.log
+timeout ${BENCH_TIMEOUT:-300} python3 experiments/proxy.py --out $OUT/proxy.jsonl $PROXY_ARGS 2>&1 | tee $OUT/proxy.log
 for args in "$@"; do
   timeout ${GAR_TIMEOUT:-240} python3 experiments/gemm_allreduce.py $args --out $OUT/gemm_allreduce.jsonl \
     2>&1 | tee -a $OUT/gemm_allreduce.log

@@ -60,4 +60,6 @@ def default_specs() -> list[BatchCopySpec]:
 
 def copy_function_handle(device: int) -> int:
     """The CUfunction of `batch_copy` on `device` (built and loaded once per process)."""
-    return int(BatchCopySpec().function("batch_copy", device).ptr)
+    import cupy
+    with cupy.cuda.Device(device):
+        return int(BatchCopySpec().function("batch_copy", device).kernel.ptr)
