@@ -125,7 +125,7 @@ def latency(rec, args, fn_raw, fn_pp):
     from mkrt.proxy import (Proxy, QueueSet, HostTransport, new_region_table, set_region,
                             REGION_HOST, REGION_DEVICE)
     from mkrt.proxy.kernels import raise_status, status_words
-    from mkrt.proxy.queue import PinnedMemory
+    from mkrt.proxy.queue import REPLY_WORDS, PinnedMemory
     iters = args.iters
     respond = _responder()
     ring_respond = _ring_responder()
@@ -162,16 +162,18 @@ def latency(rec, args, fn_raw, fn_pp):
             results.setdefault(name, []).append(raw_trial(extra))
 
         # through the proxy, host transport, flag in mapped host memory; shared and owned queue
-        for owned, name, slots in ((0, "host", 256), (1, "host_owned", 256),
-                                   (5, "host_owned_inline_wait", 256)):
-            qs = QueueSet(1, slots, [0], memory="pinned")
+        for owned, name, reply in ((0, "host", False), (1, "host_owned", False),
+                                   (0, "host_reply_word", True), (1, "host_owned_reply_word", True)):
+            qs = QueueSet(1, 256, [0], memory="pinned")
             regions = new_region_table(1, 2)
             flag = PinnedMemory(4096)
-            set_region(regions, 0, 1, flag.address, flag.nbytes, REGION_HOST)
+            flag_address = qs.reply_address(0) if reply else flag.address
+            set_region(regions, 0, 1, flag_address, 8 * REPLY_WORDS if reply else flag.nbytes,
+                       REGION_HOST)
             status = status_words()
             with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
                 fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
-                                    np.uint64(flag.device_address), np.int32(iters), *status.args,
+                                    np.uint64(flag_address), np.int32(iters), *status.args,
                                     np.uint64(10**10), cycles, elapsed, np.int32(owned)))
                 cupy.cuda.Device(0).synchronize()
             raise_status(status)
@@ -234,9 +236,11 @@ def latency(rec, args, fn_raw, fn_pp):
     for name in RING_MODES.values():     # the ring answered without the Proxy's loop
         part = min(results[name])
         rec.add(f"roundtrip_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1])
-    part = min(results["host_owned_inline_wait"])
-    rec.add("roundtrip_proxy_host_owned_inline_wait", "median_us", part[0], raw[0], "us",
-            p99_us=part[1], note="owned queue; the flag waited for with the reference's loop")
+    for name in ("host_reply_word", "host_owned_reply_word"):
+        part = min(results[name])
+        rec.add(f"roundtrip_proxy_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1],
+                target="ratio <= 1.10",
+                note="flag in the queue's reply word (same allocation as the ring)")
     owned = min(results["host_owned"])
     rec.add("roundtrip_proxy_host_flag_pinned_owned_queue", "median_us", owned[0], raw[0], "us",
             target="ratio <= 1.10", p99_us=owned[1],

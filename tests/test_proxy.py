@@ -270,3 +270,18 @@ def test_shared_memory_queue_across_processes():
     # two processes share the pipe: their lines can interleave, so match, don't split
     reports = sorted(re.findall(r"rank (\d+) ok (\d+)", proc.stdout))
     assert reports == [("0", "1000"), ("1", "1000")], proc.stdout + proc.stderr
+
+
+def test_reply_words_take_flags_the_proxy_writes_back():
+    w = World(ranks=1)
+    qs = QueueSet(2, 8, [0, 0])
+    with pytest.raises(ValueError, match="reply word"):
+        qs.reply_address(0, Q.REPLY_WORDS)
+    set_region(w.regions, 0, 2, qs.reply_address(1), 8 * Q.REPLY_WORDS, REGION_HOST)
+    sig = P.command(OP_SIGNAL, dst_rank=0, signal_region=2, signal_offset=8 * 3, signal_value=42)
+    with Proxy(qs, w.regions, HostTransport()):
+        assert post(qs, 1, sig) == P.POST_OK
+        assert wait_flag(qs.header, 1 * Q.HEADER_WORDS + Q.H_REPLY + 3, 42)
+    # its own line: the queue's tail, done and error words are untouched by replies
+    assert qs.tail(1) == 1 and qs.done(1) == 1 and qs.error(1) == 0 and qs.tail(0) == 0
+    qs.close()

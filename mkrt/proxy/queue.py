@@ -18,6 +18,9 @@ Queue header (per queue, :data:`HEADER_WORDS` u64 words in host memory the GPU m
   [ERROR]       0, or the proxy error code | detail << 8 (producers' waits check it)
   [ERROR_TICKET] ticket of the command that failed
   [HOST_HEAD]   the claim counter of host-side producers (GPU producers use device memory)
+  [REPLY..]     8 words for flags the proxy writes back to this queue's poster: a GPU
+                waits for a host-written word about 0.27 us faster when it lies in the
+                allocation it posts into (H200: experiments/notes/proxy.md)
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ H_DONE = 8
 H_ERROR = 9
 H_ERROR_TICKET = 10
 H_HOST_HEAD = 16
+H_REPLY = 24
+REPLY_WORDS = 8
 
 # ---- proxy error codes (low 8 bits of the error word; detail above) --------------------
 E_OPCODE = 1
@@ -323,6 +328,14 @@ class QueueSet:
         """How many commands each queue's GPU producers have claimed (synchronizes)."""
         self.device_descriptors()
         return self._device[0].reshape(self.queues, 16)[:, 0].get()
+
+    def reply_address(self, queue: int, index: int = 0) -> int:
+        """Address (host = device under UVA) of reply word `index` of `queue`: register
+        it as a host region for flags the proxy writes back to that queue's poster."""
+        if not (0 <= queue < self.queues and 0 <= index < REPLY_WORDS):
+            raise ValueError(f"mkrt.proxy: reply word ({queue=}, {index=}) outside "
+                             f"{self.queues} queues x {REPLY_WORDS} words")
+        return self.header_address + 8 * (queue * HEADER_WORDS + H_REPLY + index)
 
     def tail(self, queue: int) -> int:
         return int(self.header[queue * HEADER_WORDS + H_TAIL])
