@@ -118,6 +118,7 @@ def build_ops(lib):
         return launch(state[T_FUNCTION], np.uint32(ctas), np.uint32(1), np.uint32(1),
                       np.uint32(COPY_THREADS), np.uint32(1), np.uint32(1), np.uint32(0),
                       state[T_STREAM], base + np.uint64(8 * T_PARAMS), np.uint64(0))
+
     if batch_v2 is not None:
         @njit(nogil=True, cache=False)
         def memcpy_batch(state, base, count):
