@@ -178,7 +178,7 @@ def latency(rec, args, fn_raw, fn_pp):
                 cupy.cuda.Device(0).synchronize()
             raise_status(status)
             results.setdefault(name, []).append(_percentiles(cycles.get()[100:], elapsed.get()))
-            if owned & 1 and int(qs.device_heads()[0]) != iters:
+            if owned and int(qs.device_heads()[0]) != iters:
                 raise RuntimeError(f"owned queue gave back head {qs.device_heads()[0]}, expected {iters}")
             qs.close()
             flag.close()

@@ -88,14 +88,13 @@ extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, 
     result[blockIdx.x] = 0;
 }
 
-// One thread: post a signal to itself, wait for it, `iters` times. `owned` bit 0: post
-// through an OwnedQueue (no claim atomic); bit 1: prefetch the next slot's line to L2;
-// bit 2: wait with the reference's inline loop instead of proxy_wait_at_least.
+// One thread: post a signal to itself, wait for it, `iters` times. `owned`: post through
+// an OwnedQueue (no claim atomic). (Prefetching the next slot and the reference's inline
+// wait loop were tried here and changed nothing: experiments/notes/proxy.md.)
 template <class Q>
 __device__ void ping_pong_loop(Q& poster, const mkrt::Queue& q, unsigned rank, unsigned flag_region,
                                mkrt::u64 flag_offset, const mkrt::u64* flag, int iters,
-                               const mkrt::Context& ctx, long long* cycles, mkrt::u64* elapsed,
-                               bool prefetch_next, bool inline_wait) {
+                               const mkrt::Context& ctx, long long* cycles, mkrt::u64* elapsed) {
     const mkrt::u64 t0 = mkrt::global_timer_ns();
     const long long c0 = clock64();
     long long last = c0;
@@ -103,15 +102,8 @@ __device__ void ping_pong_loop(Q& poster, const mkrt::Queue& q, unsigned rank, u
         const mkrt::u64 ticket = mkrt::post_signal(poster, ctx, rank, flag_region, flag_offset,
                                                    (mkrt::u64)(i + 1));
         if (ticket == mkrt::POST_FAILED) return;
-        if (prefetch_next)     // the next slot's line into L2 while this one is answered
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(q.ring + ((ticket + 1) & (q.slots - 1))));
-        if (inline_wait) {     // the reference's own loop, for comparison
-            const mkrt::u64 start = mkrt::global_timer_ns();
-            while (mkrt::ld_acquire_sys(flag) < (mkrt::u64)(i + 1))
-                if (mkrt::global_timer_ns() - start > ctx.timeout_ns) return;
-        } else if (!mkrt::proxy_wait_at_least(flag, (mkrt::u64)(i + 1), ctx, q, mkrt::ROLE_TEST, i, 0)) {
+        if (!mkrt::proxy_wait_at_least(flag, (mkrt::u64)(i + 1), ctx, q, mkrt::ROLE_TEST, i, 0))
             return;
-        }
         const long long now = clock64();
         cycles[i] = now - last;
         last = now;
@@ -128,15 +120,12 @@ extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned r
     const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const mkrt::Queue& q = queues[0];
-    const bool prefetch_next = (owned & 2) != 0, inline_wait = (owned & 4) != 0;
-    if (owned & 1) {
+    if (owned) {
         mkrt::OwnedQueue mine = mkrt::own_queue(q);
-        ping_pong_loop(mine, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
-                       prefetch_next, inline_wait);
+        ping_pong_loop(mine, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed);
         mkrt::release_queue(mine);
     } else {
-        ping_pong_loop(q, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
-                       prefetch_next, inline_wait);
+        ping_pong_loop(q, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed);
     }
 }
 
