@@ -39,7 +39,7 @@ import logging
 import random
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
