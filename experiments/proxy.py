@@ -120,12 +120,38 @@ def _percentiles(cycles, elapsed):
     return float(np.median(ns)), float(np.percentile(ns, 99))
 
 
+class HostFlagQueue:
+    """One pinned queue of 256 slots for rank 0 and a region table whose (rank 0, region 1)
+    is a host flag: the queue's reply words (`reply`) or a page of its own. Yields
+    (queue set, region table, flag address); frees both on exit."""
+
+    def __init__(self, reply: bool):
+        self.reply = reply
+
+    def __enter__(self):
+        from mkrt.proxy import QueueSet, REGION_HOST, new_region_table, set_region
+        from mkrt.proxy.queue import REPLY_WORDS, PinnedMemory
+        self.qs = QueueSet(1, 256, [0], memory="pinned")
+        self.flag = PinnedMemory(4096)
+        regions = new_region_table(1, 2)
+        if self.reply:
+            address, size = self.qs.reply_address(0), 8 * REPLY_WORDS
+        else:
+            address, size = self.flag.address, self.flag.nbytes
+        set_region(regions, 0, 1, address, size, REGION_HOST)
+        return self.qs, regions, address
+
+    def __exit__(self, *exc):
+        self.qs.close()
+        self.flag.close()
+
+
 def latency(rec, args, fn_raw, fn_pp):
     import cupy
     from mkrt.proxy import (Proxy, QueueSet, HostTransport, new_region_table, set_region,
-                            REGION_HOST, REGION_DEVICE)
+                            REGION_DEVICE)
     from mkrt.proxy.kernels import raise_status, status_words
-    from mkrt.proxy.queue import REPLY_WORDS, PinnedMemory
+    from mkrt.proxy.queue import PinnedMemory
     iters = args.iters
     respond = _responder()
     ring_respond = _ring_responder()
@@ -144,9 +170,7 @@ def latency(rec, args, fn_raw, fn_pp):
         own_page = extra >= 8           # 8: the answer in its own allocation
         answer, answer_address = (a, apart.device_address) if own_page else (w[8:], words.device_address + 64)
         lines = 16 if extra & 4 else 1
-        out = []
-        th = threading.Thread(target=lambda: out.append(respond(w, iters, 10**10, answer, lines)),
-                              daemon=True)
+        th = threading.Thread(target=respond, args=(w, iters, 10**10, answer, lines), daemon=True)
         th.start()
         fn_raw((1,), (32,), (np.uint64(words.device_address), np.uint64(answer_address),
                              np.int32(iters), cycles, elapsed, np.int32(extra & 7), counter))
@@ -156,56 +180,47 @@ def latency(rec, args, fn_raw, fn_pp):
 
     cycles = cupy.zeros(iters, dtype=np.int64)
     elapsed = cupy.zeros(2, dtype=np.uint64)
+    status = status_words()
+
+    def ping_pong(qs, flag_address, n, owned=0):
+        """ping_pong_proxy: `n` signals to the u64 at `flag_address` (registered as rank 0,
+        region 1, offset 0), each waited for."""
+        fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
+                            np.uint64(flag_address), np.int32(n), *status.args, np.uint64(10**10),
+                            cycles, elapsed, np.int32(owned)))
+        cupy.cuda.Device(0).synchronize()
+        raise_status(status)
+
     for trial in range(args.trials):
         results.setdefault("raw", []).append(raw_trial(0))
         for extra, name in RAW_EXTRAS.items():
             results.setdefault(name, []).append(raw_trial(extra))
 
-        # through the proxy, host transport, flag in mapped host memory; shared and owned queue
+        # through the proxy, host transport, flag in mapped host memory; shared and owned
+        # queue; the flag in its own allocation or in the queue's reply word
         for owned, name, reply in ((0, "host", False), (1, "host_owned", False),
                                    (0, "host_reply_word", True), (1, "host_owned_reply_word", True)):
-            qs = QueueSet(1, 256, [0], memory="pinned")
-            regions = new_region_table(1, 2)
-            flag = PinnedMemory(4096)
-            flag_address = qs.reply_address(0) if reply else flag.address
-            set_region(regions, 0, 1, flag_address, 8 * REPLY_WORDS if reply else flag.nbytes,
-                       REGION_HOST)
-            status = status_words()
-            with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
-                fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
-                                    np.uint64(flag_address), np.int32(iters), *status.args,
-                                    np.uint64(10**10), cycles, elapsed, np.int32(owned)))
-                cupy.cuda.Device(0).synchronize()
-            raise_status(status)
-            results.setdefault(name, []).append(_percentiles(cycles.get()[100:], elapsed.get()))
-            if owned and int(qs.device_heads()[0]) != iters:
-                raise RuntimeError(f"owned queue gave back head {qs.device_heads()[0]}, expected {iters}")
-            qs.close()
-            flag.close()
+            with HostFlagQueue(reply) as (qs, regions, flag_address):
+                with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
+                    ping_pong(qs, flag_address, iters, owned)
+                results.setdefault(name, []).append(_percentiles(cycles.get()[100:], elapsed.get()))
+                if owned and int(qs.device_heads()[0]) != iters:
+                    raise RuntimeError(f"owned queue gave back head {qs.device_heads()[0]}, "
+                                       f"expected {iters}")
 
         # the ring answered by a bare responder (no Proxy), growing towards the proxy's work
         for mode in RING_MODES:
-            qs = QueueSet(1, 256, [0], memory="pinned")
-            regions = new_region_table(1, 2)
-            flag = PinnedMemory(4096)
-            set_region(regions, 0, 1, flag.address, flag.nbytes, REGION_HOST)
-            status = status_words()
-            ring_respond(qs.ring, qs.header, np.uint64(qs.slots), 0, 1, np.uint64(flag.address),
-                         mode, regions)    # compile
-            out = []
-            th = threading.Thread(target=lambda: out.append(ring_respond(
-                qs.ring, qs.header, np.uint64(qs.slots), iters, 10**10, np.uint64(flag.address),
-                mode, regions)), daemon=True)
-            th.start()
-            fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
-                                np.uint64(flag.device_address), np.int32(iters), *status.args,
-                                np.uint64(10**10), cycles, elapsed, np.int32(0)))
-            cupy.cuda.Device(0).synchronize()
-            th.join(30)
-            raise_status(status)
-            results.setdefault(RING_MODES[mode], []).append(_percentiles(cycles.get()[100:], elapsed.get()))
-            qs.close()
-            flag.close()
+            with HostFlagQueue(False) as (qs, regions, flag_address):
+                responder_args = (qs.ring, qs.header, np.uint64(qs.slots))
+                ring_respond(*responder_args, 0, 1, np.uint64(flag_address), mode, regions)  # compile
+                th = threading.Thread(target=ring_respond, daemon=True,
+                                      args=(*responder_args, iters, 10**10, np.uint64(flag_address),
+                                            mode, regions))
+                th.start()
+                ping_pong(qs, flag_address, iters)
+                th.join(30)
+                results.setdefault(RING_MODES[mode], []).append(
+                    _percentiles(cycles.get()[100:], elapsed.get()))
 
         # through the proxy, ce transport, flag in device memory (cuStreamWriteValue64)
         from mkrt.proxy.transports.ce import CopyEngineTransport
@@ -214,11 +229,7 @@ def latency(rec, args, fn_raw, fn_pp):
         regions = new_region_table(1, 2)
         set_region(regions, 0, 1, dflag.data.ptr, dflag.nbytes, REGION_DEVICE)
         with Proxy(qs, regions, CopyEngineTransport(0), threads=1, batch=64):
-            fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
-                                dflag, np.int32(iters // 4), *status.args, np.uint64(10**10), cycles,
-                                elapsed, np.int32(0)))
-            cupy.cuda.Device(0).synchronize()
-        raise_status(status)
+            ping_pong(qs, dflag.data.ptr, iters // 4)
         results.setdefault("ce", []).append(_percentiles(cycles.get()[50:iters // 4], elapsed.get()))
         qs.close()
     words.close()
