@@ -50,21 +50,49 @@ class Recorder:
 
 
 # ---------------------------------------------------------------------------- latency
+def _line_hint():
+    """push_line(address, how): after the host writes the u64 at `address`, how = 1
+    demotes its line to the shared cache (``cldemote``; a no-op where unsupported), 2
+    writes it back and evicts it (``clflushopt``), 0 leaves it: does the GPU's read of a
+    line the CPU just wrote wait for a snoop of that core? (Two 4-byte x86-64 functions in
+    an executable page: llvmlite has no inline assembler.)"""
+    import mmap
+    code = bytes([0x0F, 0x1C, 0x07, 0xC3,            # cldemote (%rdi); ret
+                  0x66, 0x0F, 0xAE, 0x3F, 0xC3])     # clflushopt (%rdi); ret
+    page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    page.write(code)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    signature = ctypes.CFUNCTYPE(None, ctypes.c_uint64)
+    demote, flush = signature(base), signature(base + 4)
+    _line_hint.keep = (page, demote, flush)             # the page must outlive the functions
+    from numba import njit
+
+    @njit(nogil=True)
+    def push_line(address, how):
+        if how == 1:
+            demote(address)
+        elif how == 2:
+            flush(address)
+    return push_line
+
+
 def _responder():
     from numba import njit
     from mkrt.proxy.atomics import load_acquire, store_release
+    push_line = _line_hint()
 
     @njit(nogil=True)
-    def respond(words, iters, max_spins, answer, lines):
-        """Answer command i (word 16*(i % lines) of `words`) in answer[0]."""
+    def respond(words, iters, max_spins, answer, lines, stride, push):
+        """Answer command i (word stride*(i % lines) of `words`) in answer[0]."""
         for i in range(iters):
             want = np.uint64(i + 1)
             spins = 0
-            while load_acquire(words, 16 * (i % lines)) < want:
+            while load_acquire(words, stride * (i % lines)) < want:
                 spins += 1
                 if spins > max_spins:
                     return i
             store_release(answer, 0, want)
+            push_line(answer.ctypes.data, push)
         return iters
     return respond
 
@@ -72,9 +100,9 @@ def _responder():
 def _ring_responder():
     """A bare answerer of ping_pong_proxy's ring (no Proxy): poll the next slot, write the
     flag the signal names, publish the tail every 64 commands (the ring's space). mode 1:
-    publish it after every command; mode 2: also decode and check
-    the command with the proxy's validate_command. What the proxy loop adds beyond them
-    is its own cost."""
+    publish it after every command; mode 2: also decode and check the command with the
+    proxy's validate_command. `step` 2: the poster uses every other slot. What the proxy
+    loop adds beyond them is its own cost."""
     from numba import njit
     from mkrt.proxy import queue as Q
     from mkrt.proxy.atomics import load_acquire, store_release, store_release_at
@@ -82,11 +110,11 @@ def _ring_responder():
     w_value = Q.FIELDS["signal_value"][0]
 
     @njit(nogil=True)
-    def respond(ring, header, slots, iters, max_spins, flag_address, mode, regions):
+    def respond(ring, header, slots, iters, max_spins, flag_address, mode, regions, step):
         scratch = np.zeros(VALIDATED_WORDS, dtype=np.uint64)
         mask = slots - np.uint64(1)
         for i in range(iters):
-            tail = np.uint64(i)
+            tail = np.uint64(i * step)
             base = (tail & mask) * np.uint64(8)
             spins = 0
             while load_acquire(ring, base) != tail + np.uint64(1):
@@ -100,18 +128,61 @@ def _ring_responder():
                     return -1
                 address = scratch[V_FLAG]
             store_release_at(address, ring[base + np.uint64(w_value)])
-            if mode >= 1 or (tail & np.uint64(63)) == np.uint64(63):
-                store_release(header, Q.H_TAIL, tail + np.uint64(1))
+            if mode >= 1 or (i & 63) == 63:
+                store_release(header, Q.H_TAIL, tail + np.uint64(step))
         return iters
     return respond
 
 
-#: ping_pong_raw's `extra` modes: one part of a post's work added to the reference
-RAW_EXTRAS = {1: "claim_atomic", 2: "command_words", 3: "claim_atomic_and_command_words",
-              6: "command_words_new_line_each_time", 8: "answer_in_its_own_allocation",
-              14: "new_line_and_own_answer_allocation"}
-#: _ring_responder's modes: the ring without the Proxy, step by step
-RING_MODES = {0: "ring_bare", 1: "ring_and_tail", 2: "ring_tail_and_validate"}
+#: ping_pong_raw variants: name -> (extra, poll[, push]). extra: 1 claim atomic, 2 command words,
+#: 4 a new line each time (128 B apart; 64 B with 16); where the answer lives (host side):
+#: 32 another page of the command words' allocation, 8 an allocation of its own, else the
+#: line after the command words'. poll: how the answer is waited for (kernels.py). push:
+#: what the host does with the answer's line after writing it (_line_hint).
+RAW_VARIANTS = {
+    "raw": (0, 0),
+    "raw_plus_claim_atomic": (1, 0),
+    "raw_plus_command_words": (2, 0),
+    "raw_plus_new_line_each_time": (4, 0),
+    "raw_plus_new_64B_line_each_time": (4 | 16, 0),
+    "raw_plus_answer_on_another_page": (32, 0),
+    "raw_plus_answer_in_its_own_allocation": (8, 0),
+    "raw_like_reply_word_ring": (2 | 4 | 16 | 32, 0),
+    "raw_like_own_flag_ring": (2 | 4 | 16 | 8, 0),
+    "raw_poll_relaxed_then_fence": (0, 1),
+    "raw_poll_staggered_2": (0, 2),
+    "raw_poll_staggered_4": (0, 4),
+    "raw_poll_staggered_8": (0, 8),
+    "raw_poll_staggered_4_gpu_fence": (0, 14),
+    "raw_poll_staggered_acquire_2": (0, 22),
+    "raw_poll_staggered_acquire_4": (0, 24),
+    "raw_poll_2_poller_warps": (0, 32),
+    "raw_poll_4_poller_warps": (0, 34),
+    "raw_like_reply_word_ring_4_poller_warps": (2 | 4 | 16 | 32, 34),
+    "raw_answer_line_demoted": (0, 0, 1),
+    "raw_answer_line_flushed": (0, 0, 2),
+}
+#: through the Proxy: name -> (owned, flag in the queue's reply word, poll depth)
+PROXY_VARIANTS = {
+    "host": (0, False, 1),
+    "host_owned": (1, False, 1),
+    "host_reply_word": (0, True, 1),
+    "host_owned_reply_word": (1, True, 1),
+    "host_owned_reply_word_poll_4": (1, True, 4),
+    "host_reply_word_poll_4": (0, True, 4),
+}
+#: through the Proxy with its thread and memory placed (latency's `placements`)
+PLACED_PROXY_VARIANTS = {k: PROXY_VARIANTS[k] for k in
+                         ("host", "host_reply_word", "host_owned_reply_word",
+                          "host_owned_reply_word_poll_4")}
+#: the ring answered by a bare responder: name -> (mode, reply word, step)
+RING_VARIANTS = {
+    "ring_bare": (0, False, 1),
+    "ring_and_tail": (1, False, 1),
+    "ring_tail_and_validate": (2, False, 1),
+    "ring_bare_reply_word": (0, True, 1),
+    "ring_bare_reply_word_128B_slots": (0, True, 2),
+}
 
 
 def _percentiles(cycles, elapsed):
@@ -123,16 +194,17 @@ def _percentiles(cycles, elapsed):
 class HostFlagQueue:
     """One pinned queue of 256 slots for rank 0 and a region table whose (rank 0, region 1)
     is a host flag: the queue's reply words (`reply`) or a page of its own. Yields
-    (queue set, region table, flag address); frees both on exit."""
+    (queue set, region table, flag address); frees both on exit. `cpus`: the memory comes
+    from their NUMA node."""
 
-    def __init__(self, reply: bool):
-        self.reply = reply
+    def __init__(self, reply: bool, cpus=None):
+        self.reply, self.cpus = reply, cpus
 
     def __enter__(self):
         from mkrt.proxy import QueueSet, REGION_HOST, new_region_table, set_region
         from mkrt.proxy.queue import REPLY_WORDS, PinnedMemory
-        self.qs = QueueSet(1, 256, [0], memory="pinned")
-        self.flag = PinnedMemory(4096)
+        self.qs = QueueSet(1, 256, [0], memory="pinned", cpus=self.cpus)
+        self.flag = PinnedMemory(4096, cpus=self.cpus)
         regions = new_region_table(1, 2)
         if self.reply:
             address, size = self.qs.reply_address(0), 8 * REPLY_WORDS
@@ -146,81 +218,133 @@ class HostFlagQueue:
         self.flag.close()
 
 
+class RawWords:
+    """The raw ping-pong's host memory: 8 KiB for the command words and the answer, and a
+    page of its own for an answer apart; from the NUMA node of `cpus`."""
+
+    def __init__(self, cpus=None):
+        from mkrt.proxy.queue import PinnedMemory
+        self.words = PinnedMemory(8192, cpus=cpus)
+        self.apart = PinnedMemory(4096, cpus=cpus)
+        self.w = self.words.array.view(np.uint64)
+        self.a = self.apart.array.view(np.uint64)
+
+    def answer(self, extra):
+        """(host view, device address) of the answer word for `extra` (RAW_VARIANTS)."""
+        if extra & 8:
+            return self.a, self.apart.device_address
+        # the next line, past the 16 command lines (2 KiB), or on the next page
+        offset = 4096 if extra & 32 else (2112 if extra & 4 else 64)
+        return self.w[offset // 8:], self.words.device_address + offset
+
+    def close(self):
+        self.words.close()
+        self.apart.close()
+
+
+def _pinned(target, cpus):
+    """`target` run on a thread pinned to `cpus` (unpinned when empty)."""
+    from mkrt.proxy.affinity import pin_current_thread
+
+    def run(*args):
+        pin_current_thread(cpus)
+        target(*args)
+    return run
+
+
 def latency(rec, args, fn_raw, fn_pp):
     import cupy
-    from mkrt.proxy import (Proxy, QueueSet, HostTransport, new_region_table, set_region,
-                            REGION_DEVICE)
+    from mkrt.proxy import Proxy, QueueSet, HostTransport, new_region_table, set_region, REGION_DEVICE
+    from mkrt.proxy.affinity import allowed_cpus, gpu_local_cpus, gpu_remote_cpus
     from mkrt.proxy.kernels import raise_status, status_words
-    from mkrt.proxy.queue import PinnedMemory
     iters = args.iters
     respond = _responder()
     ring_respond = _ring_responder()
-    words = PinnedMemory(4096)
-    w = words.array.view(np.uint64)
-    respond(w, 0, 1, w, 1)  # compile
+    memory = RawWords()
+    w = memory.w
+    respond(w, 1, 1, w[8:], 1, 16, np.int64(1))  # compile, and run each line hint once
+    respond(w, 1, 1, w[8:], 1, 16, np.int64(2))
     results = {}
     counter = cupy.zeros(2, dtype=np.uint64)
-
-    apart = PinnedMemory(4096)       # an answer word in its own allocation, like a proxy flag
-    a = apart.array.view(np.uint64)
-
-    def raw_trial(extra):
-        w[:] = 0
-        a[:] = 0
-        own_page = extra >= 8           # 8: the answer in its own allocation
-        answer, answer_address = (a, apart.device_address) if own_page else (w[8:], words.device_address + 64)
-        lines = 16 if extra & 4 else 1
-        th = threading.Thread(target=respond, args=(w, iters, 10**10, answer, lines), daemon=True)
-        th.start()
-        fn_raw((1,), (32,), (np.uint64(words.device_address), np.uint64(answer_address),
-                             np.int32(iters), cycles, elapsed, np.int32(extra & 7), counter))
-        cupy.cuda.Device(0).synchronize()
-        th.join(30)
-        return _percentiles(cycles.get()[100:], elapsed.get())
-
     cycles = cupy.zeros(iters, dtype=np.int64)
     elapsed = cupy.zeros(2, dtype=np.uint64)
     status = status_words()
+    # where the host thread and its memory are: the OS's choice, or pinned to the GPU's
+    # NUMA node ("near") or to another node ("far", on hosts with more than one)
+    placements = {"near": gpu_local_cpus(0), "far": gpu_remote_cpus(0)}
+    print(f"allowed CPUs {allowed_cpus()}; GPU 0 local {placements['near']}; "
+          f"far {placements['far']}", flush=True)
+    placed = {name: RawWords(cpus) for name, cpus in placements.items() if cpus}
 
-    def ping_pong(qs, flag_address, n, owned=0):
+    def measured(skip=100):
+        return _percentiles(cycles.get()[skip:], elapsed.get())
+
+    def raw_trial(extra, poll, push=0, place=None):
+        mem = placed[place] if place else memory
+        mem.w[:] = 0
+        mem.a[:] = 0
+        answer, answer_address = mem.answer(extra)
+        lines, stride = (16 if extra & 4 else 1), (8 if extra & 16 else 16)
+        th = threading.Thread(target=_pinned(respond, placements.get(place)), daemon=True,
+                              args=(mem.w, iters, 10**10, answer, lines, stride, np.int64(push)))
+        th.start()
+        pollers = poll - 30 if poll >= 30 else 0
+        fn_raw((1,), (32 * (1 + pollers),),
+               (np.uint64(mem.words.device_address), np.uint64(answer_address), np.int32(iters),
+                cycles, elapsed, np.int32(extra & 23), counter, np.int32(poll)))
+        cupy.cuda.Device(0).synchronize()
+        th.join(30)
+        if th.is_alive():
+            raise RuntimeError(f"raw ping-pong ({extra=}, {poll=}) did not finish")
+        return measured()
+
+    def ping_pong(qs, flag_address, n, owned=0, depth=1):
         """ping_pong_proxy: `n` signals to the u64 at `flag_address` (registered as rank 0,
         region 1, offset 0), each waited for."""
         fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
                             np.uint64(flag_address), np.int32(n), *status.args, np.uint64(10**10),
-                            cycles, elapsed, np.int32(owned)))
+                            cycles, elapsed, np.int32(owned), np.int32(depth)))
         cupy.cuda.Device(0).synchronize()
         raise_status(status)
 
     for trial in range(args.trials):
-        results.setdefault("raw", []).append(raw_trial(0))
-        for extra, name in RAW_EXTRAS.items():
-            results.setdefault(name, []).append(raw_trial(extra))
+        for name, variant in RAW_VARIANTS.items():
+            results.setdefault(name, []).append(raw_trial(*variant))
 
-        # through the proxy, host transport, flag in mapped host memory; shared and owned
-        # queue; the flag in its own allocation or in the queue's reply word
-        for owned, name, reply in ((0, "host", False), (1, "host_owned", False),
-                                   (0, "host_reply_word", True), (1, "host_owned_reply_word", True)):
+        # through the proxy, host transport, flag in mapped host memory
+        for name, (owned, reply, depth) in PROXY_VARIANTS.items():
             with HostFlagQueue(reply) as (qs, regions, flag_address):
                 with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
-                    ping_pong(qs, flag_address, iters, owned)
-                results.setdefault(name, []).append(_percentiles(cycles.get()[100:], elapsed.get()))
+                    ping_pong(qs, flag_address, iters, owned, depth)
+                results.setdefault(name, []).append(measured())
                 if owned and int(qs.device_heads()[0]) != iters:
                     raise RuntimeError(f"owned queue gave back head {qs.device_heads()[0]}, "
                                        f"expected {iters}")
 
         # the ring answered by a bare responder (no Proxy), growing towards the proxy's work
-        for mode in RING_MODES:
-            with HostFlagQueue(False) as (qs, regions, flag_address):
+        for name, (mode, reply, step) in RING_VARIANTS.items():
+            with HostFlagQueue(reply) as (qs, regions, flag_address):
                 responder_args = (qs.ring, qs.header, np.uint64(qs.slots))
-                ring_respond(*responder_args, 0, 1, np.uint64(flag_address), mode, regions)  # compile
+                ring_respond(*responder_args, 0, 1, np.uint64(flag_address), mode, regions, 1)
                 th = threading.Thread(target=ring_respond, daemon=True,
                                       args=(*responder_args, iters, 10**10, np.uint64(flag_address),
-                                            mode, regions))
+                                            mode, regions, step))
                 th.start()
-                ping_pong(qs, flag_address, iters)
+                ping_pong(qs, flag_address, iters, owned=2 if step == 2 else 0)
                 th.join(30)
-                results.setdefault(RING_MODES[mode], []).append(
-                    _percentiles(cycles.get()[100:], elapsed.get()))
+                results.setdefault(name, []).append(measured())
+
+        # placements: the reference and the proxy with the host thread and its memory on
+        # the GPU's NUMA node or on another one
+        for place, cpus in placements.items():
+            if not cpus:
+                continue
+            results.setdefault(f"raw_{place}", []).append(raw_trial(0, 0, 0, place))
+            for name, (owned, reply, depth) in PLACED_PROXY_VARIANTS.items():
+                with HostFlagQueue(reply, cpus) as (qs, regions, flag_address):
+                    with Proxy(qs, regions, HostTransport(), threads=1, batch=64, cpus=cpus):
+                        ping_pong(qs, flag_address, iters, owned, depth)
+                    results.setdefault(f"{name}_{place}", []).append(measured())
 
         # through the proxy, ce transport, flag in device memory (cuStreamWriteValue64)
         from mkrt.proxy.transports.ce import CopyEngineTransport
@@ -232,33 +356,44 @@ def latency(rec, args, fn_raw, fn_pp):
             ping_pong(qs, dflag.data.ptr, iters // 4)
         results.setdefault("ce", []).append(_percentiles(cycles.get()[50:iters // 4], elapsed.get()))
         qs.close()
-    words.close()
-    apart.close()
-    raw = min(results["raw"])           # best of the trials for each, same treatment
-    host = min(results["host"])
-    ce = min(results["ce"])
+    memory.close()
+    for mem in placed.values():
+        mem.close()
+
+    best = {name: min(runs) for name, runs in results.items()}   # best of the trials, each
+    raw = best["raw"]
     rec.add("roundtrip_raw_pinned_pingpong", "median_us", raw[0], None, "us", p99_us=raw[1])
-    for name in RAW_EXTRAS.values():      # what each part of a post adds to the reference
-        part = min(results[name])
-        rec.add(f"roundtrip_raw_plus_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1])
-    rec.add("roundtrip_proxy_host_flag_pinned", "median_us", host[0], raw[0], "us",
-            target="ratio <= 1.10")
-    rec.add("roundtrip_proxy_host_flag_pinned", "p99_us", host[1], raw[1], "us")
-    for name in RING_MODES.values():     # the ring answered without the Proxy's loop
-        part = min(results[name])
-        rec.add(f"roundtrip_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1])
-    for name in ("host_reply_word", "host_owned_reply_word"):
-        part = min(results[name])
-        rec.add(f"roundtrip_proxy_{name}", "median_us", part[0], raw[0], "us", p99_us=part[1],
-                target="ratio <= 1.10",
-                note="flag in the queue's reply word (same allocation as the ring)")
-    owned = min(results["host_owned"])
-    rec.add("roundtrip_proxy_host_flag_pinned_owned_queue", "median_us", owned[0], raw[0], "us",
-            target="ratio <= 1.10", p99_us=owned[1],
-            note="the poster owns the queue (OwnedQueue): no claim atomic per post")
-    rec.add("roundtrip_proxy_ce_flag_device", "median_us", ce[0], raw[0], "us",
+    rec.add("roundtrip_raw_pinned_pingpong", "p99_us", raw[1], None, "us")
+    for name, (extra, poll, *push) in RAW_VARIANTS.items():   # what each part adds
+        if name != "raw":
+            rec.add(f"roundtrip_{name}", "median_us", best[name][0], raw[0], "us",
+                    p99_us=best[name][1], extra_bits=extra, poll=poll, line_hint=push[0] if push else 0)
+    for name, (owned, reply, depth) in PROXY_VARIANTS.items():
+        case = "roundtrip_proxy_host_flag_pinned" if name == "host" else f"roundtrip_proxy_{name}"
+        rec.add(case, "median_us", best[name][0], raw[0], "us", p99_us=best[name][1],
+                target="ratio <= 1.10", owned_queue=bool(owned), poll_depth=depth,
+                flag="the queue's reply word (ring's allocation)" if reply else "its own allocation")
+        rec.add(case, "p99_us", best[name][1], raw[1], "us")
+    for name, (mode, reply, step) in RING_VARIANTS.items():
+        rec.add(f"roundtrip_{name}", "median_us", best[name][0], raw[0], "us",
+                p99_us=best[name][1], slot_step=step,
+                flag="reply word" if reply else "its own allocation")
+    for place, cpus in placements.items():
+        if not cpus:
+            continue
+        ref = best[f"raw_{place}"]
+        rec.add(f"roundtrip_raw_pinned_pingpong_{place}", "median_us", ref[0], None, "us",
+                p99_us=ref[1], cpus=cpus, note="responder thread and memory pinned to these CPUs")
+        for name, (owned, reply, depth) in PLACED_PROXY_VARIANTS.items():
+            got = best[f"{name}_{place}"]
+            rec.add(f"roundtrip_proxy_{name}_{place}", "median_us", got[0], ref[0], "us",
+                    p99_us=got[1], target="ratio <= 1.10", owned_queue=bool(owned),
+                    poll_depth=depth, cpus=cpus,
+                    reference=f"roundtrip_raw_pinned_pingpong_{place} (same placement, same run)")
+            rec.add(f"roundtrip_proxy_{name}_{place}", "p99_us", got[1], ref[1], "us")
+    rec.add("roundtrip_proxy_ce_flag_device", "median_us", best["ce"][0], raw[0], "us",
             note="flag written by cuStreamWriteValue64 on the proxy's stream")
-    rec.add("roundtrip_proxy_ce_flag_device", "p99_us", ce[1], raw[1], "us")
+    rec.add("roundtrip_proxy_ce_flag_device", "p99_us", best["ce"][1], raw[1], "us")
 
 
 # ---------------------------------------------------------------------------- command rate

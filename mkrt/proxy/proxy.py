@@ -31,6 +31,7 @@ from numba import njit
 
 from mkrt.errors import MkrtError
 from mkrt.proxy import queue as Q
+from mkrt.proxy.affinity import pin_current_thread
 from mkrt.proxy.atomics import load_acquire, spin_pause, store_release
 
 log = logging.getLogger("mkrt.proxy")
@@ -344,11 +345,13 @@ class Proxy:
     ``regions``: the region table (:func:`mkrt.proxy.queue.new_region_table`), read by
     the compiled loop on every command, so it can be filled (not reshaped) while running.
     Queue ``q`` is served by thread ``q % threads``. ``batch``: most commands taken from one
-    queue before the tail is published.
+    queue before the tail is published. ``cpus``: CPUs every proxy thread pins itself to
+    (:func:`mkrt.proxy.affinity.gpu_local_cpus` of the GPU it serves); None or empty:
+    wherever the OS puts them.
     """
 
     def __init__(self, queue_set: Q.QueueSet, regions: np.ndarray, transport, *,
-                 threads: int = 1, batch: int = 64, start: bool = True):
+                 threads: int = 1, batch: int = 64, start: bool = True, cpus=None):
         if threads < 1 or threads > queue_set.queues:
             raise ValueError(f"mkrt.proxy: need 1 <= threads <= queues; got {threads=}, "
                              f"queues={queue_set.queues}")
@@ -363,6 +366,7 @@ class Proxy:
                              f"region table's {regions.shape[0]} ranks")
         self.queue_set, self.regions, self.transport = queue_set, regions, transport
         self.threads, self.batch = threads, batch
+        self.cpus = sorted(set(cpus)) if cpus else []
         self.controls = np.zeros((threads, CONTROL_WORDS), dtype=np.uint64)
         self.stats_by_thread = np.zeros((threads, STATS_WORDS), dtype=np.uint64)
         self._threads: list[threading.Thread] = []
@@ -400,6 +404,7 @@ class Proxy:
 
     def _run(self, t, ids, ranks, state):
         try:
+            pin_current_thread(self.cpus)
             self.transport.thread_setup()
             qs = self.queue_set
             self._loop(qs.ring, qs.header, self.regions, ids, ranks, np.uint64(qs.slots),

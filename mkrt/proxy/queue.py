@@ -225,15 +225,20 @@ def _untrack(shm):
 
 
 class PinnedMemory:
-    """cudaHostAlloc(mapped | portable) memory; under UVA its device address is its host address."""
+    """cudaHostAlloc(mapped | portable) memory; under UVA its device address is its host address.
 
-    def __init__(self, nbytes: int):
+    ``cpus``: allocate while running on these CPUs, so the pages come from their NUMA node
+    (:func:`mkrt.proxy.affinity.gpu_local_cpus`: the node of the GPU that polls them)."""
+
+    def __init__(self, nbytes: int, cpus=None):
         import cupy
+        from mkrt.proxy.affinity import running_on
         if nbytes <= 0:
             raise ValueError(f"mkrt.proxy: pinned memory needs nbytes > 0; got {nbytes=}")
         runtime = cupy.cuda.runtime
         self.nbytes = nbytes
-        self.address = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
+        with running_on(cpus):
+            self.address = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
         # Under UVA (every 64-bit platform CUDA 12 supports) cudaHostAlloc memory has one
         # address on host and device.
         self.device_address = self.address
@@ -265,10 +270,11 @@ class QueueSet:
     ``memory``: "host" (anonymous mmap, CPU tests), "shared" (a named shared segment other
     processes attach with ``attach=True``), or "pinned" (mapped pinned memory for GPUs).
     ``ranks[q]`` is the rank whose regions queue ``q``'s sources are (its producer).
+    ``cpus`` (pinned): the CPUs whose NUMA node the memory comes from (see PinnedMemory).
     """
 
     def __init__(self, queues: int, slots: int, ranks, *, memory: str = "host",
-                 shared_name: str | None = None, attach: bool = False):
+                 shared_name: str | None = None, attach: bool = False, cpus=None):
         if queues < 1:
             raise ValueError(f"mkrt.proxy: a queue set needs queues >= 1; got {queues=}")
         if slots < 2 or slots & (slots - 1):
@@ -289,7 +295,7 @@ class QueueSet:
                 raise ValueError("mkrt.proxy: memory='shared' needs shared_name")
             self.memory = HostMemory(total, shared_name=shared_name, create=not attach)
         elif memory == "pinned":
-            self.memory = PinnedMemory(total)
+            self.memory = PinnedMemory(total, cpus=cpus)
         else:
             raise ValueError(f"mkrt.proxy: memory must be 'host', 'shared' or 'pinned'; got {memory=}")
         self.attached = attach

@@ -23,6 +23,7 @@ class WorldProxy:
         device-to-device copies are SM kernels, and its 4 x 33 CTAs held all 132 SMs;
         worlds like it now leave mkrt.world.CE_COPY_SMS free (experiments/notes/proxy.md).
         Not yet re-run with more threads."""
+        from mkrt.proxy.affinity import gpu_local_cpus
         from mkrt.proxy.proxy import Proxy
         from mkrt.proxy.transports.ce import CopyEngineTransport
         if not world.emulated and len(set(world.hosts)) > 1:
@@ -39,13 +40,14 @@ class WorldProxy:
         try:
             for device in sorted({r.device for r in world.local}):
                 ranks = [r.rank for r in world.ranks_on_device(device)]
-                queue_set = Q.QueueSet(len(ranks), slots, ranks, memory="pinned")
+                cpus = gpu_local_cpus(device)    # the proxy's PCIe traffic stays on one node
+                queue_set = Q.QueueSet(len(ranks), slots, ranks, memory="pinned", cpus=cpus)
                 self.queue_sets[device] = queue_set
                 for index, rank in enumerate(ranks):
                     self._queue_index[rank] = (device, index)
                 threads = min(threads_per_gpu, len(ranks))
                 self.proxies[device] = Proxy(queue_set, self.regions, CopyEngineTransport(device),
-                                             threads=threads)
+                                             threads=threads, cpus=cpus)
             for buffer in world._regions:
                 if buffer is not None:
                     self.register(buffer)
