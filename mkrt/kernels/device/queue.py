@@ -73,6 +73,16 @@ __device__ __forceinline__ bool proxy_wait_at_least(const u64* flag, u64 expecte
                          poll_depth);
 }
 
+// Bounded wait until the proxy's tail (mapped host memory) reaches `needed`; `tail` gets
+// the tail then read. False: timed out or the proxy reported an error (recorded).
+__device__ __forceinline__ bool wait_for_tail(const Queue& q, u64 needed, const Context& ctx,
+                                              int role, int tile, u64& tail) {
+    if (!proxy_wait_at_least(q.header + QUEUE_TAIL, needed, ctx, q, role, tile, QUEUE_TAIL_FLAG))
+        return false;
+    tail = ld_relaxed_sys(q.header + QUEUE_TAIL);
+    return true;
+}
+
 // Bounded wait until slot `ticket` is free (the proxy consumed ticket - slots).
 // `cached_tail`: tail_cache read before the ticket was claimed (a lower bound: tails only
 // grow), so the two device-memory reads of a post overlap instead of queueing.
@@ -82,9 +92,9 @@ __device__ __forceinline__ bool queue_reserve(const Queue& q, u64 ticket, u64 ca
     const u64 needed = ticket - q.slots + 1;
     if (cached_tail >= needed) return true;
     if (*(volatile const u64*)q.tail_cache >= needed) return true;
-    if (!proxy_wait_at_least(q.header + QUEUE_TAIL, needed, ctx, q, role, tile, QUEUE_TAIL_FLAG))
-        return false;
-    atomicMax((unsigned long long*)q.tail_cache, ld_relaxed_sys(q.header + QUEUE_TAIL));
+    u64 tail;
+    if (!wait_for_tail(q, needed, ctx, role, tile, tail)) return false;
+    atomicMax((unsigned long long*)q.tail_cache, tail);
     return true;
 }
 
@@ -137,12 +147,9 @@ __device__ __forceinline__ void release_queue(const OwnedQueue& o) {
 __device__ __forceinline__ u64 post(OwnedQueue& o, const Context& ctx, Command& c, int role, int tile) {
     const Queue& q = *o.queue;
     const u64 ticket = o.next;
-    if (ticket >= q.slots && o.tail_seen < ticket - q.slots + 1) {
-        if (!proxy_wait_at_least(q.header + QUEUE_TAIL, ticket - q.slots + 1, ctx, q, role, tile,
-                                 QUEUE_TAIL_FLAG))
-            return POST_FAILED;
-        o.tail_seen = ld_relaxed_sys(q.header + QUEUE_TAIL);
-    }
+    if (ticket >= q.slots && o.tail_seen < ticket - q.slots + 1
+        && !wait_for_tail(q, ticket - q.slots + 1, ctx, role, tile, o.tail_seen))
+        return POST_FAILED;
     c.valid = 0;
     queue_write(q, ticket, c);
     o.next = ticket + 1;
