@@ -73,7 +73,10 @@ def test_queue_kernel_compiles_without_spills_and_asserts_layout():
         compile_cuda("layout_drift_test", render(piece, {}))
 
 
-def test_ordering_and_wraparound_puts_land_before_flags():
+@pytest.mark.parametrize("demote", [False, True])
+def test_ordering_and_wraparound_puts_land_before_flags(demote):
+    """demote: flags written then pushed out of the proxy core's caches (cldemote where
+    the CPU has it): the same values land."""
     w = World()
     qs = QueueSet(1, 8, [0])                     # 8 slots: 512 commands wrap 64 times
     chunk, n = 128, 512
@@ -81,7 +84,7 @@ def test_ordering_and_wraparound_puts_land_before_flags():
                             src_offset=(i * chunk) % (1 << 16), dst_offset=(i * chunk) % (1 << 16),
                             nbytes=chunk, signal_region=1, signal_offset=0, signal_value=i + 1)
                        for i in range(n)])
-    with Proxy(qs, w.regions, HostTransport(), batch=4) as proxy:
+    with Proxy(qs, w.regions, HostTransport(demote_signals=demote), batch=4) as proxy:
         assert post_many(qs, 0, cmds) == n
         assert wait_flag(w.flags[1], 0, n)
     assert (w.data[1] == w.data[0]).all()

@@ -110,3 +110,30 @@ def spin_pause(typingctx):
             builder.call(fn, [])
         return context.get_dummy_value()
     return types.void(), codegen
+
+
+def _host_has(feature: str) -> bool:
+    try:
+        from llvmlite import binding
+        return bool(binding.get_host_cpu_features().get(feature, False))
+    except (RuntimeError, ImportError):
+        return False
+
+
+#: whether demote_line_at emits ``cldemote`` on this CPU (LLVM's view of the host)
+HAS_CLDEMOTE = _host_has("cldemote")
+
+
+@intrinsic
+def demote_line_at(typingctx, address):
+    """Move the cache line holding `address` from this core's caches to the shared cache
+    (x86 ``cldemote``, a hint), so a device's next read of it need not snoop this core;
+    nothing on CPUs without it."""
+    def codegen(context, builder, sig, args):
+        if HAS_CLDEMOTE:
+            addr = context.cast(builder, args[0], sig.args[0], types.uint64)
+            fnty = ir.FunctionType(ir.VoidType(), [_I8P])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.cldemote")
+            builder.call(fn, [builder.inttoptr(addr, _I8P)])
+        return context.get_dummy_value()
+    return types.void(address), codegen

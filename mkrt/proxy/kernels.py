@@ -41,7 +41,7 @@ extern "C" __global__ void post_puts(const mkrt::Queue* queues, int nqueues, uns
                                      mkrt::u64 timeout_ns, mkrt::u64* result) {
     const mkrt::Context ctx = make_context(status, host_flag, (int)queues[0].rank, timeout_ns);
     if (threadIdx.x != 0) return;
-    const mkrt::Queue& q = queues[blockIdx.x % nqueues];
+    const mkrt::Queue q = queues[blockIdx.x % nqueues];   // registers (queue.py: Descriptors)
     const mkrt::u64 base = (mkrt::u64)blockIdx.x * count * chunk;
     for (int i = 0; i < count; ++i) {
         const mkrt::u64 offset = base + (mkrt::u64)i * chunk;
@@ -79,7 +79,7 @@ extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, 
                                         mkrt::u64 timeout_ns, mkrt::u64* result) {
     const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
     if (threadIdx.x != 0) return;
-    const mkrt::Queue& q = queues[blockIdx.x % nqueues];
+    const mkrt::Queue q = queues[blockIdx.x % nqueues];   // registers (queue.py: Descriptors)
     for (int i = 0; i < count; ++i)
         if (mkrt::post_signal(q, ctx, rank, flag_region, 8ull * blockIdx.x, (mkrt::u64)(i + 1),
                               mkrt::ROLE_INTER, i) == mkrt::POST_FAILED) {
@@ -90,7 +90,9 @@ extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, 
 
 // One thread: post a signal to itself, wait for it, `iters` times. `owned`: 0 a shared
 // queue; 1 an OwnedQueue (no claim atomic); 2 an OwnedQueue that skips every other slot
-// (commands 128 bytes apart: only a responder that reads every other slot can answer).
+// (commands 128 bytes apart: only a responder that reads every other slot can answer);
+// 3 a shared queue whose descriptor is read from device memory at every post (a
+// reference into the array) instead of kept in registers.
 // `poll_depth`: loads of the flag in flight (wait_at_least). (Prefetching the next slot
 // and the reference's inline wait loop were tried here and changed nothing:
 // experiments/notes/proxy.md.)
@@ -128,12 +130,15 @@ extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned r
                                            mkrt::u64* elapsed, int owned, int poll_depth) {
     const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const mkrt::Queue& q = queues[0];
-    if (owned) {
+    const mkrt::Queue q = queues[0];
+    if (owned == 1 || owned == 2) {
         mkrt::OwnedQueue mine = mkrt::own_queue(q);
         ping_pong_loop(mine, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
                        poll_depth, owned == 2);
         mkrt::release_queue(mine);
+    } else if (owned == 3) {     // the descriptor read from device memory at every post
+        ping_pong_loop(queues[0], queues[0], rank, flag_region, flag_offset, flag, iters, ctx,
+                       cycles, elapsed, poll_depth, false);
     } else {
         ping_pong_loop(q, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
                        poll_depth, false);

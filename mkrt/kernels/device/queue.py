@@ -5,7 +5,7 @@ The command struct is generated from the one numpy dtype in ``mkrt/proxy/queue.p
 
 Posting (one thread; any number of CTAs and queues at once)::
 
-    const mkrt::Queue& q = queues[i];                 // descriptors from QueueSet.device_descriptors()
+    const mkrt::Queue q = queues[i];                  // descriptors from QueueSet.device_descriptors()
     u64 t = mkrt::post_put_signal(q, ctx, dst_rank, dst_region, dst_offset,
                                   src_region, src_offset, bytes,
                                   flag_region, flag_offset, epoch);
@@ -23,6 +23,11 @@ A thread that alone posts to a queue for a while can own it and skip step 1's at
     mkrt::OwnedQueue mine = mkrt::own_queue(queues[i]);
     mkrt::post_signal(mine, ctx, ...);                // every post_* takes either
     mkrt::release_queue(mine);                        // others may post again
+
+Descriptors: copy the one you post to into a local (``const mkrt::Queue q = queues[i];``)
+before a loop of posts and waits. A reference into the descriptor array makes every post
+re-read the ring's address from device memory, and after an acquire wait (which drops
+the L1) that read goes to L2: a dependent L2 round trip before the command's stores.
 
 Data a put reads must be visible at system scope before the post: the CTA writes,
 ``__syncthreads()``, and the posting thread's release store orders it (add
@@ -130,22 +135,22 @@ __device__ __forceinline__ u64 post(const Queue& q, const Context& ctx, Command&
 // gives them back with release_queue (then others may post again). Saves a device-memory
 // atomic per post; the post_* functions take an OwnedQueue wherever they take a Queue.
 struct OwnedQueue {
-    const Queue* queue;
+    Queue queue;       // a copy of the descriptor (registers: see "Descriptors" above)
     u64 next;          // the next ticket
     u64 tail_seen;     // largest proxy tail seen (space bound)
 };
 
 __device__ __forceinline__ OwnedQueue own_queue(const Queue& q) {
-    return OwnedQueue{&q, *(volatile const u64*)q.head, *(volatile const u64*)q.tail_cache};
+    return OwnedQueue{q, *(volatile const u64*)q.head, *(volatile const u64*)q.tail_cache};
 }
 
 __device__ __forceinline__ void release_queue(const OwnedQueue& o) {
-    *(volatile u64*)o.queue->head = o.next;
-    atomicMax((unsigned long long*)o.queue->tail_cache, o.tail_seen);
+    *(volatile u64*)o.queue.head = o.next;
+    atomicMax((unsigned long long*)o.queue.tail_cache, o.tail_seen);
 }
 
 __device__ __forceinline__ u64 post(OwnedQueue& o, const Context& ctx, Command& c, int role, int tile) {
-    const Queue& q = *o.queue;
+    const Queue& q = o.queue;
     const u64 ticket = o.next;
     if (ticket >= q.slots && o.tail_seen < ticket - q.slots + 1
         && !wait_for_tail(q, ticket - q.slots + 1, ctx, role, tile, o.tail_seen))

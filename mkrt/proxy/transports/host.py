@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from mkrt.proxy.atomics import copy_bytes, store_release_at
+from mkrt.proxy.atomics import copy_bytes, demote_line_at, store_release_at
 from mkrt.proxy.transports.base import Transport
 
 
@@ -28,6 +28,13 @@ def _signal(state, address, value, kind):
 
 
 @njit(nogil=True, cache=False)
+def _signal_demoted(state, address, value, kind):
+    store_release_at(address, value)
+    demote_line_at(address)
+    return 0
+
+
+@njit(nogil=True, cache=False)
 def _progress(state, idle):
     return 1
 
@@ -38,7 +45,13 @@ def _quiesce(state):
 
 
 class HostTransport(Transport):
+    """``demote_signals``: after writing a flag, push its line out of the proxy core's
+    caches (``cldemote`` where the CPU has it), so the GPU's read of the flag need not
+    snoop that core."""
     name = "host"
 
+    def __init__(self, demote_signals: bool = False):
+        self.demote_signals = demote_signals
+
     def ops(self):
-        return _put, _signal, _progress, _quiesce
+        return _put, _signal_demoted if self.demote_signals else _signal, _progress, _quiesce
