@@ -134,11 +134,11 @@ def _ring_responder():
     return respond
 
 
-#: ping_pong_raw variants: name -> (extra, poll[, push]). extra: 1 claim atomic, 2 command words,
+#: ping_pong_raw variants: name -> (extra, push). extra: 1 claim atomic, 2 command words,
 #: 4 a new line each time (128 B apart; 64 B with 16); where the answer lives (host side):
 #: 32 another page of the command words' allocation, 8 an allocation of its own, else the
-#: line after the command words'. poll: how the answer is waited for (kernels.py). push:
-#: what the host does with the answer's line after writing it (_line_hint).
+#: line after the command words'. push: what the host does with the answer's line after
+#: writing it (_line_hint). (Staggered polls and poller warps: rows at 2d30710.)
 RAW_VARIANTS = {
     "raw": (0, 0),
     "raw_plus_claim_atomic": (1, 0),
@@ -149,39 +149,31 @@ RAW_VARIANTS = {
     "raw_plus_answer_in_its_own_allocation": (8, 0),
     "raw_like_reply_word_ring": (2 | 4 | 16 | 32, 0),
     "raw_like_own_flag_ring": (2 | 4 | 16 | 8, 0),
-    "raw_poll_relaxed_then_fence": (0, 1),
-    "raw_poll_staggered_2": (0, 2),
-    "raw_poll_staggered_4": (0, 4),
-    "raw_poll_staggered_8": (0, 8),
-    "raw_poll_staggered_4_gpu_fence": (0, 14),
-    "raw_poll_staggered_acquire_2": (0, 22),
-    "raw_poll_staggered_acquire_4": (0, 24),
-    "raw_poll_2_poller_warps": (0, 32),
-    "raw_poll_4_poller_warps": (0, 34),
-    "raw_like_reply_word_ring_4_poller_warps": (2 | 4 | 16 | 32, 34),
-    "raw_answer_line_demoted": (0, 0, 1),
-    "raw_answer_line_flushed": (0, 0, 2),
+    "raw_answer_line_demoted": (0, 1),
+    "raw_answer_line_flushed": (0, 2),
+    "raw_like_reply_word_ring_demoted": (2 | 4 | 16 | 32, 1),
 }
-#: through the Proxy: name -> (owned, flag in the queue's reply word, poll depth)
+#: through the Proxy: name -> (owned, flag in the queue's reply word, demoted flag lines);
+#: owned as ping_pong_proxy's (3: shared, descriptor re-read from device memory per post)
 PROXY_VARIANTS = {
-    "host": (0, False, 1),
-    "host_owned": (1, False, 1),
-    "host_reply_word": (0, True, 1),
-    "host_owned_reply_word": (1, True, 1),
-    "host_owned_reply_word_poll_4": (1, True, 4),
-    "host_reply_word_poll_4": (0, True, 4),
+    "host": (0, False, False),
+    "host_owned": (1, False, False),
+    "host_reply_word": (0, True, False),
+    "host_owned_reply_word": (1, True, False),
+    "host_reply_word_descriptor_reread": (3, True, False),
+    "host_reply_word_demoted": (0, True, True),
+    "host_owned_reply_word_demoted": (1, True, True),
 }
 #: through the Proxy with its thread and memory placed (latency's `placements`)
 PLACED_PROXY_VARIANTS = {k: PROXY_VARIANTS[k] for k in
-                         ("host", "host_reply_word", "host_owned_reply_word",
-                          "host_owned_reply_word_poll_4")}
-#: the ring answered by a bare responder: name -> (mode, reply word, step)
+                         ("host", "host_reply_word", "host_owned_reply_word")}
+#: the ring answered by a bare responder: name -> (mode, reply word, step, owned)
 RING_VARIANTS = {
-    "ring_bare": (0, False, 1),
-    "ring_and_tail": (1, False, 1),
-    "ring_tail_and_validate": (2, False, 1),
-    "ring_bare_reply_word": (0, True, 1),
-    "ring_bare_reply_word_128B_slots": (0, True, 2),
+    "ring_bare": (0, False, 1, 0),
+    "ring_and_tail": (1, False, 1, 0),
+    "ring_tail_and_validate": (2, False, 1, 0),
+    "ring_bare_reply_word_owned": (0, True, 1, 1),
+    "ring_bare_reply_word_owned_128B_slots": (0, True, 2, 2),
 }
 
 
@@ -279,7 +271,7 @@ def latency(rec, args, fn_raw, fn_pp):
     def measured(skip=100):
         return _percentiles(cycles.get()[skip:], elapsed.get())
 
-    def raw_trial(extra, poll, push=0, place=None):
+    def raw_trial(extra, push=0, place=None):
         mem = placed[place] if place else memory
         mem.w[:] = 0
         mem.a[:] = 0
@@ -288,22 +280,21 @@ def latency(rec, args, fn_raw, fn_pp):
         th = threading.Thread(target=_pinned(respond, placements.get(place)), daemon=True,
                               args=(mem.w, iters, 10**10, answer, lines, stride, np.int64(push)))
         th.start()
-        pollers = poll - 30 if poll >= 30 else 0
-        fn_raw((1,), (32 * (1 + pollers),),
+        fn_raw((1,), (32,),
                (np.uint64(mem.words.device_address), np.uint64(answer_address), np.int32(iters),
-                cycles, elapsed, np.int32(extra & 23), counter, np.int32(poll)))
+                cycles, elapsed, np.int32(extra & 23), counter))
         cupy.cuda.Device(0).synchronize()
         th.join(30)
         if th.is_alive():
-            raise RuntimeError(f"raw ping-pong ({extra=}, {poll=}) did not finish")
+            raise RuntimeError(f"raw ping-pong ({extra=}, {push=}) did not finish")
         return measured()
 
-    def ping_pong(qs, flag_address, n, owned=0, depth=1):
+    def ping_pong(qs, flag_address, n, owned=0):
         """ping_pong_proxy: `n` signals to the u64 at `flag_address` (registered as rank 0,
         region 1, offset 0), each waited for."""
         fn_pp((1,), (32,), (qs.device_descriptors(), np.uint32(0), np.uint32(1), np.uint64(0),
                             np.uint64(flag_address), np.int32(n), *status.args, np.uint64(10**10),
-                            cycles, elapsed, np.int32(owned), np.int32(depth)))
+                            cycles, elapsed, np.int32(owned)))
         cupy.cuda.Device(0).synchronize()
         raise_status(status)
 
@@ -312,17 +303,17 @@ def latency(rec, args, fn_raw, fn_pp):
             results.setdefault(name, []).append(raw_trial(*variant))
 
         # through the proxy, host transport, flag in mapped host memory
-        for name, (owned, reply, depth) in PROXY_VARIANTS.items():
+        for name, (owned, reply, demote) in PROXY_VARIANTS.items():
             with HostFlagQueue(reply) as (qs, regions, flag_address):
-                with Proxy(qs, regions, HostTransport(), threads=1, batch=64):
-                    ping_pong(qs, flag_address, iters, owned, depth)
+                with Proxy(qs, regions, HostTransport(demote_signals=demote), threads=1, batch=64):
+                    ping_pong(qs, flag_address, iters, owned)
                 results.setdefault(name, []).append(measured())
-                if owned and int(qs.device_heads()[0]) != iters:
+                if int(qs.device_heads()[0]) != iters:
                     raise RuntimeError(f"owned queue gave back head {qs.device_heads()[0]}, "
                                        f"expected {iters}")
 
         # the ring answered by a bare responder (no Proxy), growing towards the proxy's work
-        for name, (mode, reply, step) in RING_VARIANTS.items():
+        for name, (mode, reply, step, owned) in RING_VARIANTS.items():
             with HostFlagQueue(reply) as (qs, regions, flag_address):
                 responder_args = (qs.ring, qs.header, np.uint64(qs.slots))
                 ring_respond(*responder_args, 0, 1, np.uint64(flag_address), mode, regions, 1)
@@ -330,7 +321,7 @@ def latency(rec, args, fn_raw, fn_pp):
                                       args=(*responder_args, iters, 10**10, np.uint64(flag_address),
                                             mode, regions, step))
                 th.start()
-                ping_pong(qs, flag_address, iters, owned=2 if step == 2 else 0)
+                ping_pong(qs, flag_address, iters, owned)
                 th.join(30)
                 results.setdefault(name, []).append(measured())
 
@@ -339,11 +330,12 @@ def latency(rec, args, fn_raw, fn_pp):
         for place, cpus in placements.items():
             if not cpus:
                 continue
-            results.setdefault(f"raw_{place}", []).append(raw_trial(0, 0, 0, place))
-            for name, (owned, reply, depth) in PLACED_PROXY_VARIANTS.items():
+            results.setdefault(f"raw_{place}", []).append(raw_trial(0, 0, place))
+            for name, (owned, reply, demote) in PLACED_PROXY_VARIANTS.items():
                 with HostFlagQueue(reply, cpus) as (qs, regions, flag_address):
-                    with Proxy(qs, regions, HostTransport(), threads=1, batch=64, cpus=cpus):
-                        ping_pong(qs, flag_address, iters, owned, depth)
+                    with Proxy(qs, regions, HostTransport(demote_signals=demote), threads=1,
+                               batch=64, cpus=cpus):
+                        ping_pong(qs, flag_address, iters, owned)
                     results.setdefault(f"{name}_{place}", []).append(measured())
 
         # through the proxy, ce transport, flag in device memory (cuStreamWriteValue64)
@@ -364,19 +356,20 @@ def latency(rec, args, fn_raw, fn_pp):
     raw = best["raw"]
     rec.add("roundtrip_raw_pinned_pingpong", "median_us", raw[0], None, "us", p99_us=raw[1])
     rec.add("roundtrip_raw_pinned_pingpong", "p99_us", raw[1], None, "us")
-    for name, (extra, poll, *push) in RAW_VARIANTS.items():   # what each part adds
+    for name, (extra, push) in RAW_VARIANTS.items():   # what each part adds
         if name != "raw":
             rec.add(f"roundtrip_{name}", "median_us", best[name][0], raw[0], "us",
-                    p99_us=best[name][1], extra_bits=extra, poll=poll, line_hint=push[0] if push else 0)
-    for name, (owned, reply, depth) in PROXY_VARIANTS.items():
+                    p99_us=best[name][1], extra_bits=extra, line_hint=push)
+    for name, (owned, reply, demote) in PROXY_VARIANTS.items():
         case = "roundtrip_proxy_host_flag_pinned" if name == "host" else f"roundtrip_proxy_{name}"
         rec.add(case, "median_us", best[name][0], raw[0], "us", p99_us=best[name][1],
-                target="ratio <= 1.10", owned_queue=bool(owned), poll_depth=depth,
+                target="ratio <= 1.10", owned_queue=owned in (1, 2), demoted_flag_lines=demote,
+                descriptor="re-read per post" if owned == 3 else "in registers",
                 flag="the queue's reply word (ring's allocation)" if reply else "its own allocation")
         rec.add(case, "p99_us", best[name][1], raw[1], "us")
-    for name, (mode, reply, step) in RING_VARIANTS.items():
+    for name, (mode, reply, step, owned) in RING_VARIANTS.items():
         rec.add(f"roundtrip_{name}", "median_us", best[name][0], raw[0], "us",
-                p99_us=best[name][1], slot_step=step,
+                p99_us=best[name][1], slot_step=step, owned_queue=bool(owned),
                 flag="reply word" if reply else "its own allocation")
     for place, cpus in placements.items():
         if not cpus:
@@ -384,11 +377,10 @@ def latency(rec, args, fn_raw, fn_pp):
         ref = best[f"raw_{place}"]
         rec.add(f"roundtrip_raw_pinned_pingpong_{place}", "median_us", ref[0], None, "us",
                 p99_us=ref[1], cpus=cpus, note="responder thread and memory pinned to these CPUs")
-        for name, (owned, reply, depth) in PLACED_PROXY_VARIANTS.items():
+        for name, (owned, reply, demote) in PLACED_PROXY_VARIANTS.items():
             got = best[f"{name}_{place}"]
             rec.add(f"roundtrip_proxy_{name}_{place}", "median_us", got[0], ref[0], "us",
-                    p99_us=got[1], target="ratio <= 1.10", owned_queue=bool(owned),
-                    poll_depth=depth, cpus=cpus,
+                    p99_us=got[1], target="ratio <= 1.10", owned_queue=bool(owned), cpus=cpus,
                     reference=f"roundtrip_raw_pinned_pingpong_{place} (same placement, same run)")
             rec.add(f"roundtrip_proxy_{name}_{place}", "p99_us", got[1], ref[1], "us")
     rec.add("roundtrip_proxy_ce_flag_device", "median_us", best["ce"][0], raw[0], "us",

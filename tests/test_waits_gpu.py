@@ -10,8 +10,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("poll_depth", [1, 2, 4, 8])
-def test_wait_on_unset_flag_times_out_with_record(poll_depth):
+def test_wait_on_unset_flag_times_out_with_record():
     import cupy
     import mkrt
     from mkrt.kernels.probe import wait_for_flag
@@ -20,7 +19,7 @@ def test_wait_on_unset_flag_times_out_with_record(poll_depth):
     flag = cupy.zeros(1, np.uint64)
     start = time.perf_counter()
     seen = wait_for_flag(flag, 5, world_status=block.device_ptr, host_flag=block.host_flag_ptr,
-                         rank=0, flag_id=41, timeout_ms=200, ctas=3, poll_depth=poll_depth)
+                         rank=0, flag_id=41, timeout_ms=200, ctas=3)
     with pytest.raises(mkrt.CommTimeout) as info:
         world.synchronize()
     elapsed = time.perf_counter() - start
@@ -33,8 +32,7 @@ def test_wait_on_unset_flag_times_out_with_record(poll_depth):
     world.close()
 
 
-@pytest.mark.parametrize("poll_depth", [1, 4])
-def test_wait_released_by_a_flag_set_from_another_stream(poll_depth):
+def test_wait_released_by_a_flag_set_from_another_stream():
     import cupy
     import mkrt
     from mkrt.kernels.probe import ProbeSpec, wait_for_flag
@@ -45,7 +43,7 @@ def test_wait_released_by_a_flag_set_from_another_stream(poll_depth):
     # Load the setter before the waiter runs: loading a module may wait for running kernels.
     set_flag = ProbeSpec().function("set_flag", 0)
     seen = wait_for_flag(flag, 9, world_status=block.device_ptr, host_flag=block.host_flag_ptr,
-                         timeout_ms=5000, stream=waiter, poll_depth=poll_depth)
+                         timeout_ms=5000, stream=waiter)
     set_flag((1,), (32,), (flag, np.uint64(9)), stream=setter)
     waiter.synchronize()
     world.synchronize()

@@ -92,9 +92,8 @@ extern "C" __global__ void post_signals(const mkrt::Queue* queues, int nqueues, 
 // queue; 1 an OwnedQueue (no claim atomic); 2 an OwnedQueue that skips every other slot
 // (commands 128 bytes apart: only a responder that reads every other slot can answer);
 // 3 a shared queue whose descriptor is read from device memory at every post (a
-// reference into the array) instead of kept in registers.
-// `poll_depth`: loads of the flag in flight (wait_at_least). (Prefetching the next slot
-// and the reference's inline wait loop were tried here and changed nothing:
+// reference into the array) instead of kept in registers. (Prefetching the next slot,
+// the reference's inline wait loop and staggered polls were tried here: no gain or worse,
 // experiments/notes/proxy.md.)
 __device__ __forceinline__ void skip_slot(mkrt::OwnedQueue& o) { o.next += 1; }
 __device__ __forceinline__ void skip_slot(const mkrt::Queue&) {}
@@ -103,7 +102,7 @@ template <class Q>
 __device__ void ping_pong_loop(Q& poster, const mkrt::Queue& q, unsigned rank, unsigned flag_region,
                                mkrt::u64 flag_offset, const mkrt::u64* flag, int iters,
                                const mkrt::Context& ctx, long long* cycles, mkrt::u64* elapsed,
-                               int poll_depth, bool skip) {
+                               bool skip) {
     const mkrt::u64 t0 = mkrt::global_timer_ns();
     const long long c0 = clock64();
     long long last = c0;
@@ -112,8 +111,7 @@ __device__ void ping_pong_loop(Q& poster, const mkrt::Queue& q, unsigned rank, u
                                                    (mkrt::u64)(i + 1));
         if (ticket == mkrt::POST_FAILED) return;
         if (skip) skip_slot(poster);
-        if (!mkrt::proxy_wait_at_least(flag, (mkrt::u64)(i + 1), ctx, q, mkrt::ROLE_TEST, i, 0,
-                                       poll_depth))
+        if (!mkrt::proxy_wait_at_least(flag, (mkrt::u64)(i + 1), ctx, q, mkrt::ROLE_TEST, i, 0))
             return;
         const long long now = clock64();
         cycles[i] = now - last;
@@ -127,21 +125,21 @@ extern "C" __global__ void ping_pong_proxy(const mkrt::Queue* queues, unsigned r
                                            unsigned flag_region, mkrt::u64 flag_offset,
                                            const mkrt::u64* flag, int iters, mkrt::u64* status, mkrt::u64* host_flag,
                                            mkrt::u64 timeout_ns, long long* cycles,
-                                           mkrt::u64* elapsed, int owned, int poll_depth) {
+                                           mkrt::u64* elapsed, int owned) {
     const mkrt::Context ctx = make_context(status, host_flag, (int)rank, timeout_ns);
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const mkrt::Queue q = queues[0];
     if (owned == 1 || owned == 2) {
         mkrt::OwnedQueue mine = mkrt::own_queue(q);
         ping_pong_loop(mine, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
-                       poll_depth, owned == 2);
+                       owned == 2);
         mkrt::release_queue(mine);
     } else if (owned == 3) {     // the descriptor read from device memory at every post
         ping_pong_loop(queues[0], queues[0], rank, flag_region, flag_offset, flag, iters, ctx,
-                       cycles, elapsed, poll_depth, false);
+                       cycles, elapsed, false);
     } else {
         ping_pong_loop(q, q, rank, flag_region, flag_offset, flag, iters, ctx, cycles, elapsed,
-                       poll_depth, false);
+                       false);
     }
 }
 
@@ -153,100 +151,14 @@ $LAYOUT_PROBES
     out[i] = sizeof(mkrt::Command);
 }
 
-// Ways the reference can wait for the answer (ping_pong_raw's `poll`):
-//   0 acquire loads one at a time (the reference); 1 relaxed loads, then an acquire fence;
-//   2/4/8 wait_at_least's staggered polling at that depth (poll_fast);
-//   12/14 staggered relaxed loads, then fence.acq_rel.gpu (not enough for the host's
-//   writes: shows what the sys fence costs); 22/24 staggered acquire loads;
-//   32/34 2/4 poller warps (acquire loads, staggered starts) hand the answer to thread 0
-//   through shared memory (launch 32 * (1 + pollers) threads).
-template <int DEPTH, bool ACQUIRE_LOADS>
-__device__ bool staggered_variant(const mkrt::u64* answer, mkrt::u64 want, long long gap) {
-    mkrt::u64 value[DEPTH];
-    auto load = [&](void) { return ACQUIRE_LOADS ? mkrt::ld_acquire_sys(answer) : mkrt::ld_relaxed_sys(answer); };
-#pragma unroll
-    for (int j = 0; j < DEPTH; ++j) { value[j] = load(); mkrt::spin_cycles(gap); }
-    for (int round = 0; round < 1000000; ++round) {
-#pragma unroll
-        for (int j = 0; j < DEPTH; ++j) {
-            if (value[j] >= want) {
-                if (!ACQUIRE_LOADS) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-                return true;
-            }
-            value[j] = load();
-            mkrt::spin_cycles(gap);
-        }
-    }
-    return false;
-}
-
-__device__ bool raw_wait(const mkrt::u64* answer, mkrt::u64 want, int poll, long long latency) {
-    const mkrt::u64 start = mkrt::global_timer_ns();
-    mkrt::u64 seen;
-    for (;;) {
-        if (poll == 0) {
-            if (mkrt::ld_acquire_sys(answer) >= want) return true;
-        } else if (poll == 1) {
-            if (mkrt::ld_relaxed_sys(answer) >= want) { mkrt::fence_sys(); return true; }
-        } else if (poll < 10) {
-            if (mkrt::poll_fast(answer, want, poll, seen)) return true;
-        } else if (poll == 12) {
-            return staggered_variant<2, false>(answer, want, latency / 2);
-        } else if (poll == 14) {
-            return staggered_variant<4, false>(answer, want, latency / 4);
-        } else if (poll == 22) {
-            return staggered_variant<2, true>(answer, want, latency / 2);
-        } else {
-            return staggered_variant<4, true>(answer, want, latency / 4);
-        }
-        if (mkrt::global_timer_ns() - start > 2000000000ull) return false;   // 2 s: host gone
-    }
-}
-
-// Poller warp `p` (1..pollers) of ping_pong_raw's poll 3x: on each new target, start
-// (p - 1) / pollers of a load latency late, then acquire-load until the answer reaches it.
-__device__ void poller_warp(const mkrt::u64* answer, volatile mkrt::u64* target,
-                            unsigned long long* reached, int p, int pollers) {
-    mkrt::u64 last = 0;
-    long long latency = 0;
-    const mkrt::u64 start = mkrt::global_timer_ns();
-    for (;;) {
-        mkrt::u64 want;
-        do {
-            want = *target;
-            if (mkrt::global_timer_ns() - start > 2000000000ull) return;
-        } while (want == last);
-        if (want == ~0ull) return;
-        mkrt::spin_cycles(latency * (p - 1) / pollers);
-        mkrt::u64 seen;
-        do {
-            const long long t0 = clock64();
-            seen = mkrt::ld_acquire_sys(answer);
-            latency = clock64() - t0;
-            if (mkrt::global_timer_ns() - start > 2000000000ull) return;
-        } while (seen < want);
-        atomicMax_block(reached, seen);
-        last = want;
-    }
-}
-
 // The reference ping-pong; `extra` adds one part of a post before each store, to see
 // what each costs: 1 = a claim atomic on device memory (`counter`), 2 = the 56 bytes of
 // command words (st + 3 x st.v2) into the same host line first, 3 = both (a post's work);
 // 4 = a new line each time (16 lines, 128 bytes apart; 64 bytes apart with 16 too).
 extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* answer, int iters,
                                          long long* cycles, mkrt::u64* elapsed, int extra,
-                                         mkrt::u64* counter, int poll) {
-    __shared__ mkrt::u64 target;
-    __shared__ unsigned long long reached;
-    if (threadIdx.x == 0) { target = 0; reached = 0; }
-    __syncthreads();
-    const int warp = threadIdx.x / 32, pollers = poll >= 30 ? poll - 30 : 0;
-    if (blockIdx.x != 0 || threadIdx.x % 32 != 0 || warp > pollers) return;
-    if (warp > 0) { poller_warp(answer, &target, &reached, warp, pollers); return; }
-    long long latency = 0;
-    { const long long t0 = clock64(); const mkrt::u64 v = mkrt::ld_acquire_sys(answer);
-      latency = v == ~0ull ? 0 : clock64() - t0; }
+                                         mkrt::u64* counter) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const mkrt::u64 t0 = mkrt::global_timer_ns();
     const long long c0 = clock64();
     long long last = c0;
@@ -261,22 +173,15 @@ extern "C" __global__ void ping_pong_raw(mkrt::u64* command, const mkrt::u64* an
             mkrt::st_v2_u64(command_line + 4, claimed, (mkrt::u64)i);
             mkrt::st_v2_u64(command_line + 6, claimed, (mkrt::u64)i);
         }
-        const mkrt::u64 want = (mkrt::u64)(i + 1);
-        if (pollers) *(volatile mkrt::u64*)&target = want;
-        mkrt::st_release_sys(command_line, want);
-        if (pollers) {
-            const mkrt::u64 start = mkrt::global_timer_ns();
-            while (*(volatile unsigned long long*)&reached < want)
-                if (mkrt::global_timer_ns() - start > 2000000000ull) break;
-            if (*(volatile unsigned long long*)&reached < want) break;
-        } else if (!raw_wait(answer, want, poll, latency)) {
-            break;
+        mkrt::st_release_sys(command_line, (mkrt::u64)(i + 1));
+        const mkrt::u64 start = mkrt::global_timer_ns();
+        while (mkrt::ld_acquire_sys(answer) < (mkrt::u64)(i + 1)) {
+            if (mkrt::global_timer_ns() - start > 2000000000ull) return;   // 2 s: host gone
         }
         const long long now = clock64();
         cycles[i] = now - last;
         last = now;
     }
-    if (pollers) *(volatile mkrt::u64*)&target = ~0ull;
     elapsed[0] = mkrt::global_timer_ns() - t0;
     elapsed[1] = (mkrt::u64)(clock64() - c0);
     if (claimed == 1) counter[1] = claimed;    // keeps the atomics' results live

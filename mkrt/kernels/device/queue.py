@@ -72,10 +72,8 @@ __device__ __forceinline__ u64 queue_error(const Queue& q) {
 
 // wait_at_least that also leaves when the queue's proxy reports an error.
 __device__ __forceinline__ bool proxy_wait_at_least(const u64* flag, u64 expected, const Context& ctx,
-                                                    const Queue& q, int role, int tile, int flag_id,
-                                                    int poll_depth = 1) {
-    return wait_at_least(flag, expected, ctx, role, tile, flag_id, q.header + QUEUE_ERROR,
-                         poll_depth);
+                                                    const Queue& q, int role, int tile, int flag_id) {
+    return wait_at_least(flag, expected, ctx, role, tile, flag_id, q.header + QUEUE_ERROR);
 }
 
 // Bounded wait until the proxy's tail (mapped host memory) reaches `needed`; `tail` gets

@@ -65,68 +65,15 @@ __device__ __noinline__ void report_timeout(const Context& ctx, int role, int ti
 
 constexpr int PROXY_ERROR_FLAG = -2;   // recorded flag of a wait its error word ended
 
-__device__ __forceinline__ void spin_cycles(long long cycles) {
-    const long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-
-// Cycles from issuing a relaxed load of `flag` to having its value (in `seen`): the
-// clock is read after a branch on the value, so after the load returned.
-__device__ __forceinline__ long long timed_load(const u64* flag, u64& seen) {
-    const long long start = clock64();
-    seen = ld_relaxed_sys(flag);
-    long long end;
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u64 p, %1, 0xffffffffffffffff;\n\t"
-                 "@p mov.u64 %0, %%clock64;\n\t@!p mov.u64 %0, 0;\n\t}"
-                 : "=l"(end) : "l"(seen));
-    return end - start;
-}
-
-// DEPTH relaxed loads of `flag` in flight, issued `gap` cycles apart, for `rounds` rounds.
-// One load at a time sees a new value up to a whole load latency after it lands (a PCIe
-// round trip for a flag in host memory, ~1 us); staggered loads see it within about
-// latency / DEPTH. True (value in `seen`, then an acquire fence) once a load shows
-// >= expected; the loads still in flight are dropped.
-template <int DEPTH>
-__device__ __forceinline__ bool poll_staggered(const u64* flag, u64 expected, long long gap,
-                                               int rounds, u64& seen) {
-    u64 value[DEPTH];
-#pragma unroll
-    for (int j = 0; j < DEPTH; ++j) { value[j] = ld_relaxed_sys(flag); spin_cycles(gap); }
-    for (int round = 0; round < rounds; ++round) {
-#pragma unroll
-        for (int j = 0; j < DEPTH; ++j) {
-            if (value[j] >= expected) { seen = value[j]; fence_sys(); return true; }
-            value[j] = ld_relaxed_sys(flag);
-            spin_cycles(gap);
-        }
-    }
-    seen = value[0];
-    return false;
-}
-
-// The first phase of a wait: staggered polling at `depth` (1: off) for about 32 load
-// latencies. True once *flag >= expected (acquired).
-__device__ __forceinline__ bool poll_fast(const u64* flag, u64 expected, int depth, u64& seen) {
-    if (depth <= 1) return false;
-    const long long latency = timed_load(flag, seen);
-    if (seen >= expected) { fence_sys(); return true; }
-    constexpr int ROUNDS = 32;   // a round takes about one load latency
-    if (depth >= 8) return poll_staggered<8>(flag, expected, latency / 8, ROUNDS, seen);
-    if (depth >= 4) return poll_staggered<4>(flag, expected, latency / 4, ROUNDS, seen);
-    return poll_staggered<2>(flag, expected, latency / 2, ROUNDS, seen);
-}
-
 // Wait (one thread) until *flag >= expected. False: timed out, the launch aborted, or
 // `error_word` (optional: a proxy's error word in mapped host memory) became nonzero;
 // the caller must then leave the kernel. Polls without sleeping for the first 64 reads
 // (a proxy's answer is ~1 us away), then backs off up to 256 ns between reads.
 __device__ __noinline__ bool wait_at_least(const u64* flag, u64 expected, const Context& ctx,
                               int role, int tile, int flag_id,
-                              const u64* error_word = nullptr, int poll_depth = 1) {
+                              const u64* error_word = nullptr) {
     u64 seen = ld_acquire_sys(flag);
     if (seen >= expected) return true;
-    if (poll_fast(flag, expected, poll_depth, seen)) return true;
     const u64 start = global_timer_ns();
     u32 backoff = 0;
     for (unsigned spin = 0;; ++spin) {
