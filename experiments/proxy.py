@@ -252,10 +252,10 @@ def latency(rec, args, fn_raw, fn_pp):
     iters = args.iters
     respond = _responder()
     ring_respond = _ring_responder()
-    memory = RawWords()
-    w = memory.w
-    respond(w, 1, 1, w[8:], 1, 16, np.int64(1))  # compile, and run each line hint once
-    respond(w, 1, 1, w[8:], 1, 16, np.int64(2))
+    warm = RawWords()
+    respond(warm.w, 1, 1, warm.w[8:], 1, 16, np.int64(1))  # compile, and run each line hint once
+    respond(warm.w, 1, 1, warm.w[8:], 1, 16, np.int64(2))
+    warm.close()
     results = {}
     counter = cupy.zeros(2, dtype=np.uint64)
     cycles = cupy.zeros(iters, dtype=np.int64)
@@ -266,15 +266,14 @@ def latency(rec, args, fn_raw, fn_pp):
     placements = {"near": gpu_local_cpus(0), "far": gpu_remote_cpus(0)}
     print(f"allowed CPUs {allowed_cpus()}; GPU 0 local {placements['near']}; "
           f"far {placements['far']}", flush=True)
-    placed = {name: RawWords(cpus) for name, cpus in placements.items() if cpus}
 
     def measured(skip=100):
         return _percentiles(cycles.get()[skip:], elapsed.get())
 
     def raw_trial(extra, push=0, place=None):
-        mem = placed[place] if place else memory
-        mem.w[:] = 0
-        mem.a[:] = 0
+        """One run of the reference on fresh memory (pages differ from trial to trial,
+        like the proxy's queues: where the answer lands moves the result by +-0.2 us)."""
+        mem = RawWords(placements.get(place))
         answer, answer_address = mem.answer(extra)
         lines, stride = (16 if extra & 4 else 1), (8 if extra & 16 else 16)
         th = threading.Thread(target=_pinned(respond, placements.get(place)), daemon=True,
@@ -287,6 +286,7 @@ def latency(rec, args, fn_raw, fn_pp):
         th.join(30)
         if th.is_alive():
             raise RuntimeError(f"raw ping-pong ({extra=}, {push=}) did not finish")
+        mem.close()
         return measured()
 
     def ping_pong(qs, flag_address, n, owned=0):
@@ -348,44 +348,45 @@ def latency(rec, args, fn_raw, fn_pp):
             ping_pong(qs, dflag.data.ptr, iters // 4)
         results.setdefault("ce", []).append(_percentiles(cycles.get()[50:iters // 4], elapsed.get()))
         qs.close()
-    memory.close()
-    for mem in placed.values():
-        mem.close()
+    # each case: the median over trials of each trial's median (and of its p99); the
+    # trials' spread is kept with it
+    best = {name: (float(np.median([r[0] for r in runs])), float(np.median([r[1] for r in runs])))
+            for name, runs in results.items()}
+    spread = {name: [round(r[0], 3) for r in runs] for name, runs in results.items()}
+    from mkrt.proxy.atomics import HAS_CLDEMOTE
 
-    best = {name: min(runs) for name, runs in results.items()}   # best of the trials, each
-    raw = best["raw"]
-    rec.add("roundtrip_raw_pinned_pingpong", "median_us", raw[0], None, "us", p99_us=raw[1])
-    rec.add("roundtrip_raw_pinned_pingpong", "p99_us", raw[1], None, "us")
+    def report(case, name, ref, p99=False, **extra):
+        """median (and p99) row of `name` against the reference row `ref` (None: none)."""
+        got, base = best[name], best[ref] if ref else (None, None)
+        rec.add(case, "median_us", got[0], base[0], "us", p99_us=got[1], trials=len(spread[name]),
+                trial_medians_us=spread[name], aggregate="median over trials", **extra)
+        if p99:
+            rec.add(case, "p99_us", got[1], base[1], "us", aggregate="median over trials")
+
+    report("roundtrip_raw_pinned_pingpong", "raw", None, p99=True)
     for name, (extra, push) in RAW_VARIANTS.items():   # what each part adds
         if name != "raw":
-            rec.add(f"roundtrip_{name}", "median_us", best[name][0], raw[0], "us",
-                    p99_us=best[name][1], extra_bits=extra, line_hint=push)
+            report(f"roundtrip_{name}", name, "raw", extra_bits=extra, line_hint=push)
     for name, (owned, reply, demote) in PROXY_VARIANTS.items():
-        case = "roundtrip_proxy_host_flag_pinned" if name == "host" else f"roundtrip_proxy_{name}"
-        rec.add(case, "median_us", best[name][0], raw[0], "us", p99_us=best[name][1],
-                target="ratio <= 1.10", owned_queue=owned in (1, 2), demoted_flag_lines=demote,
-                descriptor="re-read per post" if owned == 3 else "in registers",
-                flag="the queue's reply word (ring's allocation)" if reply else "its own allocation")
-        rec.add(case, "p99_us", best[name][1], raw[1], "us")
+        report("roundtrip_proxy_host_flag_pinned" if name == "host" else f"roundtrip_proxy_{name}",
+               name, "raw", p99=True, target="ratio <= 1.10", owned_queue=owned in (1, 2),
+               demoted_flag_lines=demote, cldemote_on_this_cpu=HAS_CLDEMOTE,
+               descriptor="re-read per post" if owned == 3 else "in registers",
+               flag="the queue's reply word (ring's allocation)" if reply else "its own allocation")
     for name, (mode, reply, step, owned) in RING_VARIANTS.items():
-        rec.add(f"roundtrip_{name}", "median_us", best[name][0], raw[0], "us",
-                p99_us=best[name][1], slot_step=step, owned_queue=bool(owned),
-                flag="reply word" if reply else "its own allocation")
+        report(f"roundtrip_{name}", name, "raw", slot_step=step, owned_queue=bool(owned),
+               flag="reply word" if reply else "its own allocation")
     for place, cpus in placements.items():
         if not cpus:
             continue
-        ref = best[f"raw_{place}"]
-        rec.add(f"roundtrip_raw_pinned_pingpong_{place}", "median_us", ref[0], None, "us",
-                p99_us=ref[1], cpus=cpus, note="responder thread and memory pinned to these CPUs")
+        report(f"roundtrip_raw_pinned_pingpong_{place}", f"raw_{place}", None, cpus=cpus,
+               note="responder thread and memory pinned to these CPUs")
         for name, (owned, reply, demote) in PLACED_PROXY_VARIANTS.items():
-            got = best[f"{name}_{place}"]
-            rec.add(f"roundtrip_proxy_{name}_{place}", "median_us", got[0], ref[0], "us",
-                    p99_us=got[1], target="ratio <= 1.10", owned_queue=bool(owned), cpus=cpus,
-                    reference=f"roundtrip_raw_pinned_pingpong_{place} (same placement, same run)")
-            rec.add(f"roundtrip_proxy_{name}_{place}", "p99_us", got[1], ref[1], "us")
-    rec.add("roundtrip_proxy_ce_flag_device", "median_us", best["ce"][0], raw[0], "us",
-            note="flag written by cuStreamWriteValue64 on the proxy's stream")
-    rec.add("roundtrip_proxy_ce_flag_device", "p99_us", best["ce"][1], raw[1], "us")
+            report(f"roundtrip_proxy_{name}_{place}", f"{name}_{place}", f"raw_{place}", p99=True,
+                   target="ratio <= 1.10", owned_queue=bool(owned), cpus=cpus,
+                   reference=f"roundtrip_raw_pinned_pingpong_{place} (same placement, same run)")
+    report("roundtrip_proxy_ce_flag_device", "ce", "raw", p99=True,
+           note="flag written by cuStreamWriteValue64 on the proxy's stream")
 
 
 # ---------------------------------------------------------------------------- command rate
@@ -617,12 +618,14 @@ def main():
     parser.add_argument("--iters", type=int, default=20000)
     parser.add_argument("--commands", type=int, default=4_000_000)
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--rate-reps", type=int, default=3, help="command-rate runs (median)")
     parser.add_argument("--sizes-kib", type=int, nargs="*", default=[64, 256, 1024, 4096, 16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--posters", type=int, nargs="*", default=[1, 8],
                         help="CTAs posting the ce puts (one thread each)")
     parser.add_argument("--ce-modes", nargs="*", default=list(CE_MODES), choices=list(CE_MODES))
-    parser.add_argument("--trials", type=int, default=3, help="round-trip trials (best median)")
+    parser.add_argument("--trials", type=int, default=7,
+                        help="round-trip trials, each on fresh memory (median of their medians)")
     parser.add_argument("--parts", nargs="*", default=["latency", "rate", "ce", "held"],
                         choices=["latency", "rate", "ce", "held"])
     args = parser.parse_args()
@@ -636,17 +639,23 @@ def main():
     if "latency" in args.parts:
         latency(rec, args, fn_raw, fn_pp)
     if "rate" in args.parts:
+        def rates(threads, busy=False):
+            """median of args.rate_reps runs (the host side of a lent machine is noisy)"""
+            runs = [command_rate(rec, args, fn_sig, threads, busy=busy) for _ in range(args.rate_reps)]
+            runs.sort(key=lambda run: run[0])
+            return runs[len(runs) // 2], [round(run[0], 2) for run in runs]
         base = None
         for threads in args.threads:
-            rate, stats = command_rate(rec, args, fn_sig, threads)
+            (rate, stats), each = rates(threads)
             if threads == 1:
                 base = rate
             rec.add(f"command_rate_{threads}_threads", "Mcommands_per_s", rate,
                     5.0 if threads == 1 else base, "M/s",
-                    target="1 thread >= 5 M/s; others vs 1 thread",
+                    target="1 thread >= 5 M/s; others vs 1 thread", runs_Mcommands_per_s=each,
                     mean_batch=round(stats["commands"] / max(1, stats["batches"]), 1))
-        busy, _ = command_rate(rec, args, fn_sig, 1, busy=True)
+        (busy, _), each = rates(1, busy=True)
         rec.add("command_rate_1_thread_python_busy", "Mcommands_per_s", busy, base, "M/s",
+                runs_Mcommands_per_s=each,
                 note="another Python thread runs pure-Python arithmetic throughout")
     if "ce" in args.parts:
         ce_bandwidth(rec, args, fn_puts)
