@@ -30,7 +30,7 @@ def _signal(state, address, value, kind):
 @njit(nogil=True, cache=False)
 def _signal_demoted(state, address, value, kind):
     store_release_at(address, value)
-    demote_line_at(address)
+    state[0] = address          # demoted once the batch is done (_progress_demoting)
     return 0
 
 
@@ -40,14 +40,25 @@ def _progress(state, idle):
 
 
 @njit(nogil=True, cache=False)
+def _progress_demoting(state, idle):
+    """After a batch: demote the line of its last signal (the one a poster is most likely
+    waiting for); one cldemote per batch, so a stream of signals to the same lines keeps
+    them in this core's cache."""
+    if state[0] != 0:
+        demote_line_at(state[0])
+        state[0] = 0
+    return 1
+
+
+@njit(nogil=True, cache=False)
 def _quiesce(state):
     return 0
 
 
 class HostTransport(Transport):
-    """``demote_signals``: after writing a flag, push its line out of the proxy core's
-    caches (``cldemote`` where the CPU has it), so the GPU's read of the flag need not
-    snoop that core: about 0.1 us off a 3.2 us round trip on the H200 machines
+    """``demote_signals``: after a batch, push the line of its last flag out of the proxy
+    core's caches (``cldemote`` where the CPU has it), so the GPU's read of that flag need
+    not snoop the core: about 0.1 us off a 3.2 us round trip on the H200 machines
     (experiments/notes/proxy.md)."""
     name = "host"
 
@@ -55,4 +66,6 @@ class HostTransport(Transport):
         self.demote_signals = demote_signals
 
     def ops(self):
-        return _put, _signal_demoted if self.demote_signals else _signal, _progress, _quiesce
+        if self.demote_signals:
+            return _put, _signal_demoted, _progress_demoting, _quiesce
+        return _put, _signal, _progress, _quiesce
