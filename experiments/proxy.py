@@ -398,8 +398,7 @@ def _busy_python(stop):
     return x
 
 
-def command_rate(rec, args, fn_sig, threads, *, busy=False, batch=256, demote=True,
-                 prefetch=None):
+def command_rate(rec, args, fn_sig, threads, *, busy=False, batch=256, demote=True):
     import cupy
     from mkrt.proxy import Proxy, QueueSet, HostTransport, new_region_table, set_region, REGION_HOST
     from mkrt.proxy.kernels import raise_status, status_words
@@ -417,7 +416,7 @@ def command_rate(rec, args, fn_sig, threads, *, busy=False, batch=256, demote=Tr
     stop = threading.Event()
     busy_thread = threading.Thread(target=_busy_python, args=(stop,), daemon=True) if busy else None
     with Proxy(qs, regions, HostTransport(demote_signals=demote), threads=threads,
-               batch=batch, prefetch=prefetch) as proxy:
+               batch=batch) as proxy:
         desc = qs.device_descriptors()
         cupy.cuda.Device(0).synchronize()
         if busy_thread:
@@ -641,10 +640,10 @@ def main():
     if "latency" in args.parts:
         latency(rec, args, fn_raw, fn_pp)
     if "rate" in args.parts:
-        def rates(threads, busy=False, demote=True, prefetch=None):
+        def rates(threads, busy=False, demote=True):
             """median of args.rate_reps runs (the host side of a lent machine is noisy)"""
-            runs = [command_rate(rec, args, fn_sig, threads, busy=busy, demote=demote,
-                                 prefetch=prefetch) for _ in range(args.rate_reps)]
+            runs = [command_rate(rec, args, fn_sig, threads, busy=busy, demote=demote)
+                    for _ in range(args.rate_reps)]
             runs.sort(key=lambda run: run[0])
             return runs[len(runs) // 2], [round(run[0], 2) for run in runs]
         base = None
@@ -660,9 +659,6 @@ def main():
         rec.add("command_rate_1_thread_flags_not_demoted", "Mcommands_per_s", plain, base, "M/s",
                 runs_Mcommands_per_s=each,
                 note="HostTransport(demote_signals=False): no cldemote after each batch")
-        (plain, _), each = rates(1, prefetch=0)
-        rec.add("command_rate_1_thread_no_prefetch", "Mcommands_per_s", plain, base, "M/s",
-                runs_Mcommands_per_s=each, note="Proxy(prefetch=0): no prefetch of ring lines ahead")
         (busy, _), each = rates(1, busy=True)
         rec.add("command_rate_1_thread_python_busy", "Mcommands_per_s", busy, base, "M/s",
                 runs_Mcommands_per_s=each,

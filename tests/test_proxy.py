@@ -250,10 +250,6 @@ def test_bad_arguments_raise():
         Proxy(qs, w.regions, HostTransport(), start=False)
     with pytest.raises(ValueError, match="threads"):
         Proxy(QueueSet(1, 8, [0]), w.regions, HostTransport(), threads=2, start=False)
-    for prefetch in (-1, 8):
-        with pytest.raises(ValueError, match="prefetch"):
-            Proxy(QueueSet(1, 8, [0]), w.regions, HostTransport(), prefetch=prefetch, start=False)
-    assert Proxy(QueueSet(1, 4, [0]), w.regions, HostTransport(), start=False).prefetch == 2
     with pytest.raises(ValueError, match="region"):
         set_region(w.regions, 0, 9, 4096, 8)
     with pytest.raises(TypeError):

@@ -100,23 +100,6 @@ def copy_bytes(typingctx, dst, src, nbytes):
 
 
 @intrinsic
-def prefetch(typingctx, arr, index):
-    """Ask the CPU to bring the line of ``arr[index]`` into its caches (a hint; never
-    faults)."""
-    _check_array(arr)
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.bitcast(_element_pointer(context, builder, sig.args[0], args[0], args[1]), _I8P)
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [_I8P, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        # read, keep in all levels, data cache
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.void(arr, index), codegen
-
-
-@intrinsic
 def spin_pause(typingctx):
     """A CPU spin-wait hint (x86 ``pause``); nothing elsewhere."""
     def codegen(context, builder, sig, args):

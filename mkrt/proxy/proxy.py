@@ -32,7 +32,7 @@ from numba import njit
 from mkrt.errors import MkrtError
 from mkrt.proxy import queue as Q
 from mkrt.proxy.affinity import pin_current_thread
-from mkrt.proxy.atomics import load_acquire, prefetch, spin_pause, store_release
+from mkrt.proxy.atomics import load_acquire, spin_pause, store_release
 
 log = logging.getLogger("mkrt.proxy")
 
@@ -251,7 +251,7 @@ def _build_loop(put, signal, progress, quiesce):
 
     @njit(nogil=True, cache=False)
     def loop(ring, header, regions, queue_ids, queue_ranks, slots, control, stats, tstate,
-             batch_max, ahead):
+             batch_max):
         nq = queue_ids.shape[0]
         tails = np.zeros(nq, dtype=np.uint64)
         done = np.zeros(nq, dtype=np.uint64)
@@ -276,8 +276,6 @@ def _build_loop(put, signal, progress, quiesce):
                 n = 0
                 while n < batch_max:
                     base = (np.uint64(q) * slots + (tail & mask)) * np.uint64(8)
-                    if ahead != np.uint64(0):   # the GPU wrote it through PCIe: not cached here
-                        prefetch(ring, (np.uint64(q) * slots + ((tail + ahead) & mask)) * np.uint64(8))
                     if load_acquire(ring, base) != tail + np.uint64(1):
                         break
                     if failed[i] != 0:
@@ -347,25 +345,18 @@ class Proxy:
     ``regions``: the region table (:func:`mkrt.proxy.queue.new_region_table`), read by
     the compiled loop on every command, so it can be filled (not reshaped) while running.
     Queue ``q`` is served by thread ``q % threads``. ``batch``: most commands taken from one
-    queue before the tail is published. ``prefetch``: slots ahead of the one being read
-    whose line is prefetched (0: none; default min(8, slots // 2)). ``cpus``: CPUs every proxy thread pins itself to
+    queue before the tail is published. ``cpus``: CPUs every proxy thread pins itself to
     (:func:`mkrt.proxy.affinity.gpu_local_cpus` of the GPU it serves); None or empty:
     wherever the OS puts them.
     """
 
     def __init__(self, queue_set: Q.QueueSet, regions: np.ndarray, transport, *,
-                 threads: int = 1, batch: int = 64, start: bool = True, cpus=None,
-                 prefetch: int | None = None):
+                 threads: int = 1, batch: int = 64, start: bool = True, cpus=None):
         if threads < 1 or threads > queue_set.queues:
             raise ValueError(f"mkrt.proxy: need 1 <= threads <= queues; got {threads=}, "
                              f"queues={queue_set.queues}")
         if batch < 1:
             raise ValueError(f"mkrt.proxy: batch must be >= 1; got {batch=}")
-        if prefetch is None:
-            prefetch = min(8, queue_set.slots // 2)
-        if not 0 <= prefetch < queue_set.slots:
-            raise ValueError(f"mkrt.proxy: need 0 <= prefetch < slots ({queue_set.slots}); "
-                             f"got {prefetch=}")
         if not (isinstance(regions, np.ndarray) and regions.dtype == np.uint64
                 and regions.ndim == 3 and regions.shape[2] == Q.REGION_WORDS):
             raise TypeError(f"mkrt.proxy: regions must be a (ranks, regions, {Q.REGION_WORDS}) "
@@ -374,7 +365,7 @@ class Proxy:
             raise ValueError(f"mkrt.proxy: queue ranks {queue_set.ranks.tolist()} exceed the "
                              f"region table's {regions.shape[0]} ranks")
         self.queue_set, self.regions, self.transport = queue_set, regions, transport
-        self.threads, self.batch, self.prefetch = threads, batch, prefetch
+        self.threads, self.batch = threads, batch
         self.cpus = sorted(set(cpus)) if cpus else []
         self.controls = np.zeros((threads, CONTROL_WORDS), dtype=np.uint64)
         self.stats_by_thread = np.zeros((threads, STATS_WORDS), dtype=np.uint64)
@@ -401,7 +392,7 @@ class Proxy:
         warm[C_STOP] = STOP_NOW
         self._loop(qs.ring, qs.header, self.regions, np.zeros(1, np.int64), np.zeros(1, np.int64),
                    np.uint64(qs.slots), warm, np.zeros(STATS_WORDS, np.uint64), states[0],
-                   np.int64(self.batch), np.uint64(self.prefetch))
+                   np.int64(self.batch))
         self.controls[:] = 0
         for t in range(self.threads):
             ids = np.arange(t, qs.queues, self.threads, dtype=np.int64)
@@ -417,8 +408,7 @@ class Proxy:
             self.transport.thread_setup()
             qs = self.queue_set
             self._loop(qs.ring, qs.header, self.regions, ids, ranks, np.uint64(qs.slots),
-                       self.controls[t], self.stats_by_thread[t], state, np.int64(self.batch),
-                       np.uint64(self.prefetch))
+                       self.controls[t], self.stats_by_thread[t], state, np.int64(self.batch))
         except BaseException as error:  # reported by check()/close()
             self._failures.append(error)
 
