@@ -18,7 +18,7 @@ Posting (one thread; any number of CTAs and queues at once)::
 3. write words 1..7 of the slot, then release-store ``valid = ticket + 1``.
 
 A thread that alone posts to a queue for a while can own it and skip step 1's atomic
-(about 0.15 us of a 3.5 us round trip on the H200)::
+(0.25-0.3 us of a 3.3 us round trip on the H200: experiments/notes/proxy.md)::
 
     mkrt::OwnedQueue mine = mkrt::own_queue(queues[i]);
     mkrt::post_signal(mine, ctx, ...);                // every post_* takes either
