@@ -50,40 +50,14 @@ class Recorder:
 
 
 # ---------------------------------------------------------------------------- latency
-def _line_hint():
-    """push_line(address, how): after the host writes the u64 at `address`, how = 1
-    demotes its line to the shared cache (``cldemote``; a no-op where unsupported), 2
-    writes it back and evicts it (``clflushopt``), 0 leaves it: does the GPU's read of a
-    line the CPU just wrote wait for a snoop of that core? (Two 4-byte x86-64 functions in
-    an executable page: llvmlite has no inline assembler.)"""
-    import mmap
-    code = bytes([0x0F, 0x1C, 0x07, 0xC3,            # cldemote (%rdi); ret
-                  0x66, 0x0F, 0xAE, 0x3F, 0xC3])     # clflushopt (%rdi); ret
-    page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-    page.write(code)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(page))
-    signature = ctypes.CFUNCTYPE(None, ctypes.c_uint64)
-    demote, flush = signature(base), signature(base + 4)
-    _line_hint.keep = (page, demote, flush)             # the page must outlive the functions
-    from numba import njit
-
-    @njit(nogil=True)
-    def push_line(address, how):
-        if how == 1:
-            demote(address)
-        elif how == 2:
-            flush(address)
-    return push_line
-
-
 def _responder():
     from numba import njit
-    from mkrt.proxy.atomics import load_acquire, store_release
-    push_line = _line_hint()
+    from mkrt.proxy.atomics import demote_line_at, load_acquire, store_release
 
     @njit(nogil=True)
-    def respond(words, iters, max_spins, answer, lines, stride, push):
-        """Answer command i (word stride*(i % lines) of `words`) in answer[0]."""
+    def respond(words, iters, max_spins, answer, lines, stride, demote):
+        """Answer command i (word stride*(i % lines) of `words`) in answer[0]; `demote`:
+        then push the answer's line out of this core's caches, as the host transport does."""
         for i in range(iters):
             want = np.uint64(i + 1)
             spins = 0
@@ -92,7 +66,8 @@ def _responder():
                 if spins > max_spins:
                     return i
             store_release(answer, 0, want)
-            push_line(answer.ctypes.data, push)
+            if demote:
+                demote_line_at(answer.ctypes.data)
         return iters
     return respond
 
@@ -134,11 +109,12 @@ def _ring_responder():
     return respond
 
 
-#: ping_pong_raw variants: name -> (extra, push). extra: 1 claim atomic, 2 command words,
+#: ping_pong_raw variants: name -> (extra, demote). extra: 1 claim atomic, 2 command words,
 #: 4 a new line each time (128 B apart; 64 B with 16); where the answer lives (host side):
 #: 32 another page of the command words' allocation, 8 an allocation of its own, else the
-#: line after the command words'. push: what the host does with the answer's line after
-#: writing it (_line_hint). (Staggered polls and poller warps: rows at 2d30710.)
+#: line after the command words'. demote: the responder demotes the answer's line after
+#: writing it (demote_line_at). (Staggered polls and poller warps: rows at 2d30710;
+#: flushing the line with clflushopt instead: rows up to 4c0dd89, slower.)
 RAW_VARIANTS = {
     "raw": (0, 0),
     "raw_plus_claim_atomic": (1, 0),
@@ -150,7 +126,6 @@ RAW_VARIANTS = {
     "raw_like_reply_word_ring": (2 | 4 | 16 | 32, 0),
     "raw_like_own_flag_ring": (2 | 4 | 16 | 8, 0),
     "raw_answer_line_demoted": (0, 1),
-    "raw_answer_line_flushed": (0, 2),
     "raw_like_reply_word_ring_demoted": (2 | 4 | 16 | 32, 1),
 }
 #: through the Proxy: name -> (owned, flag in the queue's reply word, demoted flag lines);
@@ -253,8 +228,7 @@ def latency(rec, args, fn_raw, fn_pp):
     respond = _responder()
     ring_respond = _ring_responder()
     warm = RawWords()
-    respond(warm.w, 1, 1, warm.w[8:], 1, 16, np.int64(1))  # compile, and run each line hint once
-    respond(warm.w, 1, 1, warm.w[8:], 1, 16, np.int64(2))
+    respond(warm.w, 1, 1, warm.w[8:], 1, 16, True)  # compile
     warm.close()
     results = {}
     counter = cupy.zeros(2, dtype=np.uint64)
@@ -270,14 +244,14 @@ def latency(rec, args, fn_raw, fn_pp):
     def measured(skip=100):
         return _percentiles(cycles.get()[skip:], elapsed.get())
 
-    def raw_trial(extra, push=0, place=None):
+    def raw_trial(extra, demote=False, place=None):
         """One run of the reference on fresh memory (pages differ from trial to trial,
         like the proxy's queues: where the answer lands moves the result by +-0.2 us)."""
         mem = RawWords(placements.get(place))
         answer, answer_address = mem.answer(extra)
         lines, stride = (16 if extra & 4 else 1), (8 if extra & 16 else 16)
         th = threading.Thread(target=_pinned(respond, placements.get(place)), daemon=True,
-                              args=(mem.w, iters, 10**10, answer, lines, stride, np.int64(push)))
+                              args=(mem.w, iters, 10**10, answer, lines, stride, bool(demote)))
         th.start()
         fn_raw((1,), (32,),
                (np.uint64(mem.words.device_address), np.uint64(answer_address), np.int32(iters),
@@ -285,7 +259,7 @@ def latency(rec, args, fn_raw, fn_pp):
         cupy.cuda.Device(0).synchronize()
         th.join(30)
         if th.is_alive():
-            raise RuntimeError(f"raw ping-pong ({extra=}, {push=}) did not finish")
+            raise RuntimeError(f"raw ping-pong ({extra=}, {demote=}) did not finish")
         mem.close()
         return measured()
 
@@ -364,9 +338,10 @@ def latency(rec, args, fn_raw, fn_pp):
             rec.add(case, "p99_us", got[1], base[1], "us", aggregate="median over trials")
 
     report("roundtrip_raw_pinned_pingpong", "raw", None, p99=True)
-    for name, (extra, push) in RAW_VARIANTS.items():   # what each part adds
+    for name, (extra, demote) in RAW_VARIANTS.items():   # what each part adds
         if name != "raw":
-            report(f"roundtrip_{name}", name, "raw", extra_bits=extra, line_hint=push)
+            report(f"roundtrip_{name}", name, "raw", extra_bits=extra, demoted=bool(demote),
+                   cldemote_on_this_cpu=HAS_CLDEMOTE)
     for name, (owned, reply, demote) in PROXY_VARIANTS.items():
         report("roundtrip_proxy_host_flag_pinned" if name == "host" else f"roundtrip_proxy_{name}",
                name, "raw", p99=True, target="ratio <= 1.10", owned_queue=owned in (1, 2),
