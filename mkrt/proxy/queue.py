@@ -18,9 +18,10 @@ Queue header (per queue, :data:`HEADER_WORDS` u64 words in host memory the GPU m
   [ERROR]       0, or the proxy error code | detail << 8 (producers' waits check it)
   [ERROR_TICKET] ticket of the command that failed
   [HOST_HEAD]   the claim counter of host-side producers (GPU producers use device memory)
-  [REPLY..]     8 words for flags the proxy writes back to this queue's poster: a GPU
-                waits for a host-written word about 0.27 us faster when it lies in the
-                allocation it posts into (H200: experiments/notes/proxy.md)
+  [REPLY..]     8 words for flags the proxy writes back to this queue's poster, in the
+                allocation it posts into (one machine waited 0.27 us less for them than
+                for a flag of its own allocation; later machines showed no consistent
+                difference: experiments/notes/proxy.md)
 """
 
 from __future__ import annotations
