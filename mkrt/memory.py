@@ -38,8 +38,9 @@ class SymmetricBuffer:
         regions = world._regions
         self.region = len(regions)
         regions.append(self)
-        if world._proxy is not None:
-            world._proxy.register(self)
+        proxy = world.running_service("proxy")
+        if proxy is not None:
+            proxy.register(self)
         self._tables: dict[int, object] = {}
         self._closed = False
 
@@ -136,8 +137,9 @@ class SymmetricBuffer:
         regions = self.world._regions
         if self.region < len(regions):
             regions[self.region] = None
-        if self.world._proxy is not None:
-            self.world._proxy.unregister(self)
+        proxy = self.world.running_service("proxy")
+        if proxy is not None:
+            proxy.unregister(self)
 
 
 def flags(world: World, count: int, *, name: str = "flags") -> SymmetricBuffer:

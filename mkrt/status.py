@@ -14,6 +14,7 @@ import numpy as np
 from mkrt.errors import ROLE_NAMES, CommTimeout, WaitRecord
 from mkrt.kernels.device.sync import STATUS_HEADER_WORDS, STATUS_RECORD_WORDS
 from mkrt.proxy.queue import PinnedMemory
+from mkrt.world import register_service
 
 _KERNEL_NAMES: dict[int, str] = {}
 
@@ -101,3 +102,10 @@ class StatusBlock:
         self.host_word = None
         self.host.close()
         self.words = None
+
+
+def _new_status_block(world, device: int) -> StatusBlock:
+    return StatusBlock(device, len(world.ranks_on_device(device)), world)
+
+
+register_service("status", _new_status_block)

@@ -18,6 +18,7 @@ import socket
 from dataclasses import dataclass, field
 
 from mkrt import envs
+from mkrt.cuda import device_sm_count
 
 log = logging.getLogger("mkrt.world")
 
@@ -44,11 +45,10 @@ class World:
     host_comm: object = None               # ranks on this host (CUDA IPC reaches them all)
     hosts: tuple = ()                      # host index of every rank
     _streams: dict = field(default_factory=dict, repr=False)
-    _status: dict = field(default_factory=dict, repr=False)
+    _services: dict = field(default_factory=dict, repr=False)   # (name, key) -> service
     _regions: list = field(default_factory=list, repr=False)     # symmetric buffers (mkrt.memory)
     _closed: bool = False
     failures: int = 0                      # device-side failures raised so far
-    _proxy: object = None                  # mkrt.proxy.world.WorldProxy, once used
 
     # ---- layout ---------------------------------------------------------------
     @property
@@ -127,29 +127,38 @@ class World:
         return self.nodes > 1 and any(self.same_host(rank, r.rank) and r.node != self.ranks[rank].node
                                       for r in self.ranks)
 
+    # ---- services the layers above provide (status blocks, the proxy) --------------
+    def service(self, name: str, key=None):
+        """The world's `name` service for `key`, made on first use by the factory that its
+        module registered (:func:`register_service`): the world imports none of them."""
+        found = self._services.get((name, key))
+        if found is None:
+            if name not in _SERVICE_FACTORIES:
+                raise RuntimeError(f"mkrt.world: no {name!r} service is registered (import "
+                                   f"{_SERVICE_MODULES.get(name, 'its module')} first)")
+            found = self._services[(name, key)] = _SERVICE_FACTORIES[name](self, key)
+            if name == "proxy":
+                import atexit
+                # Proxy threads must stop before CUDA and the interpreter go away.
+                atexit.register(self._close_proxy)
+        return found
+
+    def running_service(self, name: str, key=None):
+        """The service if it has been started, else None (starts nothing)."""
+        return self._services.get((name, key))
+
     def status(self, device: int):
-        """The status block of `device` (see mkrt/status.py)."""
-        from mkrt.status import StatusBlock
-        if device not in self._status:
-            slots = len(self.ranks_on_device(device))
-            self._status[device] = StatusBlock(device, slots, self)
-        return self._status[device]
+        """The status block of `device` that bounded waits report into (mkrt/status.py)."""
+        return self.service("status", device)
 
     def proxy(self):
         """The world's proxy service (queues, proxy threads, region table), started on
         first use; kernels that send between nodes post to it (mkrt/proxy/world.py)."""
-        if self._proxy is None:
-            import atexit
-
-            from mkrt.proxy.world import WorldProxy
-            self._proxy = WorldProxy(self)
-            # Proxy threads must stop before CUDA and the interpreter go away.
-            atexit.register(self._close_proxy)
-        return self._proxy
+        return self.service("proxy")
 
     def _close_proxy(self) -> None:
-        if self._proxy is not None:
-            proxy, self._proxy = self._proxy, None
+        proxy = self._services.pop(("proxy", None), None)
+        if proxy is not None:
             proxy.close()
 
     def check(self, *, synchronize: bool = False) -> None:
@@ -159,16 +168,19 @@ class World:
             import cupy
             for device in sorted({r.device for r in self.local if r.device is not None}):
                 cupy.cuda.Device(device).synchronize()
-        for block in list(self._status.values()):
+        proxy = self.running_service("proxy")
+        for (name, _), block in list(self._services.items()):
+            if name != "status":
+                continue
             try:
                 block.raise_if_failed(blocking=synchronize)
             except Exception:
                 self.failures += 1
-                if self._proxy is not None:
-                    self._proxy.check()     # a proxy failure is the root cause: say so
+                if proxy is not None:
+                    proxy.check()     # a proxy failure is the root cause: say so
                 raise
-        if self._proxy is not None:
-            self._proxy.check()
+        if proxy is not None:
+            proxy.check()
 
     def synchronize(self) -> None:
         """Wait for every local rank's stream, then raise device-side errors, if any."""
@@ -187,9 +199,9 @@ class World:
             self._streams[rank].synchronize()
         self._streams.clear()
         self._close_proxy()
-        for block in self._status.values():
-            block.close()
-        self._status.clear()
+        for service in self._services.values():
+            service.close()
+        self._services.clear()
         self._closed = True
 
     def __enter__(self):
@@ -205,15 +217,19 @@ class World:
         return f"World({kind} {self.layout}, size={self.size}, local ranks={held}, GPUs={devices})"
 
 
+#: name -> factory(world, key) of the services above this layer; registered on import
+_SERVICE_FACTORIES: dict = {}
+_SERVICE_MODULES = {"status": "mkrt.status", "proxy": "mkrt.proxy.world"}
+
+
+def register_service(name: str, factory) -> None:
+    """Let worlds make `name` services with `factory(world, key)` (called by mkrt.status
+    and mkrt.proxy.world when they are imported)."""
+    _SERVICE_FACTORIES[name] = factory
+
+
 #: SMs per GPU that ranks leave free for the proxy's copy kernels when nodes share a host
 CE_COPY_SMS = 4
-
-
-@functools.cache
-def device_sm_count(device: int) -> int:
-    """Multiprocessors of `device` (cached: the property query takes about a millisecond)."""
-    import cupy
-    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
 def parse_layout(text: str) -> tuple[int, int]:

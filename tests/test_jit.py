@@ -12,7 +12,7 @@ from mkrt.errors import CompileError
 from mkrt.jit import compile_cuda, cuda_source, render
 from mkrt.jit.compiler import parse_resources
 from mkrt.kernels.registry import all_specs
-from mkrt.kernels.spec import KernelSpec
+from mkrt.jit.spec import KernelSpec
 
 GOOD = cuda_source("test_good", r"""
 extern "C" __global__ void add_one(float* x, int n) {

@@ -17,6 +17,7 @@ from mkrt.proxy import (OP_BARRIER, OP_FENCE, OP_NOP, OP_PUT, OP_PUT_SIGNAL, OP_
                         REGION_HOST, HostTransport, Proxy, ProxyError, QueueSet,
                         new_region_table, set_region)
 from mkrt.proxy import producer as P
+from mkrt.proxy import layout
 from mkrt.proxy import queue as Q
 
 SPINS = np.int64(2_000_000_000)   # bound of every host-side wait (a few seconds at most)
@@ -55,7 +56,7 @@ def test_layout_is_one_definition():
         words = record.view(np.uint64)
         assert words[word] == np.uint64(1) << np.uint64(shift), name
     with pytest.raises(ImportError, match="padding"):
-        Q._check_packed(np.dtype([("valid", "<u8"), ("opcode", "<u2"), ("bytes", "<u8")], align=True))
+        layout._check_packed(np.dtype([("valid", "<u8"), ("opcode", "<u2"), ("bytes", "<u8")], align=True))
 
 
 def test_queue_kernel_compiles_without_spills_and_asserts_layout():

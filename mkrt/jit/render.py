@@ -72,13 +72,12 @@ def cuda_source(name: str, text: str, *, requires: tuple[str, ...] = (),
 
 
 def get_source(name: str) -> CudaSource:
-    if name not in _SOURCES:
-        # Shared device modules register themselves on import.
-        import mkrt.kernels.device  # noqa: F401
     try:
         return _SOURCES[name]
     except KeyError:
-        raise KeyError(f"mkrt.jit: no CUDA source named {name!r}; known: {sorted(_SOURCES)}") from None
+        # The jit layer knows no kernels: pieces exist once their module is imported.
+        raise KeyError(f"mkrt.jit: no CUDA source named {name!r}; known: {sorted(_SOURCES)} "
+                       "(import the module that declares it, e.g. mkrt.kernels.device)") from None
 
 
 def _ordered(kernel: CudaSource) -> list[CudaSource]:

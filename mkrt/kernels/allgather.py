@@ -31,7 +31,7 @@ import numpy as np
 
 from mkrt.jit import cuda_source
 from mkrt.kernels.op import Op, shared_op
-from mkrt.kernels.spec import KernelSpec
+from mkrt.jit.spec import KernelSpec
 from mkrt.memory import SymmetricBuffer, flags
 from mkrt.status import kernel_id
 

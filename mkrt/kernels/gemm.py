@@ -32,8 +32,8 @@ import numpy as np
 from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register the pieces)
-from mkrt.kernels.spec import KernelSpec
-from mkrt.world import device_sm_count
+from mkrt.jit.spec import KernelSpec
+from mkrt.cuda import device_sm_count
 
 GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;

@@ -37,7 +37,7 @@ from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.op import Op, shared_op
 from mkrt.kernels.schedule import find_stall
-from mkrt.kernels.spec import KernelSpec
+from mkrt.jit.spec import KernelSpec
 from mkrt.memory import SymmetricBuffer
 from mkrt.status import kernel_id
 

@@ -13,6 +13,8 @@ import numpy as np
 from mkrt import envs
 from mkrt.arrays import as_cupy, dtype_name
 from mkrt.errors import MkrtError
+from mkrt.proxy import world as _proxy_service  # noqa: F401  (provides world.proxy())
+from mkrt import status as _status_service  # noqa: F401  (provides world.status())
 from mkrt.world import World, current_world
 
 

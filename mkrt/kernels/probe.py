@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from mkrt.jit import cuda_source
-from mkrt.kernels.spec import KernelSpec
+from mkrt.jit.spec import KernelSpec
 from mkrt.status import kernel_id
 
 PROBE = cuda_source("probe", r"""

@@ -22,7 +22,8 @@ import dataclasses
 import numpy as np
 
 from mkrt.jit import cuda_source
-from mkrt.kernels.spec import KernelSpec
+from mkrt.jit.spec import KernelSpec
+from mkrt.kernels import device as _device  # noqa: F401  (registers the shared CUDA pieces)
 from mkrt.status import kernel_id
 
 KERNELS = cuda_source("proxy_kernels", r"""

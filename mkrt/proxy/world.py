@@ -11,6 +11,7 @@ there); every symmetric buffer of the world is registered as a region
 from __future__ import annotations
 
 from mkrt.proxy import queue as Q
+from mkrt.world import register_service
 
 MAX_REGIONS = 4096
 
@@ -107,3 +108,6 @@ def _check_connections(world, threads_per_gpu: int) -> None:
             "hardware queues per GPU (rank streams, proxy streams, the caller's); with fewer, "
             "a proxy's copy can wait behind a kernel that waits for it. Unset it (mkrt sets "
             "32 when imported before CUDA starts) or raise it")
+
+
+register_service("proxy", lambda world, key: WorldProxy(world))

@@ -40,7 +40,7 @@ timeout, and the abort word is raised, so the launch drains.
 """
 
 from mkrt.jit.render import cuda_source
-from mkrt.proxy import queue as _layout
+from mkrt.proxy import layout as _layout
 
 #: recorded as the flag of a wait that ended because the proxy reported an error
 PROXY_ERROR_FLAG = -2

@@ -266,7 +266,7 @@ class CopyEngineTransport(Transport):
         return copy_function_handle(self.device)
 
     def _copy_ctas(self) -> int:
-        from mkrt.world import device_sm_count
+        from mkrt.cuda import device_sm_count
         return device_sm_count(self.device)
 
     def _new_stream(self) -> int:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from mkrt.jit import cuda_source
-from mkrt.kernels.spec import KernelSpec
+from mkrt.jit.spec import KernelSpec
+from mkrt.kernels import device as _device  # noqa: F401  (registers the shared CUDA pieces)
 
 #: most puts one launch (or one cuMemcpyBatchAsync) carries; 3 x 8 x 128 + 8 bytes of
 #: parameters, under the 4 KiB limit
