@@ -1,122 +1,281 @@
-"""AllGather inside a node: every rank pushes its buffer to every peer, then signals.
+"""AllGather over the world, hierarchical: each block crosses to each other node once.
 
-out[r][s] = x[s] for every pair of ranks r, s of one node (group="node"). One launch per
-rank, ``ctas`` CTAs each:
+``out[r][s] = x[s]`` for every pair of world ranks r, s (``group="world"``, the default):
+every rank gets ``[nodes * G, *x.shape]`` in world-rank order. ``group="node"`` gathers
+inside the caller's node only (``[G, *x.shape]``, slot l holding local rank l's x).
+
+One launch per rank, ``ctas`` CTAs each. Rank (node n, local l), block index b = n*G + l:
 
 1. *arrive*: the launch has started, so everything earlier on this rank's stream (the
-   readers of its previous output) is done. It tells each peer so, and where its output
-   lives (emulated worlds: peers write straight into it; under mpiexec into the rank's
-   symmetric receive buffer, copied out at the end).
-2. *push*: for each peer (itself last), wait for the peer's arrival, copy x into the peer's
-   slot with 16-byte stores; the last CTA done with a peer release-stores ``ready``.
-3. *wait*: wait until every peer's ``ready`` reaches this epoch (then copy out if staged).
+   readers of its previous output, its previous launch) is done. It tells each node peer
+   so, and where its output lives (emulated worlds: peers write straight into it; under
+   mpiexec into the rank's symmetric receive buffer, copied out at the end); it tells the
+   rank with local index l on every other node through the proxy (``node_arrive``).
+2. *send* (several nodes): once every other node's rank l has arrived (its previous
+   launch has received, and so finished reading, what we sent last time), copy x into our
+   own slot of our symmetric receive buffer; the last CTA posts one put+signal of it to
+   rank l of every other node (``landed`` there). Proxy puts need registered memory at
+   both ends, hence the copy.
+3. *push*: x to every rank of the node (itself included) with 16-byte peer stores; the
+   last CTA release-stores ``ready[b]`` at each of them.
+4. *forward* (several nodes): for each other node m, wait until rank (m, l)'s block has
+   landed in our receive buffer, then store it into every node rank's output and
+   release-store ``ready[m*G + l]`` there. So each block crosses to node m once (to rank
+   (m, l)) and is spread inside node m over peer pointers.
+5. *wait* until every ``ready`` reaches this epoch (then copy out if staged).
 
 Flags are epochs (launch count), read and advanced on the device: no host sync between
-calls, no reset, nothing the host must know per call (graph-capturable).
+calls, no reset, nothing the host must know per call (graph-capturable). Every wait is
+bounded (mkrt.CommTimeout names rank, role, tile = block index, flag word).
 
-Flag words per rank (W = ranks in the node):
-  [0, W)     arrive[p]   epoch when p's launch began
-  [W, 2W)    ready[p]    epoch when p's data for this rank is complete
-  [2W, 3W)   target[p]   where p wants this rank's data (p's output; emulated worlds)
-  [3W, 4W)   pushed[p]   CTAs of this rank done pushing to p (all launches, local counter)
-  4W         finished    CTAs of this rank done (all launches, local counter)
-  4W+1       ctas_before CTAs of all previous launches (written by the last CTA)
-  4W+2       launches    epoch of the last completed launch
+Receive buffer (symmetric, registered with the proxy): emulated worlds, several nodes:
+``nodes`` slots, slot m holding the block of rank (m, l); under mpiexec: one slot per
+block (it stages the whole output). Between nodes the proxy moves data (``ce`` copies
+when the nodes share a process or host, as in emulated worlds); inside a node, ranks
+store into each other's memory (plain peer pointers emulated, CUDA IPC under mpiexec).
+
+Flag words per rank (G = ranks per node, N = nodes, R = N*G) are in :class:`FlagLayout`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 from mkrt.jit import cuda_source
-from mkrt.kernels.op import Op, shared_op
 from mkrt.jit.spec import KernelSpec
+from mkrt.kernels.op import Op, shared_op
 from mkrt.memory import SymmetricBuffer, flags
 from mkrt.status import kernel_id
 
+#: most ranks per node (peer targets live in shared memory)
+MAX_NODE_RANKS = 64
+
 ALLGATHER = cuda_source("allgather", r"""
 using namespace mkrt;
+constexpr int MAX_NODE_RANKS = $MAX_NODE_RANKS;
+
+// Where each flag word of a rank lives (mirrors FlagLayout in Python).
+struct Layout {
+    int G, N;
+    __device__ int arrive(int p) const { return p; }                 // node peer p's launch began
+    __device__ int target(int p) const { return G + p; }             // node peer p's output (direct)
+    __device__ int node_arrive(int n) const { return 2 * G + n; }    // rank (n, me) began (proxy)
+    __device__ int landed(int n) const { return 2 * G + N + n; }     // rank (n, me)'s block is here
+    __device__ int ready(int b) const { return 2 * G + 2 * N + b; }  // block b is in our output
+    __device__ int sent() const { return 2 * G + 2 * N + N * G; }    // CTA counters from here on
+    __device__ int pushed() const { return sent() + 1; }
+    __device__ int forwarded(int n) const { return sent() + 2 + n; }
+    __device__ int finished() const { return sent() + 2 + N; }
+    __device__ int ctas_before() const { return finished() + 1; }
+    __device__ int launches() const { return finished() + 2; }
+};
+
+// The CTA waits until flags[word0 + i * step] >= expected for i in [0, count), i != skip;
+// thread i (mod blockDim) polls word i, through the proxy's error word when q is given.
+// A timeout records tile tile0 + i * tile_step. All threads agree on the outcome.
+__device__ bool cta_wait_words(const u64* flags, int word0, int step, int count, int skip,
+                               u64 expected, const Context& ctx, int role, int tile0,
+                               int tile_step, const Queue* q) {
+    bool ok = true;
+    for (int i = threadIdx.x; i < count && ok; i += blockDim.x) {
+        if (i == skip) continue;
+        const int word = word0 + i * step, tile = tile0 + i * tile_step;
+        ok = q != nullptr ? proxy_wait_at_least(flags + word, expected, ctx, *q, role, tile, word)
+                          : wait_at_least(flags + word, expected, ctx, role, tile, word);
+    }
+    return __syncthreads_and(ok);
+}
+
+// Thread `worker` of `workers` copies its share of [src, src + nbytes) to each non-null
+// dst[i], reading src once; destinations in rotated order from `first` so concurrent
+// senders spread over the node's links.
+__device__ void scatter_span(unsigned char* const* dst, int count, int first,
+                             const unsigned char* src, u64 nbytes, u64 worker, u64 workers) {
+    u64 bits = (u64)src | nbytes;
+    for (int i = 0; i < count; ++i) bits |= (u64)dst[i];
+    if ((bits & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        const u64 vectors = nbytes / 16;
+        u64 v = worker;
+        for (; v + 3 * workers < vectors; v += 4 * workers) {
+            const uint4 a = s[v], b = s[v + workers], c = s[v + 2 * workers], e = s[v + 3 * workers];
+            for (int i = 0; i < count; ++i) {
+                uint4* d = (uint4*)dst[(first + i) % count];
+                if (d == nullptr) continue;
+                d[v] = a; d[v + workers] = b; d[v + 2 * workers] = c; d[v + 3 * workers] = e;
+            }
+        }
+        for (; v < vectors; v += workers) {
+            const uint4 a = s[v];
+            for (int i = 0; i < count; ++i) {
+                uint4* d = (uint4*)dst[(first + i) % count];
+                if (d != nullptr) d[v] = a;
+            }
+        }
+    } else {
+        for (u64 k = worker; k < nbytes; k += workers) {
+            const unsigned char a = src[k];
+            for (int i = 0; i < count; ++i) if (dst[i] != nullptr) dst[i][k] = a;
+        }
+    }
+}
+
+// This CTA's stores are done: fence them (system scope: peers and the proxy read them),
+// count the CTA in `counter`; true in thread 0 of the last CTA of this launch.
+__device__ __forceinline__ bool last_cta_done(u64* counter, u64 all_ctas) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x != 0) return false;
+    return fetch_add_acq_rel_gpu(counter, 1) + 1 == all_ctas;
+}
 
 extern "C" __global__ void __launch_bounds__($THREADS)
 allgather(const unsigned char* input, unsigned char* output, u64 nbytes,
-          u64* flags, const u64* peer_flags, const u64* peer_receive,
-          int me, int node_size, int muted_rank,
+          u64* flags, const u64* peer_flags, const u64* peer_receive, unsigned char* receive,
+          const Queue* queue, int me, int node, int G, int N,
+          int receive_region, int flags_region, int muted_rank,
           u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
-    const int W = node_size;
-    u64* arrive = flags;
-    u64* ready = flags + W;
-    u64* target = flags + 2 * W;
-    u64* pushed = flags + 3 * W;
-    u64* finished = flags + 4 * W;
-    u64* ctas_before = flags + 4 * W + 1;
-    u64* launches = flags + 4 * W + 2;
+    const Layout L{G, N};
+    // staged (processes): every block goes into the node ranks' receive buffers (one slot
+    // per block), copied out at the end; direct (one process): into their outputs.
     const bool staged = peer_receive != nullptr;
+    const int mine = node * G + me;                  // this rank's block index
+    const bool muted = rank == muted_rank;
+    const u64 worker = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 workers = (u64)gridDim.x * blockDim.x;
+    __shared__ unsigned char* targets[MAX_NODE_RANKS];
 
     // The previous launch on this stream is complete, so these words are stable.
     __shared__ u64 epoch_shared, base_shared;
     if (threadIdx.x == 0) {
-        epoch_shared = ld_acquire_gpu(launches) + 1;
-        base_shared = ld_acquire_gpu(ctas_before);
+        epoch_shared = ld_acquire_gpu(flags + L.launches()) + 1;
+        base_shared = ld_acquire_gpu(flags + L.ctas_before());
     }
     __syncthreads();
     const u64 epoch = epoch_shared;
     const u64 all_ctas = base_shared + gridDim.x;   // counters reach this when every CTA is done
 
-    // 1. arrive: tell each peer this launch runs and where its data for us goes.
-    if (blockIdx.x == 0 && threadIdx.x < W) {
+    // 1. arrive: node peers (their data for us may come), then rank `me` of other nodes.
+    if (blockIdx.x == 0 && threadIdx.x < G) {
         u64* peer = (u64*)peer_flags[threadIdx.x];
-        st_relaxed_sys(peer + 2 * W + me, (u64)output);
-        st_release_sys(peer + me, epoch);
+        st_relaxed_sys(peer + L.target(me), (u64)output);
+        st_release_sys(peer + L.arrive(me), epoch);
+    }
+    if (N > 1 && blockIdx.x == 0 && threadIdx.x == blockDim.x - 1) {
+        const Queue q = *queue;
+        for (int step = 1; step < N; ++step) {
+            const int other = (node + step) % N;
+            if (post_signal(q, ctx, (unsigned)(other * G + me), (unsigned)flags_region,
+                            (u64)L.node_arrive(node) * 8, epoch, ROLE_INTER, mine) == POST_FAILED) break;
+        }
     }
 
-    // 2. push: peers in rotated order, this rank last, so the node's links share the load.
-    const u64 worker = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 workers = (u64)gridDim.x * blockDim.x;
-    for (int step = 1; step <= W; ++step) {
-        const int peer = (me + step) % W;
-        if (!cta_wait_at_least(arrive + peer, epoch, ctx, ROLE_INTRA, peer, peer)) return;
-        unsigned char* base = staged ? (unsigned char*)peer_receive[peer]
-                                     : (unsigned char*)ld_relaxed_sys(target + peer);
-        copy_span(base + (u64)me * nbytes, input, nbytes, worker, workers);
-        __threadfence_system();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            const u64 done = fetch_add_acq_rel_gpu(pushed + peer, 1) + 1;
-            if (done == all_ctas && me != muted_rank) {
-                st_release_sys((u64*)peer_flags[peer] + W + me, epoch);
+    // 2. send: our block into our receive slot (what the puts read), then the puts.
+    const u64 my_slot = staged ? (u64)mine : (u64)node;
+    if (N > 1) {
+        // Last launch's puts read this slot until every other node has begun this launch.
+        if (!cta_wait_words(flags, L.node_arrive(0), 1, N, node, epoch, ctx, ROLE_INTER, mine, 0, queue))
+            return;
+        copy_span(receive + my_slot * nbytes, input, nbytes, worker, workers);
+        if (last_cta_done(flags + L.sent(), all_ctas) && !muted) {
+            const Queue q = *queue;
+            for (int step = 1; step < N; ++step) {
+                const int other = (node + step) % N;
+                if (post_put_signal(q, ctx, (unsigned)(other * G + me), (unsigned)receive_region,
+                                    my_slot * nbytes, (unsigned)receive_region, my_slot * nbytes,
+                                    nbytes, (unsigned)flags_region, (u64)L.landed(node) * 8, epoch,
+                                    ROLE_INTER, mine) == POST_FAILED) break;
             }
         }
     }
 
-    // 3. wait for every peer's data; staged data is then copied out by all CTAs.
-    for (int source = 0; source < W; ++source) {
-        if (!staged && source % (int)gridDim.x != (int)blockIdx.x) continue;
-        if (!cta_wait_at_least(ready + source, epoch, ctx, ROLE_INTRA, source, W + source)) return;
+    // 3. push: our block to every node rank once it has arrived (itself last).
+    if (!cta_wait_words(flags, L.arrive(0), 1, G, -1, epoch, ctx, ROLE_INTRA, node * G, 1, nullptr))
+        return;
+    if (threadIdx.x < G) {
+        const int p = threadIdx.x;
+        // staged, several nodes: step 2 already put our block in our own slot
+        targets[p] = staged ? (p == me && N > 1 ? nullptr : (unsigned char*)peer_receive[p] + (u64)mine * nbytes)
+                            : (unsigned char*)ld_relaxed_sys(flags + L.target(p)) + (u64)mine * nbytes;
     }
-    if (staged) {
-        copy_span(output, (const unsigned char*)peer_receive[me], (u64)W * nbytes, worker, workers);
+    __syncthreads();
+    scatter_span(targets, G, (me + 1) % G, input, nbytes, worker, workers);
+    if (last_cta_done(flags + L.pushed(), all_ctas) && !muted) {
+        for (int p = 0; p < G; ++p) st_release_sys((u64*)peer_flags[p] + L.ready(mine), epoch);
     }
+
+    // 4. forward: the block of rank `me` of each other node, as it lands, to the node.
+    for (int step = 1; step < N; ++step) {
+        const int other = (node + N - step) % N;     // the node whose send posted first to us
+        const int block = other * G + me;
+        if (!cta_wait_words(flags, L.landed(other), 0, 1, -1, epoch, ctx, ROLE_INTER, block, 0, queue))
+            return;
+        if (threadIdx.x < G) {
+            const int p = threadIdx.x;
+            targets[p] = staged ? (p == me ? nullptr : (unsigned char*)peer_receive[p] + (u64)block * nbytes)
+                                : (unsigned char*)ld_relaxed_sys(flags + L.target(p)) + (u64)block * nbytes;
+        }
+        __syncthreads();
+        const unsigned char* landed = receive + (staged ? (u64)block : (u64)other) * nbytes;
+        scatter_span(targets, G, (me + 1) % G, landed, nbytes, worker, workers);
+        if (last_cta_done(flags + L.forwarded(other), all_ctas)) {
+            for (int p = 0; p < G; ++p) st_release_sys((u64*)peer_flags[p] + L.ready(block), epoch);
+        }
+        __syncthreads();      // targets is rewritten next step
+    }
+
+    // 5. wait: direct, each CTA waits for its share of the blocks (the launch ends when
+    // all are in); staged, every CTA waits for all of them, then copies out its share.
+    const int R = N * G;
+    const int first = staged ? 0 : (int)blockIdx.x, stride = staged ? 1 : (int)gridDim.x;
+    const int count = first < R ? (R - first + stride - 1) / stride : 0;
+    if (!cta_wait_words(flags, L.ready(first), stride, count, -1, epoch, ctx, ROLE_INTRA, first,
+                        stride, nullptr))
+        return;
+    if (staged) copy_span(output, receive, (u64)R * nbytes, worker, workers);
 
     // The last CTA out publishes the epoch for the next launch.
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        const u64 done = fetch_add_acq_rel_gpu(finished, 1) + 1;
+        const u64 done = fetch_add_acq_rel_gpu(flags + L.finished(), 1) + 1;
         if (done == all_ctas) {
-            st_release_gpu(ctas_before, all_ctas);
-            st_release_gpu(launches, epoch);
+            st_release_gpu(flags + L.ctas_before(), all_ctas);
+            st_release_gpu(flags + L.launches(), epoch);
         }
     }
 }
-""", requires=("sync", "copy"), register=False)
+""", requires=("sync", "copy", "queue"), register=False)
 
 KERNEL_ID = kernel_id("allgather")
+GROUPS = ("world", "node")
 
 
-def flag_words(node_size: int) -> int:
-    return 4 * node_size + 3
+@dataclasses.dataclass(frozen=True)
+class FlagLayout:
+    """Index of every flag word of a rank (mirrors the template's struct Layout).
+
+    ``G`` ranks per node, ``N`` nodes of the group (1 for ``group="node"``)."""
+
+    G: int
+    N: int
+
+    def arrive(self, p): return p
+    def target(self, p): return self.G + p
+    def node_arrive(self, n): return 2 * self.G + n
+    def landed(self, n): return 2 * self.G + self.N + n
+    def ready(self, b): return 2 * self.G + 2 * self.N + b
+    def sent(self): return 2 * self.G + 2 * self.N + self.N * self.G
+    def pushed(self): return self.sent() + 1
+    def forwarded(self, n): return self.sent() + 2 + n
+    def finished(self): return self.sent() + 2 + self.N
+
+    @property
+    def words(self) -> int:
+        return self.finished() + 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,84 +284,231 @@ class AllGatherSpec(KernelSpec):
     entry_points = ("allgather",)
     threads: int = dataclasses.field(default=512, metadata={"short": "t"})
 
+    def __post_init__(self):
+        if self.threads % 32 or not 64 <= self.threads <= 1024:
+            raise ValueError(f"mkrt.allgather: threads must be a multiple of 32 in [64, 1024], "
+                             f"got {self.threads}")
+
     def template(self):
         return ALLGATHER
 
     def params(self):
-        return {"THREADS": self.threads, "KERNEL_ID": f"{KERNEL_ID}ull"}
+        return {"THREADS": self.threads, "KERNEL_ID": f"{KERNEL_ID}ull",
+                "MAX_NODE_RANKS": MAX_NODE_RANKS}
 
 
 def default_specs() -> list[AllGatherSpec]:
     return [AllGatherSpec(threads=512)]
 
 
-def reference(inputs: list) -> list:
-    """What every rank of a node holds afterwards: the stack of the node's inputs."""
+# ---- the plan (pure Python, runs without a GPU; the kernel above does exactly this) ------
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One movement of block ``block`` from rank ``src`` to rank ``dst``: ``put`` (through
+    the proxy, into dst's receive buffer), ``push`` (src's own block into dst's output, peer
+    stores) or ``forward`` (a block that landed at src, into dst's output)."""
+
+    kind: str
+    block: int
+    src: int
+    dst: int
+
+
+def plan(nodes: int, per_node: int) -> list[Transfer]:
+    """Every movement of data one world-wide gather makes, on ``nodes`` x ``per_node``
+    ranks (rank = node * per_node + local index)."""
+    if nodes < 1 or per_node < 1:
+        raise ValueError(f"mkrt.allgather: need nodes >= 1 and per_node >= 1, got {nodes}x{per_node}")
+    G, N = per_node, nodes
+    out = []
+    for rank in range(N * G):
+        n, l = divmod(rank, G)
+        out += [Transfer("put", rank, rank, ((n + step) % N) * G + l) for step in range(1, N)]
+        out += [Transfer("push", rank, rank, n * G + p) for p in range(G)]
+        for step in range(1, N):
+            block = ((n + N - step) % N) * G + l
+            out += [Transfer("forward", block, rank, n * G + p) for p in range(G)]
+    return out
+
+
+@dataclasses.dataclass
+class Schedule:
+    """Tasks of every worker in order, what each waits for, and the buffer locations each
+    reads and writes: the input of :func:`mkrt.kernels.schedule.find_stall` and of hazard
+    checks. Workers: ``("rank", r)`` (all CTAs of r's launch run the same steps, so one
+    worker stands for them) and ``("queue", r)`` (the proxy serves r's queue in order)."""
+
+    workers: dict
+    depends_on: dict
+    reads: dict
+    writes: dict
+
+
+def schedule(nodes: int, per_node: int, *, epochs: int = 2, staged: bool = False) -> Schedule:
+    """The kernel's steps over ``epochs`` back-to-back calls as tasks and waits.
+
+    Locations: ``("out", r, b)`` (rank r's output slot b) and ``("recv", r, slot)`` (r's
+    receive buffer; staged, slot b stands for output slot b: the copy-out reads it)."""
+    G, N = per_node, nodes
+    R = N * G
+    workers: dict = {}
+    depends: dict = {}
+    reads: dict = {}
+    writes: dict = {}
+
+    def recv_slot(block):
+        return block if staged else block // G
+
+    def out(r, b):
+        return ("recv", r, b) if staged else ("out", r, b)
+
+    def task(worker, name, deps=(), read=(), write=()):
+        workers.setdefault(worker, []).append(name)
+        depends[name] = list(deps)
+        reads[name], writes[name] = list(read), list(write)
+        return name
+
+    for e in range(1, epochs + 1):
+        for r in range(R):
+            n, l = divmod(r, G)
+            node_ranks = [n * G + p for p in range(G)]
+            rank = ("rank", r)
+            task(rank, ("arrive", r, e))
+            for step in range(1, N):
+                other = ((n + step) % N) * G + l
+                task(("queue", r), ("node_arrive", r, other, e), [("arrive", r, e)])
+            if N > 1:
+                peers = [((n + step) % N) * G + l for step in range(1, N)]
+                task(rank, ("send", r, e), [("node_arrive", o, r, e) for o in peers],
+                     write=[("recv", r, recv_slot(r))])
+                for other in peers:
+                    task(("queue", r), ("put", r, other, e), [("send", r, e)],
+                         read=[("recv", r, recv_slot(r))], write=[("recv", other, recv_slot(r))])
+            own = [] if (staged and N > 1) else [out(r, r)]
+            task(rank, ("push", r, e), [("arrive", p, e) for p in node_ranks],
+                 write=[out(p, r) for p in node_ranks if p != r] + own)
+            for step in range(1, N):
+                block = ((n + N - step) % N) * G + l
+                task(rank, ("forward", r, block, e), [("put", block, r, e)],
+                     read=[("recv", r, recv_slot(block))],
+                     write=[out(p, block) for p in node_ranks if not (staged and p == r)])
+            producers = []
+            for b in range(R):
+                bn, bl = divmod(b, G)
+                producer = n * G + bl
+                producers.append(("push", b, e) if bn == n else ("forward", producer, b, e))
+            task(rank, ("wait", r, e), producers, read=[out(r, b) for b in range(R)])
+            task(rank, ("finish", r, e))
+    return Schedule(workers, depends, reads, writes)
+
+
+def reference(inputs: list, world=None, group: str = "world") -> list:
+    """What each local rank holds afterwards: the stack of every rank's input (of its node
+    with ``group="node"``). ``inputs``: one array per rank of the world, in rank order."""
     import cupy
-    stacked = cupy.stack([cupy.asarray(x) for x in inputs])
-    return [stacked.copy() for _ in inputs]
+    if group not in GROUPS:
+        raise ValueError(f"mkrt.allgather: group={group!r}; expected one of {GROUPS}")
+    if world is None or group == "world":
+        stacked = cupy.stack([cupy.asarray(x) for x in inputs])
+        ranks = range(len(inputs)) if world is None else [info.rank for info in world.local]
+        return [stacked.copy() for _ in ranks]
+    return [cupy.stack([cupy.asarray(inputs[r]) for r in world.node_ranks(info.node)])
+            for info in world.local]
 
 
 class AllGather(Op):
-    """``out = op(x)``: each rank gets ``[node_size, *x.shape]``, slot s holding rank s's x.
+    """``out = op(x)``: each rank gets ``[ranks, *x.shape]``, slot s holding rank s's x.
 
+    ``group``: ``"world"`` (default) gathers every rank of the world, hierarchically (each
+    block crosses to each other node once, through the world's proxy, and is spread inside
+    that node over peer pointers); ``"node"`` gathers the caller's node only
+    (``[G, *x.shape]``, slot l holding the node's local rank l; no proxy).
     ``ctas``: CTAs per rank (default: as many as the rank's SM share, fewer for small
-    inputs). ``muted_rank``: a node-local rank that never signals (tests of the bounded
-    waits); leave it None.
+    inputs). ``muted_rank``: a world rank whose block is never delivered (tests of the
+    bounded waits); leave it None.
     """
 
     name = "allgather"
 
-    def __init__(self, world=None, *, ctas: int | None = None, threads: int = 512,
-                 timeout_ms: float | None = None, muted_rank: int | None = None):
+    def __init__(self, world=None, *, group: str = "world", ctas: int | None = None,
+                 threads: int = 512, timeout_ms: float | None = None,
+                 muted_rank: int | None = None):
         super().__init__(world, timeout_ms=timeout_ms)
+        if group not in GROUPS:
+            raise ValueError(f"mkrt.allgather: group={group!r}; expected one of {GROUPS}")
         if ctas is not None and ctas < 1:
             raise ValueError(f"mkrt.allgather: ctas must be >= 1, got {ctas}")
+        sizes = sorted({len(self.world.node_ranks(n)) for n in range(self.world.nodes)})
+        if len(sizes) != 1:
+            raise ValueError(f"mkrt.allgather: nodes of different sizes {sizes} are not supported "
+                             f"(layout {self.world.layout})")
+        self.G = sizes[0]
+        self.N = self.world.nodes if group == "world" else 1
+        if self.G > MAX_NODE_RANKS:
+            raise ValueError(f"mkrt.allgather: {self.G} ranks per node; at most {MAX_NODE_RANKS}")
+        if self.N > 1:
+            disordered = [r.rank for r in self.world.ranks if r.rank != r.node * self.G + r.local_rank]
+            if disordered:
+                raise ValueError(f"mkrt.allgather: group='world' needs ranks numbered node by "
+                                 f"node (rank = node * {self.G} + local rank); ranks {disordered[:8]} "
+                                 "are not; use group='node'")
+        if muted_rank is not None and not 0 <= muted_rank < self.world.size:
+            raise ValueError(f"mkrt.allgather: muted_rank={muted_rank} is not a rank of this "
+                             f"world (size {self.world.size})")
+        self.group = group
         self.spec = AllGatherSpec(threads=threads)
         self.ctas = ctas
         self.muted_rank = -1 if muted_rank is None else int(muted_rank)
-        self.node_size = max(len(self.world.node_ranks(n)) for n in range(self.world.nodes))
-        self._flags = flags(self.world, flag_words(self.node_size), name="allgather.flags")
+        self.layout = FlagLayout(self.G, self.N)
+        self._flags = flags(self.world, self.layout.words, name="allgather.flags")
         self._receive: SymmetricBuffer | None = None
         self._receive_tables: dict[int, object] = {}
+        if self.N > 1:
+            self.world.proxy()       # starts the proxy; it registers every symmetric buffer
+
+    @property
+    def ranks(self) -> int:
+        """Blocks each rank receives (world size, or its node's size with group='node')."""
+        return self.N * self.G
 
     def _grid(self, rank: int, nbytes: int) -> int:
         if self.ctas is not None:
             return self.ctas
-        # About 256 KiB per CTA: small gathers need few CTAs, large ones the rank's share.
-        wanted = -(-nbytes * self.node_size // (256 * 1024))
+        # About 256 KiB stored per CTA: small gathers need few CTAs, large ones the rank's share.
+        wanted = -(-nbytes * self.ranks // (256 * 1024))
         return int(max(1, min(self.world.sm_count(rank), wanted)))
 
-    def _staged_receive(self, rank: int, nbytes: int):
-        """Under mpiexec: symmetric receive buffers big enough for the node's data."""
-        needed = nbytes * self.node_size
+    def _receive_buffer(self, nbytes: int) -> SymmetricBuffer | None:
+        """The symmetric receive buffer: a slot per block under mpiexec (it stages the
+        output), a slot per node in emulated worlds with several nodes, else none."""
+        slots = self.ranks if not self.world.emulated else (self.N if self.N > 1 else 0)
+        needed = slots * nbytes
+        if needed == 0:
+            return None
         if self._receive is None or self._receive.nbytes < needed:
             if self._receive is not None:
-                self._receive.close()
-            self._receive = SymmetricBuffer(self.world, max(needed, 1), name="allgather.receive",
-                                            zero=False)
+                self._receive.close()       # synchronizes first: no launch still uses it
+            self._receive = SymmetricBuffer(self.world, needed, name="allgather.receive", zero=False)
             self._receive_tables.clear()
-        if rank not in self._receive_tables:
-            self._receive_tables[rank] = self._receive.peer_table(rank)
-        return self._receive_tables[rank]
+        return self._receive
 
     def __call__(self, x, out=None):
         import cupy
         inputs, as_list = self.per_rank(x, "x")
         self.same_everywhere(inputs, "x")
         shape, dtype = inputs[0].shape, inputs[0].dtype
-        out_shape = (self.node_size, *shape)
+        out_shape = (self.ranks, *shape)
         outputs = []
         if out is not None:
             outputs, _ = self.per_rank(out, "out")
             for i, o in enumerate(outputs):
                 if o.shape != out_shape or o.dtype != dtype:
                     raise ValueError(f"mkrt.allgather: out[{i}] is {o.shape} {o.dtype}; "
-                                     f"expected {out_shape} {dtype}")
-        for info in self.world.local:
-            if len(self.world.node_ranks(info.node)) != self.node_size:
-                raise ValueError("mkrt.allgather: nodes of different sizes are not supported "
-                                 f"(layout {self.world.layout})")
+                                     f"expected {out_shape} {dtype} (group={self.group!r})")
+            for i, (o, source) in enumerate(zip(outputs, inputs)):
+                if o.data.ptr < source.data.ptr + source.nbytes and source.data.ptr < o.data.ptr + o.nbytes:
+                    raise ValueError(f"mkrt.allgather: out[{i}] overlaps x[{i}]")
         self.before_launch()
         nbytes = inputs[0].nbytes
         if not outputs:
@@ -211,19 +517,33 @@ class AllGather(Op):
                     outputs.append(cupy.empty(out_shape, dtype))
         if nbytes == 0:
             return outputs if as_list else outputs[0]
+        receive = self._receive_buffer(nbytes)
+        proxy = self.world.proxy() if self.N > 1 else None
         # Load on every device before any launch: loading may wait for running kernels.
         functions = [self.spec.function("allgather", info.device) for info in self.world.local]
-        self.join_caller_stream()
+        launches = []
         for info, source, target, function in zip(self.world.local, inputs, outputs, functions):
-            receive = 0 if self.world.emulated else self._staged_receive(info.rank, nbytes).data.ptr
-            stream = self.world.stream(info.rank)
+            staged_table = 0
+            if receive is not None and not self.world.emulated:
+                if info.rank not in self._receive_tables:
+                    self._receive_tables[info.rank] = receive.peer_table(info.rank)
+                staged_table = self._receive_tables[info.rank].data.ptr
+            node = info.node if self.N > 1 else 0
             args = (source, target, np.uint64(nbytes),
-                    np.uint64(self._flags.local_ptr(info.rank)),
-                    self._flags.peer_table(info.rank), np.uint64(receive),
-                    np.int32(info.local_rank), np.int32(self.node_size), np.int32(self.muted_rank),
+                    np.uint64(self._flags.local_ptr(info.rank)), self._flags.peer_table(info.rank),
+                    np.uint64(staged_table),
+                    np.uint64(receive.local_ptr(info.rank) if receive is not None else 0),
+                    np.uint64(proxy.queue_pointer(info.rank) if proxy is not None else 0),
+                    np.int32(info.local_rank), np.int32(node), np.int32(self.G), np.int32(self.N),
+                    np.int32(receive.region if receive is not None else -1),
+                    np.int32(self._flags.region), np.int32(self.muted_rank),
                     *self.context_args(info.rank))
+            launches.append((info, function, args))
+        self.join_caller_stream()
+        for info, function, args in launches:
             with cupy.cuda.Device(info.device):
-                function((self._grid(info.rank, nbytes),), (self.spec.threads,), args, stream=stream)
+                function((self._grid(info.rank, nbytes),), (self.spec.threads,), args,
+                         stream=self.world.stream(info.rank))
         self.release_to_caller_stream()
         self.after_launch()
         if out is not None:
@@ -234,9 +554,12 @@ class AllGather(Op):
         self._flags.close()
         if self._receive is not None:
             self._receive.close()
+            self._receive = None
 
 
-def allgather(x, *, world=None, out=None, ctas: int | None = None, timeout_ms: float | None = None):
-    """Gather x from every rank of the node; see :class:`AllGather`. Keeps one op per
-    (world, ctas, timeout); an op that failed is replaced on the next call."""
-    return shared_op(AllGather, world, ctas=ctas, timeout_ms=timeout_ms)(x, out=out)
+def allgather(x, *, world=None, out=None, group: str = "world", ctas: int | None = None,
+              timeout_ms: float | None = None):
+    """Gather x from every rank of the world (``group="node"``: of the caller's node); see
+    :class:`AllGather`. Keeps one op per (world, group, ctas, timeout); an op that failed
+    is replaced on the next call."""
+    return shared_op(AllGather, world, group=group, ctas=ctas, timeout_ms=timeout_ms)(x, out=out)
