@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from mkrt.controller.cost import default_reduce_ctas
 from mkrt.kernels import gemm_allreduce as gar
 from mkrt.kernels.schedule import find_stall
 
@@ -49,7 +50,7 @@ def test_a_plan_whose_owner_never_reduces_is_reported(monkeypatch):
 
 @pytest.mark.parametrize("k,expected_share", [(256, (0.5, 0.75)), (1024, (0.2, 0.4)), (8192, (0.0, 0.08))])
 def test_default_role_split_follows_k(k, expected_share):
-    reduce = gar.default_reduce_ctas(k, 132)
+    reduce = default_reduce_ctas(k, 132)
     assert 1 <= reduce < 132
     low, high = expected_share
     assert low <= reduce / 132 <= high, (k, reduce)

@@ -302,11 +302,87 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
     depth (default: as many as fit).
     Returns out in the type of ``a`` (torch in, torch out).
+
+    The first call of a signature (shapes, dtypes, options, GPU) checks everything and
+    prepares the launch; later calls check each array's GPU, layout and alignment, patch
+    the pointers that changed and launch.
     """
     import cupy
 
-    a_view, b_view = as_cupy(a, "a"), as_cupy(b, "b")
-    out_view = as_cupy(out, "out") if out is not None else None
+    a_view = a if type(a) is cupy.ndarray else as_cupy(a, "a")
+    b_view = b if type(b) is cupy.ndarray else as_cupy(b, "b")
+    out_view = out if out is None or type(out) is cupy.ndarray else as_cupy(out, "out")
+    device = a_view.data.device_id
+    key = (a_view.shape, a_view.dtype, b_view.shape, b_view.dtype,
+           None if out_view is None else (out_view.shape, out_view.dtype),
+           b_layout, sms, group_m, block_n, stages, epilogue, device)
+    call = _PREPARED.get(key)
+    if call is None or not _quick_checks(device, a_view, b_view, out_view):
+        call = _prepare_gemm(key, a_view, b_view, out_view, b_layout=b_layout, sms=sms,
+                             group_m=group_m, block_n=block_n, stages=stages, epilogue=epilogue)
+        if call is None:        # a padded copy of B: the slow path did the work
+            return _gemm_padded(a, a_view, b_view, out_view, b_layout=b_layout, sms=sms,
+                                group_m=group_m, block_n=block_n, stages=stages,
+                                epilogue=epilogue, stream=stream)
+    switch = cupy.cuda.runtime.getDevice() != device
+    if switch:
+        previous = cupy.cuda.runtime.getDevice()
+        cupy.cuda.runtime.setDevice(device)
+    try:
+        if out_view is None:
+            out_view = cupy.empty(call.out_shape, dtype=a_view.dtype)
+        call.patch(a_view.data.ptr, b_view.data.ptr, out_view.data.ptr)
+        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+    finally:
+        if switch:
+            cupy.cuda.runtime.setDevice(previous)
+    return like_input(out_view, a)
+
+
+def _quick_checks(device, *arrays) -> bool:
+    """What a prepared signature still checks per call: same GPU, row-major, 16-byte base."""
+    for x in arrays:
+        if x is not None and (x.data.device_id != device or not x._c_contiguous
+                              or x.data.ptr & 15):
+            return False
+    return True
+
+
+class _PreparedGemm:
+    """One signature of :func:`gemm`: its plan, kernel and packed parameters."""
+
+    def __init__(self, p: GemmPlan, function):
+        from mkrt.kernels.launcher import KernelLaunch, Parameters
+        self.plan = p
+        self.out_shape = (p.m, p.n)
+        params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_out", 128, 64),
+                             ("out", np.uint64, 8), ("m", np.int32, 4), ("n", np.int32, 4),
+                             ("k", np.int32, 4), ("ld_out", np.int32, 4),
+                             ("group_m", np.int32, 4), ("pairs_aligned", np.int32, 4)])
+        params.set(m=p.m, n=p.n, k=p.k, ld_out=p.n, group_m=p.group_m,
+                   pairs_aligned=int(p.n % 2 == 0))
+        self.launch = KernelLaunch(function, p.grid, p.spec.threads, p.spec.smem_bytes, params)
+        self._out = params.view("out")
+        self._pointers = None
+
+    def patch(self, a_ptr: int, b_ptr: int, out_ptr: int) -> None:
+        if self._pointers == (a_ptr, b_ptr, out_ptr):
+            return
+        p, params = self.plan, self.launch.params
+        tma_a, tma_b = operand_descriptors(p.spec, a_ptr, b_ptr, p.m, p.n, p.k, b_columns=p.pad_n)
+        ctypes.memmove(params.address("tma_a"), tma_a.address, 128)
+        ctypes.memmove(params.address("tma_b"), tma_b.address, 128)
+        if p.spec.epilogue == "tma":
+            tma_out = tma_descriptor_2d(out_ptr, p.spec.dtype, p.n, p.m, p.n * 2, 64, 64)
+            ctypes.memmove(params.address("tma_out"), tma_out.address, 128)
+        self._out[()] = out_ptr
+        self._pointers = (a_ptr, b_ptr, out_ptr)
+
+
+_PREPARED: "collections.OrderedDict[tuple, _PreparedGemm]" = collections.OrderedDict()
+
+
+def _full_checks(a_view, b_view, out_view, b_layout):
     m, n, k, dtype = check_operands(a_view.shape, b_view.shape, a_view.dtype, b_view.dtype,
                                     b_layout, None if out_view is None else out_view.shape,
                                     None if out_view is None else out_view.dtype)
@@ -321,34 +397,47 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
                              "not C-contiguous (row-major); pass a contiguous array")
         if x.data.ptr % 16:
             raise ValueError(f"mkrt.gemm: {name} starts at {x.data.ptr:#x}, not 16-byte aligned")
+    return m, n, k, dtype, device
+
+
+def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_n, stages, epilogue):
+    m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_n=block_n, stages=stages, group_m=group_m, epilogue=epilogue)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
-    spec = p.spec
+    return p, device
+
+
+def _prepare_gemm(key, a_view, b_view, out_view, **options) -> _PreparedGemm | None:
+    """Check everything and prepare the signature; None when B needs a padded copy."""
+    p, device = _gemm_plan(a_view, b_view, out_view, **options)
+    if p.spec.b_layout == "kn" and p.pad_n != p.n:
+        return None
+    call = _PREPARED.get(key)
+    if call is None:
+        call = _PREPARED[key] = _PreparedGemm(p, p.spec.function("gemm", device, p.spec.smem_bytes))
+        if len(_PREPARED) > 256:
+            _PREPARED.popitem(last=False)
+    return call
+
+
+def _gemm_padded(a, a_view, b_view, out_view, *, stream, **options):
+    """b_layout="kn" with N % 8 != 0: TMA needs 16-byte rows, so B is copied padded."""
+    import cupy
+    p, device = _gemm_plan(a_view, b_view, out_view, **options)
+    spec, m, n, k = p.spec, p.m, p.n, p.k
     with cupy.cuda.Device(device):
         if out_view is None:
             out_view = cupy.empty((m, n), dtype=a_view.dtype)
-        b_rows = b_view
-        if b_layout == "kn" and p.pad_n != n:   # TMA needs 16-byte rows: pad N to a multiple of 8
-            b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
-            b_rows[:, :n] = b_view
-        tma_a, tma_b = operand_descriptors(spec, a_view.data.ptr, b_rows.data.ptr, m, n, k,
-                                           b_columns=p.pad_n)
-        if spec.epilogue == "tma":
-            tma_out = tma_descriptor_2d(out_view.data.ptr, dtype, n, m, n * 2, 64, 64)
-        else:
-            tma_out = tma_a   # unused by the direct epilogue
-        pairs_aligned = np.int32(n % 2 == 0)
-        function = spec.function("gemm", device, spec.smem_bytes)   # built, loaded once
-        function((p.grid,), (spec.threads,),
-                 (tma_a.argument, tma_b.argument, tma_out.argument, out_view, np.int32(m), np.int32(n),
-                  np.int32(k), np.int32(n), np.int32(p.group_m), pairs_aligned),
-                 shared_mem=spec.smem_bytes, stream=stream)
-        if b_layout == "kn" and p.pad_n != n:
-            # keep the padded copy alive until the kernel has read it
-            (stream or cupy.cuda.get_current_stream()).synchronize()
+        b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
+        b_rows[:, :n] = b_view
+        call = _PreparedGemm(p, spec.function("gemm", device, spec.smem_bytes))
+        call.patch(a_view.data.ptr, b_rows.data.ptr, out_view.data.ptr)
+        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+        # keep the padded copy alive until the kernel has read it
+        (stream or cupy.cuda.get_current_stream()).synchronize()
     return like_input(out_view, a)
 
 

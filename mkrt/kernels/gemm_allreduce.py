@@ -20,14 +20,16 @@ Flags are epochs read and advanced on the device, so calls need no host sync and
 can be captured in a CUDA graph. Every wait is bounded (mkrt.CommTimeout on timeout).
 
 The split of CTAs between roles is a runtime argument (``reduce_ctas``); the default rule
-(:func:`default_reduce_ctas`) balances the reduce role's bytes against the compute role's
+(:func:`mkrt.controller.cost.default_reduce_ctas`) balances the reduce role's bytes against the compute role's
 FLOPs per SM. The unfused baseline (cuBLAS, then the library's all-reduce, which is this
 same kernel with the compute role copying an existing C_r) lives here too, and the op
-falls back to it when the planner predicts fusion loses.
+falls back to it when the planner predicts fusion loses. Planning (tiles, owners, split,
+fused or not, the schedule checker) is in :mod:`mkrt.kernels.gemm_allreduce_plan`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import numpy as np
@@ -35,9 +37,10 @@ import numpy as np
 from mkrt.arrays import like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
-from mkrt.kernels.op import Op, shared_op
-from mkrt.kernels.schedule import find_stall
 from mkrt.jit.spec import KernelSpec
+from mkrt.kernels.gemm_allreduce_plan import Ceilings, FlagLayout, Plan, plan  # noqa: F401
+from mkrt.kernels.launcher import KernelLaunch, Parameters
+from mkrt.kernels.op import Op, shared_op
 from mkrt.memory import SymmetricBuffer
 from mkrt.status import kernel_id
 
@@ -461,26 +464,6 @@ def args_layout_checks() -> str:
     return f"static_assert(sizeof(Args) == {ARGS_DTYPE.itemsize}, \"Args: see ARGS_DTYPE\");"
 
 
-@dataclasses.dataclass(frozen=True)
-class FlagLayout:
-    """Index of every flag word of a rank (mirrors the template's struct Layout)."""
-
-    G: int
-    nodes: int
-    slots: int
-    tiles: int
-
-    def arrive(self, p): return p
-    def target(self, p): return self.G + p
-    def node_arrive(self, n): return 2 * self.G + n
-    def partial(self, src, slot): return 2 * self.G + self.nodes + src * self.slots + slot
-    def inter(self, node, slot): return 2 * self.G + self.nodes + (self.G + node) * self.slots + slot
-    def final_tile(self, t): return 2 * self.G + self.nodes + (self.G + self.nodes) * self.slots + t
-
-    @property
-    def words(self) -> int:
-        return self.final_tile(self.tiles) + 3
-
 
 @dataclasses.dataclass(frozen=True)
 class GemmAllReduceSpec(KernelSpec):
@@ -524,263 +507,16 @@ class GemmAllReduceSpec(KernelSpec):
                 "ARGS_CHECKS": args_layout_checks()}
 
 
+def spec_for(p: Plan, mode: str = "gemm") -> GemmAllReduceSpec:
+    """The kernel that runs plan `p` (``mode="copy"``: the all-reduce alone)."""
+    return GemmAllReduceSpec(p.dtype, p.b_layout, p.block_m, p.block_n, p.stages, mode)
+
+
 def default_specs() -> list[GemmAllReduceSpec]:
     stages = gemm_module.max_stages(128, 256, "direct")
     return [GemmAllReduceSpec(dtype, layout, 128, 256, stages, mode)
             for dtype in ("bf16", "f16") for layout in ("kn", "nk") for mode in ("gemm", "copy")]
 
-
-# ---- planning (pure Python, runs without a GPU) -----------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Ceilings:
-    """Rates the planner models with (H200, FACTS.md and measurements; leads, not truths)."""
-
-    gemm_tflops: float = 700.0          # bf16 GEMM, whole chip
-    sms: int = 132
-    sm_stream_gbps: float = 30.0        # what one reduce CTA moves (read + write): the v4
-                                        # split; 22 (fitted to v4) gave slower fused runs
-    nvlink_gbps: float = 360.0          # per direction, per GPU
-    network_gbps: float = 45.0          # per GPU (one 400 Gb/s NIC)
-    launch_us: float = 6.0
-
-
-def default_reduce_ctas(k: int, ctas: int, *, itemsize: int = 2, nodes: int = 1,
-                        ceilings: Ceilings = Ceilings()) -> int:
-    """The default role split: reduce CTAs so that reducing keeps pace with computing.
-
-    Per output tile a rank computes 2*BM*BN*K FLOPs; per tile of C it reduces about
-    2*BM*BN*itemsize bytes (read its share of partials, write the final tile to the node),
-    half again with several nodes. Per SM the ratio of the two times is
-    r = itemsize * flops_per_sm / (K * bytes_per_sm); a fraction r / (1 + r) of the CTAs
-    reduces. Small K (K = M/16 in the reference's sweep) needs a real share of the SMs.
-    """
-    if ctas < 2:
-        raise ValueError(f"mkrt.gemm_allreduce: need at least 2 CTAs per rank (compute and "
-                         f"reduce); got {ctas}")
-    flops_per_sm = ceilings.gemm_tflops * 1e12 / ceilings.sms
-    bytes_per_sm = ceilings.sm_stream_gbps * 1e9
-    ratio = itemsize * flops_per_sm / (k * bytes_per_sm) * (1.5 if nodes > 1 else 1.0)
-    return int(min(ctas - 1, max(1, round(ctas * ratio / (1 + ratio)))))
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Everything one call does: tiles, owners, role split, traffic, fused or not."""
-
-    spec: GemmAllReduceSpec
-    m: int
-    n: int
-    k: int
-    nodes: int
-    ranks_per_node: int
-    ctas: int               # per rank
-    reduce_ctas: int
-    fused: bool
-    reason: str
-    predicted_fused_us: float
-    predicted_unfused_us: float
-    send_batch: int = 1     # owned slots per group: one put between nodes per group
-
-    @property
-    def G(self) -> int:
-        return self.ranks_per_node
-
-    @property
-    def tiles_m(self) -> int:
-        return -(-self.m // self.spec.block_m)
-
-    @property
-    def tiles_n(self) -> int:
-        return -(-self.n // self.spec.block_n)
-
-    @property
-    def tiles(self) -> int:
-        return self.tiles_m * self.tiles_n
-
-    @property
-    def slots(self) -> int:
-        return -(-self.tiles // self.G)
-
-    @property
-    def compute_ctas(self) -> int:
-        return self.ctas - self.reduce_ctas
-
-    @property
-    def flags(self) -> FlagLayout:
-        return FlagLayout(self.G, self.nodes, self.slots, self.tiles)
-
-    @property
-    def tile_bytes(self) -> int:
-        return self.spec.block_m * self.spec.block_n * np.dtype(np.float16).itemsize
-
-    def owner(self, tile: int) -> int:
-        """Local index (in every node) of the rank that reduces `tile`."""
-        return tile % self.G
-
-    def owned(self, local: int) -> list[int]:
-        return list(range(local, self.tiles, self.G))
-
-    def groups(self, local: int, cta: int) -> list[list[int]]:
-        """Tiles reduce CTA `cta` of local rank `local` handles, group by group (one put each)."""
-        owned = self.owned(local)
-        starts = range(cta * self.send_batch, len(owned), self.reduce_ctas * self.send_batch)
-        return [owned[first:first + self.send_batch] for first in starts]
-
-    def traffic(self) -> dict[str, int]:
-        """Bytes one call moves per rank (partials and final tiles) and per node (network)."""
-        partials = self.tiles * self.tile_bytes * (self.G - 1) // self.G
-        gather = len(self.owned(0)) * self.tile_bytes * (self.G - 1)
-        network = self.tiles * self.tile_bytes * (self.nodes - 1)
-        return {"intra_partials_per_rank": partials, "intra_gather_per_rank": gather,
-                "network_per_node": network, "network_minimum_per_node": network}
-
-    def schedule(self):
-        """(workers, depends_on) of one call on every rank, for :func:`find_stall`.
-
-        Compute CTAs never wait. Reduce CTA q of a rank takes its owned tiles in groups
-        (:meth:`groups`) and node-reduces them; with several nodes its proxy sends each
-        group to every other node and a second pass adds the nodes' sums; finally every
-        rank's reduce CTAs wait for its whole C.
-        """
-        workers: dict = {}
-        depends: dict = {}
-        R, G = self.reduce_ctas, self.G
-        for node in range(self.nodes):
-            for local in range(G):
-                rank = node * G + local
-                for c in range(self.compute_ctas):
-                    workers[("compute", rank, c)] = [("partial", rank, t)
-                                                     for t in range(c, self.tiles, self.compute_ctas)]
-                sends = []
-                for q in range(R):
-                    groups = self.groups(local, q)
-                    tasks = []
-                    for group in groups:
-                        for t in group:
-                            tasks.append(("node_sum", node, t))
-                            depends[("node_sum", node, t)] = [("partial", node * G + src, t)
-                                                             for src in range(G)]
-                        for dest in range(self.nodes):
-                            if dest != node:
-                                send = ("send", node, group[0], dest)
-                                sends.append(send)
-                                depends[send] = [("node_sum", node, t) for t in group]
-                    if self.nodes > 1:
-                        for group in groups:
-                            for t in group:
-                                tasks.append(("final", node, t))
-                                depends[("final", node, t)] = [("node_sum", node, t)] + [
-                                    ("send", other, group[0], node)
-                                    for other in range(self.nodes) if other != node]
-                    tasks += [("result", rank, t) for t in range(q, self.tiles, R)]
-                    for t in range(q, self.tiles, R):
-                        depends[("result", rank, t)] = [
-                            ("final", node, t) if self.nodes > 1 else ("node_sum", node, t)]
-                    workers[("reduce", rank, q)] = tasks
-                workers[("proxy", rank)] = sends
-        return workers, depends
-
-    def check(self) -> list[str]:
-        """Problems with this plan (empty: fine): exactly-once reduction and sends, no stall."""
-        problems = []
-        workers, depends = self.schedule()
-        tasks = [t for ts in workers.values() for t in ts]
-        for node in range(self.nodes):
-            sums = sorted(t[2] for t in tasks if t[0] == "node_sum" and t[1] == node)
-            if sums != list(range(self.tiles)):
-                problems.append(f"node {node}: tiles are not node-reduced exactly once")
-            for dest in range(self.nodes):
-                if dest == node:
-                    continue
-                sent = []
-                for task in tasks:
-                    if task[0] == "send" and task[1] == node and task[3] == dest:
-                        local = self.owner(task[2])
-                        group = next(g for q in range(self.reduce_ctas)
-                                     for g in self.groups(local, q) if g[0] == task[2])
-                        sent += group
-                if sorted(sent) != list(range(self.tiles)):
-                    problems.append(f"node {node} -> {dest}: tiles not sent exactly once")
-        for rank in range(self.nodes * self.G):
-            got = sorted(t[2] for t in tasks if t[0] == "result" and t[1] == rank)
-            if got != list(range(self.tiles)):
-                problems.append(f"rank {rank}: does not wait for every tile of its C exactly once")
-        try:
-            stall = find_stall(workers, depends)
-        except ValueError as error:          # a wait on work nobody does
-            problems.append(str(error))
-            return problems
-        if stall:
-            problems.append(f"wait cycle: {len(stall)} workers stuck, e.g. {stall[:3]}")
-        return problems
-
-
-def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
-         dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
-         fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
-         send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings()) -> Plan:
-    """Plan one shape on a world; ``fuse=None`` lets the cost model decide.
-
-    ``send_bytes``: about how much one put between nodes carries (tiles are grouped to
-    reach it: a copy-engine put costs microseconds whatever its size).
-    """
-    for name, value in (("m", m), ("n", n), ("k", k)):
-        if not isinstance(value, (int, np.integer)) or not 1 <= value < 2**31:
-            raise ValueError(f"mkrt.gemm_allreduce: {name}={value!r} must be an integer in [1, 2**31)")
-    if k % 8:
-        raise ValueError(f"mkrt.gemm_allreduce: k={k} (per rank) must be a multiple of 8")
-    if nodes < 1 or ranks_per_node < 1:
-        raise ValueError(f"mkrt.gemm_allreduce: world {nodes}x{ranks_per_node} is empty")
-    if ranks_per_node > 32 or nodes > 32:
-        raise ValueError(f"mkrt.gemm_allreduce: at most 32 ranks per node and 32 nodes; "
-                         f"got {nodes}x{ranks_per_node}")
-    stages = gemm_module.max_stages(128, 256, "direct")
-    spec = GemmAllReduceSpec(dtype, b_layout, 128, 256, stages, "gemm")
-    world = nodes * ranks_per_node
-    if world == 1:
-        return Plan(spec, m, n, k, 1, 1, ctas, 0, False, "one rank: plain GEMM, nothing to reduce",
-                    0.0, 0.0)
-    if reduce_ctas is None:
-        reduce_ctas = default_reduce_ctas(k, ctas, nodes=nodes, ceilings=ceilings)
-    if not 1 <= reduce_ctas < ctas:
-        raise ValueError(f"mkrt.gemm_allreduce: reduce_ctas={reduce_ctas} must be in [1, {ctas - 1}] "
-                         f"(ctas={ctas} per rank)")
-    fused_us, unfused_us = _predict(m, n, k, nodes, ranks_per_node, ctas, reduce_ctas,
-                                    sms_per_gpu, ranks_per_gpu, ceilings)
-    if fuse is None:
-        fused = fused_us < 0.97 * unfused_us
-        reason = (f"model: fused {fused_us:.0f} us vs unfused {unfused_us:.0f} us"
-                  + ("" if fused else " (fusion loses at this size: unfused path)"))
-    else:
-        fused, reason = bool(fuse), f"fuse={fuse} requested"
-    p = Plan(spec, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,
-             fused_us, unfused_us)
-    if nodes == 1:
-        return p
-    # p.slots: the most tiles a rank owns.
-    send_batch = max(1, min(-(-send_bytes // p.tile_bytes), -(-p.slots // reduce_ctas)))
-    return dataclasses.replace(p, send_batch=send_batch)
-
-
-def _predict(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_gpu, c: Ceilings):
-    """Modelled times (us) of the fused kernel and of GEMM-then-all-reduce, for one rank."""
-    share = min(1.0, ctas / sms_per_gpu)                 # this rank's part of its GPU
-    rate = c.gemm_tflops * 1e6 * share                   # FLOP per us
-    flops = 2.0 * m * n * k
-    c_bytes = 2.0 * m * n
-    tiles = -(-m // 128) * -(-n // 256)
-    # Ranks sharing a GPU (emulated worlds): the all-reduce measured about 500 GB/s of C
-    # per GPU on an H200 (2026-12-02), split among the ranks.
-    intra_gbps = c.nvlink_gbps if ranks_per_gpu == 1 else 500.0 / ranks_per_gpu
-    allreduce_us = (2 * c_bytes * (G - 1) / G / (intra_gbps * 1e3)
-                    + (2 * c_bytes / G * (nodes - 1) / (c.network_gbps * 1e3) if nodes > 1 else 0))
-    unfused = c.launch_us + flops / rate + c.launch_us + allreduce_us + 10.0
-    compute = flops / (rate * (ctas - reduce_ctas) / ctas)
-    reduce = 2 * c_bytes * (1.5 if nodes > 1 else 1) / (reduce_ctas * c.sm_stream_gbps * 1e3)
-    tail = 2 * flops / tiles / (rate / ctas) + 20.0      # the last tile's compute and reduce
-    fused = c.launch_us + max(compute, reduce, allreduce_us) + tail
-    return fused, unfused
 
 
 # ---- reference ----------------------------------------------------------------------------
@@ -838,6 +574,7 @@ class GemmAllReduce(Op):
         self._buffers: dict[str, SymmetricBuffer] = {}
         self._layout_key = None
         self._scratch: dict = {}
+        self._prepared: dict = {}
 
     # -- planning and buffers --
     def plan_for(self, m: int, n: int, k: int, dtype: str, mode_fuse=None) -> Plan:
@@ -908,16 +645,16 @@ class GemmAllReduce(Op):
         return args
 
     # -- the call --
-    def _operands(self, a, b, out):
-        a_list, as_list = self.per_rank(a, "a")
-        b_list, _ = self.per_rank(b, "b")
+    def _operands(self, a_list, b_list, outs):
+        """Every check of a new signature (the prepared path repeats the per-array ones)."""
+        self.per_rank(a_list, "a")
+        self.per_rank(b_list, "b")
         self.same_everywhere(a_list, "a")
         self.same_everywhere(b_list, "b")
         m, n, k, dtype = gemm_module.check_operands(a_list[0].shape, b_list[0].shape, a_list[0].dtype,
                                                     b_list[0].dtype, self.b_layout)
-        outs = None
-        if out is not None:
-            outs, _ = self.per_rank(out, "out")
+        if outs is not None:
+            self.per_rank(outs, "out")
             for i, o in enumerate(outs):
                 if o.shape != (m, n) or o.dtype != a_list[0].dtype:
                     raise ValueError(f"mkrt.gemm_allreduce: out[{i}] is {o.shape} {o.dtype}; "
@@ -927,7 +664,24 @@ class GemmAllReduce(Op):
                 if x.data.ptr % 16:
                     raise ValueError(f"mkrt.gemm_allreduce: {name}[{i}] starts at {x.data.ptr:#x}, "
                                      "not 16-byte aligned")
-        return a_list, b_list, outs, as_list, (m, n, k, dtype)
+        return m, n, k, dtype
+
+    def _prepared_call(self, a_list, b_list, outs, fuse=None) -> "_PreparedCall":
+        """The prepared call of this signature: made (with every check) on first sight,
+        afterwards only the per-array checks run."""
+        key = (a_list[0].shape, a_list[0].dtype, b_list[0].shape, b_list[0].dtype, fuse)
+        call = self._prepared.get(key)
+        if call is None:
+            m, n, k, dtype = self._operands(a_list, b_list, outs)
+            p = self.plan_for(m, n, k, dtype, mode_fuse=fuse)
+            call = _PreparedCall(p, a_list[0].dtype, a_list[0].shape, b_list[0].shape, (m, n))
+            self._prepared[key] = call
+            return call
+        self.check_arrays(a_list, "a", call.a_shape, call.dtype, aligned=True)
+        self.check_arrays(b_list, "b", call.b_shape, call.dtype, aligned=True)
+        if outs is not None:
+            self.check_arrays(outs, "out", call.out_shape, call.dtype, aligned=True)
+        return call
 
     def __call__(self, a, b, out=None):
         if self.world.size == 1 and not isinstance(a, (list, tuple)):
@@ -936,19 +690,21 @@ class GemmAllReduce(Op):
             self.last_plan = None
             return gemm_module.gemm(a, b, out=out, b_layout=self.b_layout, sms=self.ctas,
                                     group_m=self.group_m)
-        a_list, b_list, outs, as_list, (m, n, k, dtype) = self._operands(a, b, out)
-        p = self.plan_for(m, n, k, dtype)
-        self.last_plan = p
+        a_list, as_list = self.arrays(a, "a")
+        b_list, _ = self.arrays(b, "b")
+        outs = self.arrays(out, "out")[0] if out is not None else None
+        call = self._prepared_call(a_list, b_list, outs)
+        p = self.last_plan = call.plan
         self.before_launch()
         if outs is None:
-            outs = self._new_outputs((m, n), a_list[0].dtype)
+            outs = self._new_outputs(call.out_shape, call.dtype)
         if self.world.size == 1:
             gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout,
                              sms=self.ctas)
         elif p.fused:
-            self._launch(p, a_list, b_list, outs)
+            self._run(call, "gemm", a_list, b_list, outs)
         else:
-            self._unfused(p, a_list, b_list, outs, gemm="mkrt")
+            self._unfused(call, a_list, b_list, outs, gemm="cublas")
         self.after_launch()
         if out is not None:
             return out
@@ -957,40 +713,61 @@ class GemmAllReduce(Op):
     def _new_outputs(self, shape, dtype) -> list:
         import cupy
         outs = []
-        for info in self.world.local:
-            with cupy.cuda.Device(info.device):
+        for device in self._local_devices:
+            with self.on_device(device):
                 outs.append(cupy.empty(shape, dtype))
         return outs
 
-    def _launch(self, p: Plan, a_list, b_list, outs, *, copy_sources=None) -> None:
-        """One fused (or, with copy_sources, all-reduce-only) launch on every local rank."""
-        import cupy
-        if copy_sources is not None:
+    def _launches(self, call: "_PreparedCall", mode: str) -> list:
+        """The prepared launches of `call` in `mode` ("gemm": fused; "copy": the all-reduce
+        of existing partials), one per local rank, made on first use."""
+        launches = call.launches.get(mode)
+        if launches is not None and call.buffers_key == self._layout_key:
+            return launches
+        p = call.plan
+        if mode == "copy":
             # The all-reduce alone: copying and reducing both stream memory; split evenly.
             p = dataclasses.replace(p, reduce_ctas=max(1, p.ctas // 2))
-        spec = p.spec if copy_sources is None else dataclasses.replace(p.spec, mode="copy")
+        spec = spec_for(p, mode)
         self._ensure_buffers(p)
-        functions = [spec.function("gemm_allreduce", info.device, spec.smem_bytes)
-                     for info in self.world.local]
+        if call.buffers_key != self._layout_key:     # buffers were re-made: re-patch all
+            call.launches.clear()
+            call.operand_pointers.clear()
+            call.buffers_key = self._layout_key
         launches = []
-        for i, info in enumerate(self.world.local):
-            if copy_sources is None:
-                tma_a, tma_b = _descriptors(p, a_list[i], b_list[i])
+        for info in self.world.local:
+            function = spec.function("gemm_allreduce", info.device, spec.smem_bytes)
+            params = Parameters(LAUNCH_PARAMETERS)
+            status, host_flag, slot, rank, timeout_ns = self.context_args(info.rank)
+            params.set(args=self._args(p, info, 0), muted_rank=self.muted_rank, status=status,
+                       host_flag=host_flag, slot=slot, rank=rank, timeout_ns=timeout_ns)
+            launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
+        call.launches[mode] = launches
+        return launches
+
+    def _run(self, call, mode: str, a_list, b_list, outs, copy_sources=None) -> None:
+        """Patch what changed since the last call of `call` and launch on every local rank."""
+        launches = self._launches(call, mode)
+        ranks, _ = self._plumbing()
+        for i, launch in enumerate(launches):
+            params = launch.params
+            if mode == "gemm":
+                pointers = (a_list[i].data.ptr, b_list[i].data.ptr)
+                if call.operand_pointers.get(i) != pointers:
+                    tma_a, tma_b = _descriptors(call.plan, a_list[i], b_list[i])
+                    ctypes.memmove(params.address("tma_a"), tma_a.address, 128)
+                    ctypes.memmove(params.address("tma_b"), tma_b.address, 128)
+                    call.operand_pointers[i] = pointers
             else:
-                tma_a = tma_b = _dummy_descriptor()
-            args = self._args(p, info, outs[i].data.ptr,
-                              0 if copy_sources is None else copy_sources[i].data.ptr)
-            launches.append((info, functions[i], tma_a, tma_b, args))
+                params.view("args")["copy_source"] = copy_sources[i].data.ptr
+            params.view("args")["out"] = outs[i].data.ptr
         self.join_caller_stream()
-        for info, function, tma_a, tma_b, args in launches:
-            with cupy.cuda.Device(info.device):
-                function((p.ctas,), (spec.threads,),
-                         (tma_a.argument, tma_b.argument, _struct_argument(args),
-                          np.int32(self.muted_rank), *self.context_args(info.rank)),
-                         shared_mem=spec.smem_bytes, stream=self.world.stream(info.rank))
+        for launch, (device, stream, _) in zip(launches, ranks):
+            with self.on_device(device):
+                launch(stream)
         self.release_to_caller_stream()
 
-    def _unfused(self, p: Plan, a_list, b_list, outs, *, gemm: str = "cublas",
+    def _unfused(self, call, a_list, b_list, outs, *, gemm: str = "cublas",
                  allreduce: str = "auto") -> None:
         """GEMM (cuBLAS through CuPy, or mkrt's engine), then the all-reduce, not overlapped:
         NCCL when the world is one process per GPU and torch.distributed is initialised
@@ -1005,8 +782,8 @@ class GemmAllReduce(Op):
             raise ValueError("mkrt.gemm_allreduce: allreduce='nccl' needs one process per GPU "
                              "and torch.distributed initialised with the nccl backend")
         partials = []
-        for info, a_r, b_r, out in zip(self.world.local, a_list, b_list, outs):
-            with cupy.cuda.Device(info.device):
+        for device, a_r, b_r, out in zip(self._local_devices, a_list, b_list, outs):
+            with self.on_device(device):
                 target = out if use_nccl else None
                 if gemm == "mkrt":
                     partials.append(gemm_module.gemm(a_r, b_r, out=target, b_layout=self.b_layout))
@@ -1016,7 +793,7 @@ class GemmAllReduce(Op):
         if use_nccl:
             _nccl_all_reduce(outs[0])
             return
-        self._launch(p, a_list, b_list, outs, copy_sources=partials)
+        self._run(call, "copy", a_list, b_list, outs, copy_sources=partials)
         # The partials are freed when this returns; the all-reduce has read them once the
         # caller's stream passes this point, and CuPy's pool reuses memory stream-ordered.
         self._scratch["partials"] = partials
@@ -1025,15 +802,17 @@ class GemmAllReduce(Op):
         """The baseline: cuBLAS (or ``gemm="mkrt"``) then the all-reduce (NCCL or mkrt's,
         see :meth:`_unfused`), not overlapped."""
         import cupy
-        a_list, b_list, outs, as_list, (m, n, k, dtype) = self._operands(a, b, out)
-        p = self.plan_for(m, n, k, dtype, mode_fuse=False)
+        a_list, as_list = self.arrays(a, "a")
+        b_list, _ = self.arrays(b, "b")
+        outs = self.arrays(out, "out")[0] if out is not None else None
+        call = self._prepared_call(a_list, b_list, outs, fuse=False)
         self.before_launch()
         if outs is None:
-            outs = self._new_outputs((m, n), a_list[0].dtype)
+            outs = self._new_outputs(call.out_shape, call.dtype)
         if self.world.size == 1:
             outs[0][...] = cupy.matmul(a_list[0], b_list[0].T if self.b_layout == "nk" else b_list[0])
         else:
-            self._unfused(p, a_list, b_list, outs, gemm=gemm, allreduce=allreduce)
+            self._unfused(call, a_list, b_list, outs, gemm=gemm, allreduce=allreduce)
         self.after_launch()
         return out if out is not None else (outs if as_list else outs[0])
 
@@ -1067,34 +846,31 @@ def _nccl_all_reduce(out) -> None:
 
 
 def _descriptors(p: Plan, a, b):
-    if p.spec.b_layout == "kn" and p.n % 8:
+    if p.b_layout == "kn" and p.n % 8:
         raise ValueError(f"mkrt.gemm_allreduce: b_layout='kn' needs n % 8 == 0 (TMA rows of "
                          f"16 bytes); got n={p.n}: pass B as [N, K] (b_layout='nk')")
-    return gemm_module.operand_descriptors(p.spec.engine, a.data.ptr, b.data.ptr, p.m, p.n, p.k)
+    return gemm_module.operand_descriptors(spec_for(p).engine, a.data.ptr, b.data.ptr, p.m, p.n, p.k)
 
 
-_DUMMY = None
+#: kernel parameters of gemm_allreduce, in order (tensor maps 64-byte aligned)
+LAUNCH_PARAMETERS = [("tma_a", 128, 64), ("tma_b", 128, 64), ("args", ARGS_DTYPE, 8),
+                     ("muted_rank", np.int32, 4), ("status", np.uint64, 8),
+                     ("host_flag", np.uint64, 8), ("slot", np.int32, 4), ("rank", np.int32, 4),
+                     ("timeout_ns", np.uint64, 8)]
 
 
-def _dummy_descriptor():
-    """A zeroed tensor map for launches whose compute role does not load (copy mode)."""
-    global _DUMMY
-    if _DUMMY is None:
-        _DUMMY = gemm_module.TmaDescriptor()
-    return _DUMMY
+@dataclasses.dataclass(eq=False)
+class _PreparedCall:
+    """What a signature (shapes, dtype, options) of GemmAllReduce needs, made once."""
 
-
-def _struct_argument(record: np.ndarray):
-    """Pass a numpy record by value: CuPy copies the bytes at the pointer (like a tensor map)."""
-    from cupy.cuda.function import CPointer
-    holder = np.ascontiguousarray(record.reshape(1)).copy()
-    _KEEP.append(holder)           # alive until the launch has copied it (next calls drop it)
-    if len(_KEEP) > 64:
-        del _KEEP[:32]
-    return CPointer(holder.ctypes.data)
-
-
-_KEEP: list = []
+    plan: Plan
+    dtype: np.dtype
+    a_shape: tuple
+    b_shape: tuple
+    out_shape: tuple
+    launches: dict = dataclasses.field(default_factory=dict)          # mode -> [KernelLaunch]
+    operand_pointers: dict = dataclasses.field(default_factory=dict)  # rank index -> (a, b)
+    buffers_key: object = None
 
 
 def gemm_allreduce(a, b, *, world=None, out=None, b_layout: str = "kn", **options):

@@ -30,6 +30,12 @@ class Op:
         self._failed: BaseException | None = None
         self._failures_seen = self.world.failures
         self._signatures: set = set()
+        self._stream_plumbing = None
+        self._local_count = len(self.world.local)
+        self._local_devices = tuple(info.device for info in self.world.local)
+        self._multi_device = False
+        self._sync_check = envs.get("MKRT_SYNC_CHECK")     # read once per op
+        self._timeout_slots = None
 
     # ---- arguments ---------------------------------------------------------------
     def per_rank(self, value, name: str) -> tuple[list, bool]:
@@ -54,6 +60,41 @@ class Op:
                 raise ValueError(f"mkrt.{self.name}: {label} is not C-contiguous "
                                  f"(shape {array.shape}, strides {array.strides})")
         return arrays, as_list
+
+    def arrays(self, value, name: str) -> tuple[list, bool]:
+        """(one CuPy view per local rank, whether the caller gave a list): conversion and
+        count only; :meth:`check_arrays` checks them against a prepared signature."""
+        import cupy
+        if isinstance(value, (list, tuple)):
+            if len(value) != self._local_count:
+                self.per_rank(value, name)          # raises the full message
+            return [v if type(v) is cupy.ndarray else as_cupy(v, f"{name}[{i}]")
+                    for i, v in enumerate(value)], True
+        if self._local_count != 1:
+            self.per_rank(value, name)
+        return [value if type(value) is cupy.ndarray else as_cupy(value, name)], False
+
+    def check_arrays(self, arrays: list, name: str, shape: tuple, dtype, *,
+                     aligned: bool = False) -> None:
+        """The per-call checks of a prepared signature: shape, dtype, GPU, layout and (with
+        ``aligned``) a 16-byte base, for each rank's array. A mismatch raises the same
+        errors the first call of a signature would."""
+        for x, device in zip(arrays, self._local_devices):
+            if (x.shape != shape or x.dtype != dtype or x.data.device_id != device
+                    or not x._c_contiguous or (aligned and x.data.ptr & 15)):
+                self._explain(arrays, name, shape, dtype, aligned)
+
+    def _explain(self, arrays, name, shape, dtype, aligned) -> None:
+        several = self._local_count > 1
+        self.per_rank(arrays if several else arrays[0], name)   # GPU, layout
+        for i, x in enumerate(arrays):
+            label = f"{name}[{i}]" if several else name
+            if x.shape != shape or x.dtype != dtype:
+                raise ValueError(f"mkrt.{self.name}: {label} is {x.shape} {dtype_name(x.dtype)}; "
+                                 f"expected {shape} {dtype_name(dtype)}")
+            if aligned and x.data.ptr % 16:
+                raise ValueError(f"mkrt.{self.name}: {label} starts at {x.data.ptr:#x}, "
+                                 "not 16-byte aligned")
 
     def same_everywhere(self, arrays: list, name: str) -> None:
         """Every rank (also in other processes) passes the same shape and dtype."""
@@ -87,39 +128,65 @@ class Op:
                             "flags are out of step: build a new op")
         self._failures_seen = self.world.failures
 
-    def _event(self, key):
-        # Events are reused: a stream wait captures the event's state when it is enqueued.
-        import cupy
-        events = self.__dict__.setdefault("_events", {})
-        if key not in events:
-            events[key] = cupy.cuda.Event(disable_timing=True)
-        return events[key]
+    # ---- streams: each rank's launches are ordered on the rank's own stream --------
+    def _plumbing(self):
+        """Per local rank: (device, stream ptr, release event ptr); per device: join event.
+        Built once per op: a call then costs one runtime call per record or wait."""
+        if self._stream_plumbing is None:
+            import cupy
+            events = []           # kept alive with the op
+            ranks, joins = [], {}
+            for info in self.world.local:
+                with cupy.cuda.Device(info.device):
+                    release = cupy.cuda.Event(disable_timing=True)
+                    events.append(release)
+                    if info.device not in joins:
+                        join = cupy.cuda.Event(disable_timing=True)
+                        events.append(join)
+                        joins[info.device] = join.ptr
+                    ranks.append((info.device, self.world.stream(info.rank).ptr, release.ptr))
+            self._events_alive = events
+            self._multi_device = len(joins) > 1
+            self._stream_plumbing = (tuple(ranks), tuple(joins.items()))
+        return self._stream_plumbing
 
     def join_caller_stream(self) -> None:
         """Each rank's stream waits for the caller's current stream (inputs are ready)."""
-        import cupy
-        for info in self.world.local:
-            with cupy.cuda.Device(info.device):
-                event = self._event(("join", info.device))
-                event.record(cupy.cuda.get_current_stream())
-                self.world.stream(info.rank).wait_event(event)
+        from cupy.cuda import get_current_stream, runtime
+        ranks, joins = self._plumbing()
+        for device, event in joins:
+            runtime.eventRecord(event, get_current_stream(device).ptr)
+        for device, stream, _ in ranks:
+            runtime.streamWaitEvent(stream, joins[0][1] if not self._multi_device
+                                    else dict(joins)[device], 0)
 
     def release_to_caller_stream(self) -> None:
         """The caller's current stream waits for each rank's launch (outputs are ready)."""
+        from cupy.cuda import get_current_stream, runtime
+        ranks, joins = self._plumbing()
+        caller = get_current_stream(joins[0][0]).ptr
+        for device, stream, event in ranks:
+            runtime.eventRecord(event, stream)
+            runtime.streamWaitEvent(get_current_stream(device).ptr if self._multi_device
+                                    else caller, event, 0)
+
+    def on_device(self, device: int):
+        """Context for work on `device`: a no-op when the op's ranks share one device."""
+        if self._stream_plumbing is not None and not self._multi_device:
+            return _NO_CONTEXT
         import cupy
-        for info in self.world.local:
-            with cupy.cuda.Device(info.device):
-                event = self._event(("release", info.rank))
-                event.record(self.world.stream(info.rank))
-                cupy.cuda.get_current_stream().wait_event(event)
+        return cupy.cuda.Device(device)
 
     _launched = False
 
     def after_launch(self) -> None:
         self._launched = True
-        for info in self.world.local:
-            self.world.status(info.device).timeout_ms[info.rank] = self.timeout_ms
-        if envs.get("MKRT_SYNC_CHECK"):
+        if self._timeout_slots is None:
+            self._timeout_slots = [(self.world.status(info.device).timeout_ms, info.rank)
+                                   for info in self.world.local]
+        for table, rank in self._timeout_slots:    # what a CommTimeout reports as the bound
+            table[rank] = self.timeout_ms
+        if self._sync_check:
             self.synchronize()
 
     def synchronize(self) -> None:
@@ -137,6 +204,16 @@ class Op:
                 np.int32(self.world.device_slot(rank)), np.int32(rank),
                 np.uint64(int(self.timeout_ms * 1e6)))
 
+
+class _NoContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CONTEXT = _NoContext()
 
 _SHARED_OPS: dict = {}
 

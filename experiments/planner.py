@@ -1,0 +1,159 @@
+"""Does `fuse=None` pick the faster path? GEMM+AllReduce fused vs unfused vs the planner.
+
+Two committed shape sets (m = tokens, n = output features, k = input features per rank):
+  calibration  the model is fitted on these (the reference's sweep, the old benchmark's
+               LLM shapes, 12 seeded random shapes);
+  held_out     never used for fitting: row-parallel projections (attention output and MLP
+               down) of Llama-3 8B, Llama-3 70B, Mixtral 8x7B and Qwen2.5-72B at TP 2, 4 and 8
+               with 512 to 16384 tokens, and 20 random odd shapes (another seed).
+For each shape and emulated world, the three paths run interleaved in rounds (CUDA
+events around back-to-back calls, so host time counts where it dominates); medians per
+path. ratio_auto = min(fused, unfused) / auto: 1.0 when the planner picked the faster path.
+
+    PYTHONPATH=$PWD python3 experiments/planner.py --layouts 1x2 1x4 2x2 --sets calibration held_out
+
+Rows go to experiments/results/planner.jsonl; ``python3 experiments/planner.py --fit``
+refits the cost model's constants from the calibration rows (no GPU) and prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# hidden, intermediate of each model (row-parallel: K = that / TP, N = hidden)
+MODELS = {"llama3_8b": (4096, 14336), "llama3_70b": (8192, 28672),
+          "mixtral_8x7b": (4096, 14336), "qwen25_72b": (8192, 29568)}
+
+
+def _random_shapes(seed: int, count: int) -> list[tuple[int, int, int, str]]:
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(count):
+        m = rng.randint(200, 12000)
+        n = rng.randint(200, 12000)
+        k = 8 * rng.randint(16, 1200)
+        shapes.append((m, n, k, f"random{seed}_{i}"))
+    return shapes
+
+
+def calibration() -> list[tuple[int, int, int, str]]:
+    sweep = [(s, s, s // 16, "sweep") for s in (2048, 4096, 8192, 16384)]
+    llm = [(4096, 8192, 3584, "llm70b_tp8"), (8192, 8192, 3584, "llm70b_tp8"),
+           (16384, 8192, 3584, "llm70b_tp8"), (1024, 4096, 512, "small"),
+           (512, 2048, 256, "small"), (256, 256, 256, "tiny")]
+    return sweep + llm + _random_shapes(1, 12)
+
+
+def held_out() -> list[tuple[int, int, int, str]]:
+    seen, shapes = set(), []
+    for model, (hidden, inter) in MODELS.items():
+        for tp in (2, 4, 8):
+            for what, k in (("o_proj", hidden // tp), ("down", inter // tp)):
+                for tokens in (512, 2048, 8192, 16384):
+                    if tokens == 16384 and tp == 2:
+                        continue        # keeps the run short: the largest shapes at TP 4, 8
+                    key = (tokens, hidden, k)
+                    if key not in seen:
+                        seen.add(key)
+                        shapes.append((tokens, hidden, k, f"{model}_{what}_tp{tp}"))
+    return shapes + _random_shapes(2, 20)
+
+
+SETS = {"calibration": calibration, "held_out": held_out}
+
+
+def time_paths(world, paths: dict, rounds: int, batch: int) -> dict[str, float]:
+    """Median microseconds per call of each path, the paths interleaved round by round."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    for call in paths.values():
+        call()
+        call()
+    world.synchronize()
+    samples = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, call in paths.items():
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(batch):
+                call()
+            end.record(stream)
+            end.synchronize()
+            samples[name].append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / batch)
+    world.check()
+    return {name: median(values) for name, values in samples.items()}
+
+
+def run(layouts, sets, rounds, batch, out_path, limit=None):
+    import cupy
+    import numpy as np
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.bench import append_jsonl, record
+    from mkrt.kernels.gemm import to_float32
+    for layout in layouts:
+        world = mkrt.init(emulate=layout)
+        fused_op = mkrt.GemmAllReduce(world, fuse=True)
+        auto_op = mkrt.GemmAllReduce(world)
+        for set_name in sets:
+            shapes = SETS[set_name]()[:limit]
+            for m, n, k, family in shapes:
+                rng = cupy.random.default_rng(m * 7 + n * 3 + k)
+                a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+                b = [(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
+                outs = {name: [cupy.empty((m, n), bfloat16) for _ in world.local]
+                        for name in ("fused", "unfused", "auto")}
+                paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),
+                         "unfused": lambda: fused_op.unfused(a, b, out=outs["unfused"]),
+                         "auto": lambda: auto_op(a, b, out=outs["auto"])}
+                times = time_paths(world, paths, rounds, batch)
+                fused_out = to_float32(outs["fused"][0])
+                unfused_out = to_float32(outs["unfused"][0])
+                difference = float(cupy.linalg.norm(fused_out - unfused_out)
+                                    / cupy.linalg.norm(unfused_out))
+                plan = auto_op.last_plan
+                best = min(times["fused"], times["unfused"])
+                case = f"{layout}_{m}x{n}x{k}"
+                row = record("planner", case, "auto_vs_best", times["auto"], best, "us",
+                             higher_is_better=False, set=set_name, family=family, layout=layout,
+                             m=m, n=n, k=k, fused_us=times["fused"], unfused_us=times["unfused"],
+                             auto_us=times["auto"], auto_fused=plan.fused,
+                             fused_over_unfused=times["fused"] / times["unfused"],
+                             reduce_ctas=plan.reduce_ctas, ctas=plan.ctas,
+                             predicted_fused_us=plan.predicted_fused_us,
+                             predicted_unfused_us=plan.predicted_unfused_us,
+                             fused_vs_unfused_rel_diff=difference, rounds=rounds, batch=batch)
+                print(f"{set_name:11s} {case:24s} fused {times['fused']:9.1f} unfused "
+                      f"{times['unfused']:9.1f} auto {times['auto']:9.1f} "
+                      f"({'F' if plan.fused else 'U'}) best/auto {row['ratio']:.3f} "
+                      f"diff {difference:.1e}", flush=True)
+                append_jsonl(out_path, [row])
+                del a, b, outs, paths
+                cupy.get_default_memory_pool().free_all_blocks()
+        fused_op.close()
+        auto_op.close()
+        world.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=["1x2", "1x4", "2x2"])
+    parser.add_argument("--sets", nargs="+", default=["calibration", "held_out"], choices=list(SETS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=None, help="first N shapes of each set")
+    parser.add_argument("--out", default=str(ROOT / "experiments" / "results" / "planner.jsonl"))
+    args = parser.parse_args()
+    run(args.layouts, args.sets, args.rounds, args.batch, args.out, args.limit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

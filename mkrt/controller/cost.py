@@ -1,0 +1,62 @@
+"""Cost model and default role split of fused GEMM+communication kernels (pure Python).
+
+The planners of the fused kernels ask two questions here: how many CTAs of a rank should
+communicate (:func:`default_reduce_ctas`, the static rule the on-GPU controller starts
+from), and how long the fused and the unfused paths take (:func:`predict_times`), which
+decides ``fuse=None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Rates the planner models with (H200 measurements; leads, not truths)."""
+
+    gemm_tflops: float = 700.0          # bf16 GEMM, whole chip
+    sms: int = 132
+    sm_stream_gbps: float = 30.0        # what one reduce CTA moves (read + write): the v4
+                                        # split; 22 (fitted to v4) gave slower fused runs
+    nvlink_gbps: float = 360.0          # per direction, per GPU
+    network_gbps: float = 45.0          # per GPU (one 400 Gb/s NIC)
+    launch_us: float = 6.0
+
+
+def default_reduce_ctas(k: int, ctas: int, *, itemsize: int = 2, nodes: int = 1,
+                        ceilings: Ceilings = Ceilings()) -> int:
+    """The default role split: reduce CTAs so that reducing keeps pace with computing.
+
+    Per output tile a rank computes 2*BM*BN*K FLOPs; per tile of C it reduces about
+    2*BM*BN*itemsize bytes (read its share of partials, write the final tile to the node),
+    half again with several nodes. Per SM the ratio of the two times is
+    r = itemsize * flops_per_sm / (K * bytes_per_sm); a fraction r / (1 + r) of the CTAs
+    reduces. Small K (K = M/16 in the reference's sweep) needs a real share of the SMs.
+    """
+    if ctas < 2:
+        raise ValueError(f"mkrt.gemm_allreduce: need at least 2 CTAs per rank (compute and "
+                         f"reduce); got {ctas}")
+    flops_per_sm = ceilings.gemm_tflops * 1e12 / ceilings.sms
+    bytes_per_sm = ceilings.sm_stream_gbps * 1e9
+    ratio = itemsize * flops_per_sm / (k * bytes_per_sm) * (1.5 if nodes > 1 else 1.0)
+    return int(min(ctas - 1, max(1, round(ctas * ratio / (1 + ratio)))))
+
+
+def predict_times(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_gpu, c: Ceilings):
+    """Modelled times (us) of the fused kernel and of GEMM-then-all-reduce, for one rank."""
+    share = min(1.0, ctas / sms_per_gpu)                 # this rank's part of its GPU
+    rate = c.gemm_tflops * 1e6 * share                   # FLOP per us
+    flops = 2.0 * m * n * k
+    c_bytes = 2.0 * m * n
+    tiles = -(-m // 128) * -(-n // 256)
+    # Ranks sharing a GPU (emulated worlds): the all-reduce measured about 500 GB/s of C
+    # per GPU on an H200 (2026-12-02), split among the ranks.
+    intra_gbps = c.nvlink_gbps if ranks_per_gpu == 1 else 500.0 / ranks_per_gpu
+    allreduce_us = (2 * c_bytes * (G - 1) / G / (intra_gbps * 1e3)
+                    + (2 * c_bytes / G * (nodes - 1) / (c.network_gbps * 1e3) if nodes > 1 else 0))
+    unfused = c.launch_us + flops / rate + c.launch_us + allreduce_us + 10.0
+    compute = flops / (rate * (ctas - reduce_ctas) / ctas)
+    reduce = 2 * c_bytes * (1.5 if nodes > 1 else 1) / (reduce_ctas * c.sm_stream_gbps * 1e3)
+    tail = 2 * flops / tiles / (rate / ctas) + 20.0      # the last tile's compute and reduce
+    fused = c.launch_us + max(compute, reduce, allreduce_us) + tail
+    return fused, unfused

@@ -1,0 +1,249 @@
+"""Planning GEMM+AllReduce (pure Python, runs without a GPU): tiles, owners, the role
+split, fused or not, and the schedule checker that proves a plan cannot stall.
+
+Output tile t (``BLOCK_M x BLOCK_N``) is owned by local rank ``t % G`` of every node: it
+node-reduces t, sends the node sum to the same local rank of every other node, adds the
+nodes' sums in node order and delivers t to its node. :meth:`Plan.schedule` writes that
+out as workers and dependencies; :meth:`Plan.check` plays it (every tile reduced and sent
+exactly once, no wait cycle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mkrt.controller.cost import Ceilings, default_reduce_ctas, predict_times
+from mkrt.kernels import gemm as gemm_module
+from mkrt.kernels.schedule import find_stall
+
+#: the compute role's output tile (the engine's 128 x 256 configuration)
+BLOCK_M, BLOCK_N = 128, 256
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagLayout:
+    """Index of every flag word of a rank (mirrors the template's struct Layout)."""
+
+    G: int
+    nodes: int
+    slots: int
+    tiles: int
+
+    def arrive(self, p): return p
+    def target(self, p): return self.G + p
+    def node_arrive(self, n): return 2 * self.G + n
+    def partial(self, src, slot): return 2 * self.G + self.nodes + src * self.slots + slot
+    def inter(self, node, slot): return 2 * self.G + self.nodes + (self.G + node) * self.slots + slot
+    def final_tile(self, t): return 2 * self.G + self.nodes + (self.G + self.nodes) * self.slots + t
+
+    @property
+    def words(self) -> int:
+        return self.final_tile(self.tiles) + 3
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything one call does: tiles, owners, role split, traffic, fused or not."""
+
+    dtype: str              # "bf16" or "f16"
+    b_layout: str           # "kn" or "nk"
+    block_m: int            # output tile of the compute role
+    block_n: int
+    stages: int             # pipeline stages of the GEMM engine
+    m: int
+    n: int
+    k: int
+    nodes: int
+    ranks_per_node: int
+    ctas: int               # per rank
+    reduce_ctas: int
+    fused: bool
+    reason: str
+    predicted_fused_us: float
+    predicted_unfused_us: float
+    send_batch: int = 1     # owned slots per group: one put between nodes per group
+
+    @property
+    def G(self) -> int:
+        return self.ranks_per_node
+
+    @property
+    def tiles_m(self) -> int:
+        return -(-self.m // self.block_m)
+
+    @property
+    def tiles_n(self) -> int:
+        return -(-self.n // self.block_n)
+
+    @property
+    def tiles(self) -> int:
+        return self.tiles_m * self.tiles_n
+
+    @property
+    def slots(self) -> int:
+        return -(-self.tiles // self.G)
+
+    @property
+    def compute_ctas(self) -> int:
+        return self.ctas - self.reduce_ctas
+
+    @property
+    def flags(self) -> FlagLayout:
+        return FlagLayout(self.G, self.nodes, self.slots, self.tiles)
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.block_m * self.block_n * np.dtype(np.float16).itemsize
+
+    def owner(self, tile: int) -> int:
+        """Local index (in every node) of the rank that reduces `tile`."""
+        return tile % self.G
+
+    def owned(self, local: int) -> list[int]:
+        return list(range(local, self.tiles, self.G))
+
+    def groups(self, local: int, cta: int) -> list[list[int]]:
+        """Tiles reduce CTA `cta` of local rank `local` handles, group by group (one put each)."""
+        owned = self.owned(local)
+        starts = range(cta * self.send_batch, len(owned), self.reduce_ctas * self.send_batch)
+        return [owned[first:first + self.send_batch] for first in starts]
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes one call moves per rank (partials and final tiles) and per node (network)."""
+        partials = self.tiles * self.tile_bytes * (self.G - 1) // self.G
+        gather = len(self.owned(0)) * self.tile_bytes * (self.G - 1)
+        network = self.tiles * self.tile_bytes * (self.nodes - 1)
+        return {"intra_partials_per_rank": partials, "intra_gather_per_rank": gather,
+                "network_per_node": network, "network_minimum_per_node": network}
+
+    def schedule(self):
+        """(workers, depends_on) of one call on every rank, for :func:`find_stall`.
+
+        Compute CTAs never wait. Reduce CTA q of a rank takes its owned tiles in groups
+        (:meth:`groups`) and node-reduces them; with several nodes its proxy sends each
+        group to every other node and a second pass adds the nodes' sums; finally every
+        rank's reduce CTAs wait for its whole C.
+        """
+        workers: dict = {}
+        depends: dict = {}
+        R, G = self.reduce_ctas, self.G
+        for node in range(self.nodes):
+            for local in range(G):
+                rank = node * G + local
+                for c in range(self.compute_ctas):
+                    workers[("compute", rank, c)] = [("partial", rank, t)
+                                                     for t in range(c, self.tiles, self.compute_ctas)]
+                sends = []
+                for q in range(R):
+                    groups = self.groups(local, q)
+                    tasks = []
+                    for group in groups:
+                        for t in group:
+                            tasks.append(("node_sum", node, t))
+                            depends[("node_sum", node, t)] = [("partial", node * G + src, t)
+                                                             for src in range(G)]
+                        for dest in range(self.nodes):
+                            if dest != node:
+                                send = ("send", node, group[0], dest)
+                                sends.append(send)
+                                depends[send] = [("node_sum", node, t) for t in group]
+                    if self.nodes > 1:
+                        for group in groups:
+                            for t in group:
+                                tasks.append(("final", node, t))
+                                depends[("final", node, t)] = [("node_sum", node, t)] + [
+                                    ("send", other, group[0], node)
+                                    for other in range(self.nodes) if other != node]
+                    tasks += [("result", rank, t) for t in range(q, self.tiles, R)]
+                    for t in range(q, self.tiles, R):
+                        depends[("result", rank, t)] = [
+                            ("final", node, t) if self.nodes > 1 else ("node_sum", node, t)]
+                    workers[("reduce", rank, q)] = tasks
+                workers[("proxy", rank)] = sends
+        return workers, depends
+
+    def check(self) -> list[str]:
+        """Problems with this plan (empty: fine): exactly-once reduction and sends, no stall."""
+        problems = []
+        workers, depends = self.schedule()
+        tasks = [t for ts in workers.values() for t in ts]
+        for node in range(self.nodes):
+            sums = sorted(t[2] for t in tasks if t[0] == "node_sum" and t[1] == node)
+            if sums != list(range(self.tiles)):
+                problems.append(f"node {node}: tiles are not node-reduced exactly once")
+            for dest in range(self.nodes):
+                if dest == node:
+                    continue
+                sent = []
+                for task in tasks:
+                    if task[0] == "send" and task[1] == node and task[3] == dest:
+                        local = self.owner(task[2])
+                        group = next(g for q in range(self.reduce_ctas)
+                                     for g in self.groups(local, q) if g[0] == task[2])
+                        sent += group
+                if sorted(sent) != list(range(self.tiles)):
+                    problems.append(f"node {node} -> {dest}: tiles not sent exactly once")
+        for rank in range(self.nodes * self.G):
+            got = sorted(t[2] for t in tasks if t[0] == "result" and t[1] == rank)
+            if got != list(range(self.tiles)):
+                problems.append(f"rank {rank}: does not wait for every tile of its C exactly once")
+        try:
+            stall = find_stall(workers, depends)
+        except ValueError as error:          # a wait on work nobody does
+            problems.append(str(error))
+            return problems
+        if stall:
+            problems.append(f"wait cycle: {len(stall)} workers stuck, e.g. {stall[:3]}")
+        return problems
+
+
+def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
+         dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
+         fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
+         send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings()) -> Plan:
+    """Plan one shape on a world; ``fuse=None`` lets the cost model decide.
+
+    ``send_bytes``: about how much one put between nodes carries (tiles are grouped to
+    reach it: a copy-engine put costs microseconds whatever its size).
+    """
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if not isinstance(value, (int, np.integer)) or not 1 <= value < 2**31:
+            raise ValueError(f"mkrt.gemm_allreduce: {name}={value!r} must be an integer in [1, 2**31)")
+    if k % 8:
+        raise ValueError(f"mkrt.gemm_allreduce: k={k} (per rank) must be a multiple of 8")
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"mkrt.gemm_allreduce: world {nodes}x{ranks_per_node} is empty")
+    if ranks_per_node > 32 or nodes > 32:
+        raise ValueError(f"mkrt.gemm_allreduce: at most 32 ranks per node and 32 nodes; "
+                         f"got {nodes}x{ranks_per_node}")
+    if dtype not in ("bf16", "f16") or b_layout not in ("kn", "nk"):
+        raise ValueError(f"mkrt.gemm_allreduce: dtype={dtype!r}, b_layout={b_layout!r}; expected "
+                         "bf16/f16 and kn/nk")
+    tile = (dtype, b_layout, BLOCK_M, BLOCK_N, gemm_module.max_stages(BLOCK_M, BLOCK_N, "direct"))
+    world = nodes * ranks_per_node
+    if world == 1:
+        return Plan(*tile, m, n, k, 1, 1, ctas, 0, False, "one rank: plain GEMM, nothing to reduce",
+                    0.0, 0.0)
+    if reduce_ctas is None:
+        reduce_ctas = default_reduce_ctas(k, ctas, nodes=nodes, ceilings=ceilings)
+    if not 1 <= reduce_ctas < ctas:
+        raise ValueError(f"mkrt.gemm_allreduce: reduce_ctas={reduce_ctas} must be in [1, {ctas - 1}] "
+                         f"(ctas={ctas} per rank)")
+    fused_us, unfused_us = predict_times(m, n, k, nodes, ranks_per_node, ctas, reduce_ctas,
+                                    sms_per_gpu, ranks_per_gpu, ceilings)
+    if fuse is None:
+        fused = fused_us < 0.97 * unfused_us
+        reason = (f"model: fused {fused_us:.0f} us vs unfused {unfused_us:.0f} us"
+                  + ("" if fused else " (fusion loses at this size: unfused path)"))
+    else:
+        fused, reason = bool(fuse), f"fuse={fuse} requested"
+    p = Plan(*tile, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,
+             fused_us, unfused_us)
+    if nodes == 1:
+        return p
+    # p.slots: the most tiles a rank owns.
+    send_batch = max(1, min(-(-send_bytes // p.tile_bytes), -(-p.slots // reduce_ctas)))
+    return dataclasses.replace(p, send_batch=send_batch)

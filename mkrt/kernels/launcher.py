@@ -1,0 +1,92 @@
+"""The prepared-call fast path: kernel arguments packed once, patched in place, launched
+with one ``cuLaunchKernel``.
+
+An op prepares a :class:`KernelLaunch` per (rank, signature) the first time it sees a
+signature (shapes, dtypes, layouts, options): the function, grid, block, shared memory and
+every argument's bytes. A call patches only what changed (array pointers, a tensor map
+when its pointer changed) and launches. CuPy's ``RawKernel.__call__`` converts every
+argument on every call; this path does not (measured per call and phase in
+experiments/notes/runtime.md).
+
+The driver copies the argument bytes when ``cuLaunchKernel`` returns, so one buffer per
+launch serves every call, also while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+
+@functools.cache
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    launch = lib.cuLaunchKernel
+    launch.restype = ctypes.c_int
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    name = lib.cuGetErrorName
+    name.restype = ctypes.c_int
+    name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return launch, name
+
+
+def driver_error_name(code: int) -> str:
+    text = ctypes.c_char_p()
+    _driver()[1](code, ctypes.byref(text))
+    return text.value.decode() if text.value else f"CUresult {code}"
+
+
+class Parameters:
+    """The bytes of a kernel's parameters in one host buffer, each at its C alignment.
+
+    ``fields``: (name, dtype or byte count, alignment) in the kernel's parameter order.
+    ``view(name)`` is a writable numpy view of one field; ``address(name)`` its address
+    (tensor maps are encoded straight into it).
+    """
+
+    def __init__(self, fields: list[tuple[str, object, int]]):
+        offsets, offset = {}, 0
+        for name, kind, align in fields:
+            size = kind if isinstance(kind, int) else np.dtype(kind).itemsize
+            offset = -(-offset // align) * align
+            offsets[name] = (offset, size, kind)
+            offset += size
+        self._storage = np.zeros(offset + 128, np.uint8)
+        base = -self._storage.ctypes.data % 64          # the buffer starts 64-byte aligned
+        self.bytes = self._storage[base:base + offset]
+        self.base = self.bytes.ctypes.data
+        self._offsets = offsets
+        self.pointers = (ctypes.c_void_p * len(fields))(
+            *[self.base + offsets[name][0] for name, _, _ in fields])
+
+    def address(self, name: str) -> int:
+        return self.base + self._offsets[name][0]
+
+    def view(self, name: str) -> np.ndarray:
+        """A 0-d (scalar or record) view of field `name`; assign with ``view[()] = value``."""
+        offset, size, kind = self._offsets[name]
+        raw = self.bytes[offset:offset + size]
+        return raw if isinstance(kind, int) else raw.view(kind).reshape(())
+
+    def set(self, **values) -> None:
+        for name, value in values.items():
+            self.view(name)[()] = value
+
+
+class KernelLaunch:
+    """One kernel on one device with prepared parameters: ``launch(stream_ptr)``."""
+
+    def __init__(self, function, grid: int, block: int, shared_mem: int, params: Parameters):
+        self.function = function                 # keeps the module (and the CUfunction) alive
+        self.handle = function.ptr
+        self.grid, self.block, self.shared_mem = int(grid), int(block), int(shared_mem)
+        self.params = params
+
+    def __call__(self, stream_ptr: int) -> None:
+        code = _driver()[0](self.handle, self.grid, 1, 1, self.block, 1, 1, self.shared_mem,
+                            stream_ptr, self.params.pointers, None)
+        if code:
+            raise RuntimeError(f"mkrt.launch: cuLaunchKernel failed: {driver_error_name(code)} "
+                               f"(grid {self.grid}, block {self.block}, shared {self.shared_mem})")
