@@ -80,7 +80,7 @@ class KernelLaunch:
 
     def __init__(self, function, grid: int, block: int, shared_mem: int, params: Parameters):
         self.function = function                 # keeps the module (and the CUfunction) alive
-        self.handle = function.ptr
+        self.handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
         self.grid, self.block, self.shared_mem = int(grid), int(block), int(shared_mem)
         self.params = params
 
