@@ -102,14 +102,15 @@ def run(layouts, sets, rounds, batch, out_path, limit=None):
     from mkrt.kernels.gemm import to_float32
     for layout in layouts:
         world = mkrt.init(emulate=layout)
-        fused_op = mkrt.GemmAllReduce(world, fuse=True)
-        auto_op = mkrt.GemmAllReduce(world)
+        # B as [N, K] (nn.Linear's weight): every random N is allowed.
+        fused_op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk")
+        auto_op = mkrt.GemmAllReduce(world, b_layout="nk")
         for set_name in sets:
             shapes = SETS[set_name]()[:limit]
             for m, n, k, family in shapes:
                 rng = cupy.random.default_rng(m * 7 + n * 3 + k)
                 a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-                b = [(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
+                b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
                 outs = {name: [cupy.empty((m, n), bfloat16) for _ in world.local]
                         for name in ("fused", "unfused", "auto")}
                 paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),

@@ -177,7 +177,10 @@ class World:
         proxy = self.running_service("proxy")
         if not synchronize:
             # The fast path of every call: one pinned word per GPU, then the proxy's words.
-            if not any(block.host_word[0] for block in self._status_blocks()):
+            for block in self._status_blocks():
+                if block.host_word[0]:
+                    break
+            else:
                 if proxy is not None:
                     proxy.check()
                 return

@@ -57,7 +57,8 @@ class KernelSpec:
         missing = [name for name in self.entry_points if name not in build.resources]
         if missing:
             raise KeyError(f"mkrt.jit: {self.uri} does not define entry points {missing}; "
-                           f"it defines {sorted(build.resources)}")
+                           f"ptxas reported {sorted(build.resources)} (compile log: "
+                           f"{build.log[:300]!r}; entry {build.cubin_path.parent})")
         _BUILDS[memo_key] = build
         return build
 

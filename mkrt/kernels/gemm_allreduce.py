@@ -586,11 +586,21 @@ class GemmAllReduce(Op):
         same_host = self.world.emulated or len(set(self.world.hosts)) == 1
         ceilings = Ceilings(network_gbps=35.0) if same_host else Ceilings()
         send_bytes = 1 << 20
-        return plan(m, n, k, nodes=self.world.nodes, ranks_per_node=self.world.ranks_per_node,
-                    ctas=ctas, dtype=dtype, b_layout=self.b_layout, reduce_ctas=self.reduce_ctas,
-                    fuse=self.fuse if mode_fuse is None else mode_fuse,
-                    sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
-                    ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings)
+        fuse = self.fuse if mode_fuse is None else mode_fuse
+        fusable = not (self.b_layout == "kn" and n % 8)
+        if fuse and not fusable:
+            raise ValueError(f"mkrt.gemm_allreduce: the fused kernel with b_layout='kn' needs "
+                             f"n % 8 == 0 (TMA rows of 16 bytes); got n={n}: pass B as [N, K] "
+                             "(b_layout='nk') or leave fuse=None for the unfused path")
+        p = plan(m, n, k, nodes=self.world.nodes, ranks_per_node=self.world.ranks_per_node,
+                 ctas=ctas, dtype=dtype, b_layout=self.b_layout, reduce_ctas=self.reduce_ctas,
+                 fuse=fuse if fusable else False,
+                 sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
+                 ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings)
+        if not fusable and mode_fuse is None and self.fuse is None:
+            p = dataclasses.replace(p, reason="b_layout='kn' with n % 8 != 0: the fused kernel's "
+                                              "TMA needs 16-byte rows of B; unfused path")
+        return p
 
     def _ensure_buffers(self, p: Plan) -> None:
         """Symmetric buffers big enough for `p` (re-made, after a sync, when a shape grows)."""

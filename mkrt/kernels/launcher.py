@@ -83,10 +83,15 @@ class KernelLaunch:
         self.handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
         self.grid, self.block, self.shared_mem = int(grid), int(block), int(shared_mem)
         self.params = params
+        # Arguments converted once: ctypes passes its own objects without conversion.
+        one = ctypes.c_uint(1)
+        self._head = (ctypes.c_void_p(self.handle), ctypes.c_uint(self.grid), one, one,
+                      ctypes.c_uint(self.block), one, one, ctypes.c_uint(self.shared_mem))
+        self._tail = (ctypes.cast(params.pointers, ctypes.c_void_p), None)
+        self._launch = _driver()[0]
 
     def __call__(self, stream_ptr: int) -> None:
-        code = _driver()[0](self.handle, self.grid, 1, 1, self.block, 1, 1, self.shared_mem,
-                            stream_ptr, self.params.pointers, None)
+        code = self._launch(*self._head, stream_ptr, *self._tail)
         if code:
             raise RuntimeError(f"mkrt.launch: cuLaunchKernel failed: {driver_error_name(code)} "
                                f"(grid {self.grid}, block {self.block}, shared {self.shared_mem})")
