@@ -3,7 +3,7 @@
 Measures the Hopper GEMM engine (TMA + wgmma, persistent, warp-specialised) on the
 issue's suite, on the full chip and with the grid capped at 116 and 100 CTAs (the
 compute role's share in fused kernels), against torch.matmul (cuBLASLt; the faster
-baseline, FACTS.md) and cupy.matmul. Every case is checked against a float32 result
+baseline: mkrt/DESIGN.md, "Machine facts") and cupy.matmul. Every case is checked against a float32 result
 first (relative Frobenius error), then timed with CUDA events (warm-up, median of
 --repeats batches of --iterations launches).
 

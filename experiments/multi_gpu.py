@@ -16,7 +16,7 @@ a float32 reference), then times, in the same run:
 Results: experiments/results/multi_gpu.jsonl (one line per case, with GPU count and layout),
 multi_gpu_topology.txt (``nvidia-smi topo -m``) and multi_gpu.png.
 
-NVLink multicast stays off (FACTS.md): NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVLink multicast stays off (mkrt/DESIGN.md, "Machine facts"): NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1 are set for every process, and mkrt never uses multimem.
 
 ``--dry-run`` runs the mkrt half on an emulated world of this process's GPUs (no NCCL),

@@ -1,4 +1,4 @@
-"""Command line: `python -m mkrt compile --all`, `python -m mkrt demo`, `python -m mkrt info`."""
+"""Command line: `python -m mkrt compile --all`, `demo`, `info`, `report [--check]`."""
 
 from __future__ import annotations
 
@@ -31,27 +31,97 @@ def cmd_compile(args) -> int:
     return 1 if failures else 0
 
 
-def cpu_checks() -> int:
-    """Checks that need no GPU: world layouts and the status record layout."""
+def gpu_diagnosis() -> str:
+    """Why this process sees no usable GPU, in one line (asks the driver, not the runtime:
+    without a driver the CUDA runtime says "driver version is insufficient" too)."""
+    import ctypes
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return ("no NVIDIA driver here (libcuda.so.1 not found): kernels need a Hopper GPU "
+                "(sm_90) and a driver for CUDA 13")
+    version = ctypes.c_int(0)
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value < 13000:
+        return (f"the NVIDIA driver supports CUDA {version.value // 1000}.{version.value % 1000 // 10}; "
+                "mkrt needs a driver for CUDA 13 (the R580 series or newer)")
+    status = libcuda.cuInit(0)
+    if status == 100:       # CUDA_ERROR_NO_DEVICE
+        return "the NVIDIA driver sees no GPU (check CUDA_VISIBLE_DEVICES and the container's devices)"
+    if status != 0:
+        return f"the NVIDIA driver failed to start (cuInit returned {status})"
+    return "the driver starts but CuPy sees no GPU (check CUDA_VISIBLE_DEVICES)"
+
+
+def hopper_problem() -> str | None:
+    """None when GPU 0 is a Hopper (sm_90); else what it is."""
+    import cupy
+    capability = int(cupy.cuda.Device(0).compute_capability)     # "90" on an H100 / H200
+    if capability // 10 != 9:
+        return (f"GPU 0 has compute capability {capability // 10}.{capability % 10}; mkrt's "
+                "kernels are built for Hopper (sm_90a: wgmma, TMA) and do not load elsewhere")
+    return None
+
+
+def cpu_checks() -> list[tuple[str, bool, str]]:
+    """What runs without a GPU besides compiling: (what, passed, detail) per check."""
+    import numpy as np
+
+    from mkrt.errors import ROLE_NAMES
+    from mkrt.kernels import gemm, gemm_allreduce
+    from mkrt.kernels.device.sync import STATUS_HEADER_WORDS, STATUS_RECORD_WORDS
+    from mkrt.status import decode_records
     from mkrt.world import emulated_world
+    checks = []
     world = emulated_world("2x4", gpus=0)
-    assert_ok = (world.size == 8 and world.nodes == 2 and world.ranks[5].node == 1
-                 and world.ranks[5].local_rank == 1)
-    print(f"world 2x4 layout: {'ok' if assert_ok else 'WRONG'}")
-    return 0 if assert_ok else 1
+    ok = (world.size == 8 and world.nodes == 2 and world.ranks[5].node == 1
+          and world.ranks[5].local_rank == 1)
+    checks.append(("world layout: emulated 2x4 has 8 ranks on 2 nodes", ok, repr(world)))
+    g = gemm.plan(8192, 8192, 512, sms=132)
+    checks.append(("gemm planner: 8192x8192x512 on 132 SMs", g.tiles == 2048 and g.grid == 132,
+                   f"{g.spec.uri}, {g.tiles} tiles, grid {g.grid}"))
+    for nodes, per_node in ((1, 2), (2, 2)):
+        p = gemm_allreduce.plan(8192, 8192, 512, nodes=nodes, ranks_per_node=per_node,
+                                ctas=132 // (nodes * per_node), ranks_per_gpu=nodes * per_node)
+        problems = p.check()
+        checks.append((f"gemm_allreduce plan on {nodes}x{per_node}: every tile reduced and sent "
+                       "exactly once, no wait cycle", not problems,
+                       "; ".join(problems) or f"{'fused' if p.fused else 'unfused'} ({p.reason}), "
+                       f"{p.compute_ctas} compute + {p.reduce_ctas} reduce CTAs"))
+    words = np.zeros(STATUS_HEADER_WORDS + 2 * STATUS_RECORD_WORDS, np.uint64)
+    record = words[STATUS_HEADER_WORDS + STATUS_RECORD_WORDS:]
+    record[:8] = [5, ROLE_NAMES.index("reduce"), 17, 3, 42, 12, 11, (1 << 63) | 7]
+    decoded = decode_records(words, 2)
+    ok = list(decoded) == [1] and (decoded[1].rank, decoded[1].role, decoded[1].expected,
+                                   decoded[1].seen) == (5, "reduce", 12, 11)
+    checks.append(("status block: a wait record decodes into mkrt.CommTimeout's fields", ok,
+                   str(decoded.get(1, "nothing decoded"))))
+    return checks
 
 
 def cmd_demo(args) -> int:
     from mkrt.world import visible_gpus
     gpus = visible_gpus()
     if gpus == 0:
-        print("mkrt demo: no CUDA GPU on this machine. Running what works without one:\n"
-              "compile-only builds of every kernel for sm_90a, and the CPU checks.\n")
+        print(f"mkrt demo: no usable CUDA GPU: {gpu_diagnosis()}.\n"
+              "Running what works without one: (1) compile every kernel spec for sm_90a with "
+              "NVRTC (no GPU needed; nothing is launched), (2) CPU checks of planners, "
+              "world layouts and error records.\n")
         status = cmd_compile(argparse.Namespace(filter=None, allow_spills=False))
-        status |= cpu_checks()
-        print("\nOn a GPU machine this command runs the showcase op (gemm_allreduce) on an "
-              "emulated world, checks it and times it against cuBLAS + all-reduce.")
+        print()
+        checks = cpu_checks()
+        for what, ok, detail in checks:
+            print(f"{'ok    ' if ok else 'FAILED'} {what}\n       {detail}")
+            status |= 0 if ok else 1
+        print(f"\nRan: compile-only builds (above) and {len(checks)} CPU checks "
+              f"({sum(ok for _, ok, _ in checks)} passed). Not run: no kernel was launched and "
+              "nothing was timed.\nOn a machine with a Hopper GPU this command runs "
+              "gemm_allreduce on an emulated world, checks it against a float32 reference and "
+              "times it against cuBLAS + all-reduce.")
         return status
+    problem = hopper_problem()
+    if problem:
+        print(f"mkrt demo: {problem}")
+        return 1
     layout = args.layout or f"1x{max(2, gpus)}"
     if args.op == "allgather":
         return demo_allgather(layout, args.mib)
@@ -144,11 +214,22 @@ def cmd_info(args) -> int:
     from mkrt import envs
     from mkrt.jit.compiler import compiler_version, include_dirs
     from mkrt.world import visible_gpus
-    print(f"GPUs visible: {visible_gpus()}")
+    gpus = visible_gpus()
+    print(f"GPUs visible: {gpus}" + ("" if gpus else f" ({gpu_diagnosis()})"))
     print(f"compiler: {compiler_version()}  arch: {envs.get('MKRT_JIT_ARCH')}")
     print(f"include dirs: {include_dirs()}")
     print(f"cache: {envs.get('MKRT_JIT_CACHE_DIR')}")
     return 0
+
+
+def report_arguments(parser) -> None:
+    from mkrt.report import add_arguments
+    add_arguments(parser)
+
+
+def cmd_report(args) -> int:
+    from mkrt.report import main as report_main
+    return report_main(args)
 
 
 def main(argv=None) -> int:
@@ -159,7 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--filter", help="only specs whose URI contains this")
     p.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")
     p.set_defaults(run=cmd_compile)
-    p = sub.add_parser("demo", help="run the showcase op (checks + timing; CPU checks without a GPU)")
+    p = sub.add_parser("demo", help="run the showcase op (checks + timing); without a GPU: "
+                       "compile-only builds and CPU checks")
     p.add_argument("--layout", help="emulated world NxG (default 1x<GPUs, at least 2>)")
     p.add_argument("--op", choices=["gemm_allreduce", "allgather"], default="gemm_allreduce")
     p.add_argument("--shape", default="8192x8192x512", help="gemm_allreduce MxNxK (K per rank)")
@@ -167,10 +249,14 @@ def main(argv=None) -> int:
     p.set_defaults(run=cmd_demo)
     p = sub.add_parser("info", help="GPUs, compiler, include paths, cache")
     p.set_defaults(run=cmd_info)
+    p = sub.add_parser("report", help="regenerate README.md's results table from "
+                       "experiments/results/*.jsonl (--check: fail if it is out of date)")
+    report_arguments(p)
+    p.set_defaults(run=cmd_report)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     status = args.run(args)
-    if args.command != "info":
+    if args.command not in ("info", "report"):
         print(f"({time.perf_counter() - start:.1f} s)")
     return status
 

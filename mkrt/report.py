@@ -1,0 +1,473 @@
+"""`python -m mkrt report`: the README's "What works today" table, made from the results.
+
+The table lives in README.md between the two marker comments :data:`BEGIN` and
+:data:`END`. It is generated, never edited by hand: each line's numbers come from the
+JSON lines under ``experiments/results/*.jsonl`` (the rows ``mkrt.bench.record`` writes),
+and each line names the commit its rows were recorded at. ``--check`` exits 1 when the
+README differs from what this module generates; tests/test_report.py does the same in CI.
+
+How a line is made (mkrt/DESIGN.md, "Results and the README table"):
+
+* Rows belong to an experiment (their ``experiment`` field, else the file's name) and,
+  inside it, to a *family*: a set of cases that one summary covers (one world layout of
+  gemm_allreduce, one grid size of gemm, ...). A row may name its line itself with a
+  ``report_family`` field; otherwise the experiment's rule below decides, and experiments
+  without a rule fall back to (metric, layout, group).
+* A *run* is the rows that share (commit, command, date). Each family is summarised over
+  its newest run only: the run of its last row in file order. Older runs stay in the
+  files for the record but no longer move the table.
+* The summary is small and fixed per experiment: the range of the run's ratios (ratio > 1
+  favours mkrt for every row ``mkrt.bench.record`` writes, except where a line says it is
+  a time ratio), the geometric mean when there are several cases, and for a few single
+  cases the range over every run recorded (the host side of lent machines varies a lot).
+* An experiment this module has no rule for still gets lines (one per family), so new
+  result files show up without code changes; give it a :class:`Piece` to word it better.
+
+Reading rows never needs a GPU, CuPy or Numba.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+README = ROOT / "README.md"
+BEGIN = "<!-- report:begin -->"
+END = "<!-- report:end -->"
+
+Row = dict
+
+
+# ---- reading rows -----------------------------------------------------------------------
+
+@dataclass
+class Results:
+    """Rows of every results file, per experiment, in file order."""
+
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+    unreadable: dict[str, int] = field(default_factory=dict)     # file name -> bad lines
+
+
+def load(results_dir: Path = RESULTS) -> Results:
+    """Every ``*.jsonl`` under `results_dir`; lines that are not JSON objects are counted
+    (a file being appended to may end in half a line), never fatal."""
+    out = Results()
+    for path in sorted(Path(results_dir).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict):
+                out.unreadable[path.name] = out.unreadable.get(path.name, 0) + 1
+                continue
+            row.setdefault("_file", path.name)
+            out.rows.setdefault(str(row.get("experiment") or path.stem), []).append(row)
+    return out
+
+
+def run_of(row: Row) -> tuple:
+    return (str(row.get("commit", "unknown")), str(row.get("command", "")), str(row.get("date", "")))
+
+
+def newest_run(rows: list[Row]) -> list[Row]:
+    """The rows of the run that wrote the last of `rows`."""
+    if not rows:
+        return []
+    last = run_of(rows[-1])
+    return [r for r in rows if run_of(r) == last]
+
+
+def runs(rows: list[Row]) -> list[list[Row]]:
+    """Rows grouped by run, in order of each run's first row."""
+    grouped: dict[tuple, list[Row]] = {}
+    for row in rows:
+        grouped.setdefault(run_of(row), []).append(row)
+    return list(grouped.values())
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+# ---- formatting -------------------------------------------------------------------------
+
+def fmt(value: float) -> str:
+    """Three significant figures, no exponent for the magnitudes results have."""
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 0.01:
+        return f"{value:.2f}"
+    return f"{value:.2g}"
+
+
+def span(values: list[float], unit: str = "") -> str:
+    low, high = min(values), max(values)
+    if fmt(low) == fmt(high):
+        return f"{fmt(low)}{unit}"
+    return f"{fmt(low)}-{fmt(high)}{unit}"
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def commit_of(rows: list[Row]) -> str:
+    commits = list(dict.fromkeys(str(r.get("commit", "unknown")) for r in rows))
+    return ", ".join(f"`{c}`" for c in commits)
+
+
+# ---- what a line says -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Line:
+    """One table line: a family of rows, summarised over its newest run."""
+
+    label: str                              # what the rows measure, in words
+    select: Callable[[Row], bool]           # which rows belong to the line
+    show: str = "ratio"                     # "ratio" or "value"
+    against: str = ""                       # words after the ratio ("x cuBLAS", ...)
+    history: bool = False                   # also: range over every run recorded
+    sweep: str = ""                         # a numeric row field: give the ratio at its
+                                            # largest and smallest value instead of a range
+    sweep_unit: str = ""                    # after the largest value ("MiB per rank")
+    sweep_unit_low: str = ""                # after the smallest (default: sweep_unit)
+    at_least: float | None = None           # also count the cases whose ratio reaches this
+
+
+def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
+    """(summary text, commit) of `line` over `rows`, or None when no row belongs to it."""
+    mine = [r for r in rows if line.select(r)]
+    if not mine:
+        return None
+    run = newest_run(mine)
+    key = "ratio" if line.show == "ratio" else "value"
+    values = [v for v in (_number(r.get(key)) for r in run) if v is not None]
+    if not values:
+        return f"{line.label}: no {key} recorded", commit_of(run)
+    unit = "x" if key == "ratio" else f" {run[-1].get('unit', '')}".rstrip()
+    swept = sorted((_number(r.get(line.sweep)), _number(r.get(key))) for r in run
+                   if line.sweep and _number(r.get(line.sweep)) is not None
+                   and _number(r.get(key)) is not None)
+    if len(swept) > 1:
+        (low, at_low), (high, at_high) = swept[0], swept[-1]
+        text = (f"{line.label}: {fmt(at_high)}{unit}{' ' + line.against if line.against else ''}"
+                f" at {high:g}{line.sweep_unit}; {fmt(at_low)}{unit} at {low:g}"
+                f"{line.sweep_unit_low or line.sweep_unit}"
+                f" ({len(swept)} sizes)")
+        return text, commit_of(run)
+    text = f"{line.label}: {span(values, unit)}"
+    if line.against:
+        text += f" {line.against}"
+    if len(values) > 1:
+        text += f"; {len(values)} cases"
+        if key == "ratio" and all(v > 0 for v in values) and span(values) != fmt(values[0]):
+            text += f", geomean {fmt(geomean(values))}x"
+    if line.at_least is not None and key == "ratio":
+        text += f"; {sum(v >= line.at_least for v in values)} of {len(values)} at or above {fmt(line.at_least)}x"
+    if line.history:
+        per_run = []
+        for group in runs(mine):
+            got = [v for v in (_number(r.get(key)) for r in group) if v is not None]
+            if got:
+                per_run.append(geomean(got) if key == "ratio" and all(v > 0 for v in got) else got[-1])
+        if len(per_run) > 1:
+            text += f"; {len(per_run)} runs recorded: {span(per_run, unit)}"
+    return text, commit_of(run)
+
+
+# ---- families ---------------------------------------------------------------------------
+
+def _case(row: Row) -> str:
+    return str(row.get("case", ""))
+
+
+def family_lines(rows: list[Row], name: Callable[[Row], str | None], *, show: str = "ratio",
+                 against: str | Callable[[list[Row]], str] = "") -> list[Line]:
+    """One :class:`Line` per family name, in order of each family's first row. A row's own
+    ``report_family`` field wins over `name`; rows named None are left out."""
+    def family(row: Row) -> str | None:
+        return str(row["report_family"]) if row.get("report_family") else name(row)
+
+    labels = list(dict.fromkeys(f for f in map(family, rows) if f is not None))
+    lines = []
+    for label in labels:
+        members = [r for r in rows if family(r) == label]
+        words = against(newest_run(members)) if callable(against) else against
+        lines.append(Line(label, (lambda r, label=label: family(r) == label), show, words))
+    return lines
+
+
+def generic_family(row: Row) -> str:
+    parts = [str(row.get("metric", "value"))]
+    for key in ("layout", "group"):
+        if row.get(key):
+            parts.append(str(row[key]))
+    return " ".join(parts)
+
+
+def versus_baseline(run: list[Row]) -> str:
+    names = list(dict.fromkeys(str(r["baseline_name"]) for r in run if r.get("baseline_name")))
+    return f"vs {', '.join(names)}" if names else ""
+
+
+# ---- the pieces of the table -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """A row group of the table: what exists, and (optionally) what its results say."""
+
+    name: str
+    state: str
+    experiment: str | None = None
+    lines: Callable[[list[Row]], list[Line]] | None = None
+
+
+def _gemm_lines(rows):
+    def grid(row):
+        sms = row.get("sms")
+        return None if sms is None else ("full chip" if int(sms) >= 132 else f"{sms} of 132 SMs")
+    return family_lines(rows, grid, against="of torch.matmul (cuBLASLt) on the full chip, same run")
+
+
+def _allgather_lines(rows):
+    def family(row):
+        # Rows from before `group` existed gathered inside the node.
+        return f"{row.get('layout', '?')} {row.get('group') or 'node'} gather"
+    return [dataclasses.replace(line, sweep="mib_per_rank", sweep_unit=" MiB per rank",
+                                sweep_unit_low=" MiB", against="of cudaMemcpyAsync (bandwidth)")
+            for line in family_lines(rows, family)]
+
+
+def _gemm_allreduce_lines(rows):
+    def family(row):
+        if row.get("metric") == "world1_time":
+            return "world of 1 (op overhead)"
+        layout = row.get("layout") or _case(row).split("_")[0]
+        return f"{layout} emulated on one GPU"
+
+    def against(run):
+        if run and run[0].get("metric") == "world1_time":
+            return "(plain mkrt.gemm's time / the op's)"
+        return "cuBLAS + all-reduce (unfused time / fused time)"
+    return family_lines(rows, family, against=against)
+
+
+def _proxy_lines(rows):
+    def case(name, metric):
+        return lambda r: _case(r) == name and r.get("metric") == metric
+    lines = [
+        Line("round trip, CTA owns its queue", case("roundtrip_proxy_host_owned_reply_word_demoted", "median_us"),
+             against="of a raw pinned-memory ping-pong (time ratio: < 1 is faster)", history=True),
+        Line("round trip, shared queue", case("roundtrip_proxy_host_reply_word_demoted", "median_us"),
+             against="of the raw ping-pong (time ratio)", history=True),
+        Line("commands per second, 1 proxy thread", case("command_rate_1_threads", "Mcommands_per_s"),
+             show="value", history=True),
+        Line("commands per second, 8 proxy threads", case("command_rate_8_threads", "Mcommands_per_s"),
+             show="value", history=True),
+    ]
+    for size, words in (("1024KiB_x1024", "1 MiB"), ("65536KiB_x16", "64 MiB")):
+        lines.append(Line(f"`ce` puts of {words}, one poster",
+                          case(f"ce_put_{size}_kernel_1posters", "bandwidth_GBps"),
+                          against="back-to-back cudaMemcpyAsync (bandwidth)", history=True))
+    return lines
+
+
+def _runtime_lines(rows):
+    def family(row):
+        label = f", {row['label']}" if row.get("label") not in (None, "after") else ""
+        what = "host time per call per rank" if row.get("metric") == "host_us_per_rank" else \
+            str(row.get("metric", "value")).replace("_", " ")
+        return f"{row.get('op', '?')}: {what}{label}"
+    lines = family_lines(rows, family, show="value")
+    return [dataclasses.replace(line, label=line.label + " (over layouts)") for line in lines]
+
+
+def _planner_lines(rows):
+    def family(row):
+        return f"planner's pick, {row.get('set', 'shapes')} shapes"
+    return [dataclasses.replace(line, at_least=0.97)
+            for line in family_lines(rows, family, against="(faster path's time / the pick's)")]
+
+
+def _multi_gpu_lines(rows):
+    def family(row):
+        kind = "allgather" if "_allgather_" in _case(row) else "gemm_allreduce"
+        return f"{row.get('layout') or _case(row).split('_')[0]} {kind}"
+    return family_lines(rows, family, against=versus_baseline)
+
+
+PIECES = [
+    Piece("JIT", "CUDA C in Python strings, `#line` back to the Python source, NVRTC for "
+          "`sm_90a` (also on machines without a GPU), disk cache, register/spill report"),
+    Piece("worlds", "`mkrt.init()` under mpiexec (a node per host, or `MKRT_WORLD_RANKS_PER_NODE` "
+          "ranks); emulated `NxG` worlds in one process; worlds across hosts: not wired yet"),
+    Piece("memory, waits", "symmetric buffers, peer pointers (CUDA IPC), epoch flags, bounded "
+          "waits that end in `mkrt.CommTimeout`"),
+    Piece("`mkrt.gemm`", "TMA + wgmma persistent engine, bf16/f16, both B layouts",
+          "gemm", _gemm_lines),
+    Piece("`mkrt.allgather`", "world-wide and hierarchical: each block crosses to each other "
+          "node once (proxy), then spreads inside the node over peer pointers; `group=\"node\"` "
+          "gathers inside the node only", "allgather", _allgather_lines),
+    Piece("`mkrt.gemm_allreduce`", "fused, hierarchical (proxy between nodes), graph-capturable; "
+          "the planner falls back to the unfused path where it predicts fusion loses. "
+          "Emulated worlds share one GPU: ratios measure overlap and protocol cost, not NVLink",
+          "gemm_allreduce", _gemm_allreduce_lines),
+    Piece("host path", "prepared calls: arguments packed once per signature, launched with one "
+          "`cuLaunchKernel`; ops are graph-capturable", "runtime", _runtime_lines),
+    Piece("planner", "`fuse=None` picks fused or unfused per shape (`mkrt/controller/cost.py`); "
+          "`experiments/planner.py` times its picks against both paths", "planner", _planner_lines),
+    Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
+          "`verbs` (RC, EFA SRD) CPU-tested on a fake device only, never on RDMA hardware",
+          "proxy", _proxy_lines),
+    Piece("one multi-GPU host", "mkrt vs NCCL + cuBLAS over NVLink (`experiments/multi_gpu.py`)",
+          "multi_gpu", _multi_gpu_lines),
+    Piece("not yet", "AllGather+GEMM, GEMM+ReduceScatter, Ring Attention, MoE, the SM-partition "
+          "controller, worlds across hosts (verbs transport in a world)"),
+]
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def table(results: Results) -> str:
+    """The markdown between the markers (without them)."""
+    out = ["| piece | state | measured on an H200: newest run of each line | rows from |",
+           "| --- | --- | --- | --- |"]
+    known = {p.experiment for p in PIECES if p.experiment}
+    pieces = list(PIECES)
+    for name in sorted(set(results.rows) - known):
+        pieces.insert(len(pieces) - 1, Piece(
+            f"`{name}`", f"rows in experiments/results/ without a summary rule in mkrt/report.py",
+            name, lambda rows: family_lines(rows, generic_family, against=versus_baseline)))
+    for piece in pieces:
+        rows = results.rows.get(piece.experiment, []) if piece.experiment else []
+        summaries = []
+        if rows and piece.lines is not None:
+            for line in piece.lines(rows):
+                got = summarise(line, rows)
+                if got is not None:
+                    summaries.append(got)
+        if piece.experiment and not summaries:
+            summaries.append(("no rows yet", ""))
+        if not summaries:
+            summaries.append(("", ""))
+        for i, (text, commit) in enumerate(summaries):
+            name, state = (piece.name, piece.state) if i == 0 else ("", "")
+            out.append(f"| {_cell(name)} | {_cell(state)} | {_cell(text)} | {commit} |")
+    if results.unreadable:
+        skipped = ", ".join(f"{n} ({c})" for n, c in sorted(results.unreadable.items()))
+        out.append("")
+        out.append(f"Lines that are not JSON objects were skipped: {skipped}.")
+    return "\n".join(out)
+
+
+def render_readme(readme_text: str, results: Results) -> str:
+    """`readme_text` with the block between the markers replaced by :func:`table`."""
+    start = readme_text.find(BEGIN)
+    stop = readme_text.find(END)
+    if start < 0 or stop < start:
+        raise ValueError("mkrt.report: README.md lacks the report markers "
+                         f"{BEGIN!r} ... {END!r}")
+    return readme_text[:start + len(BEGIN)] + "\n" + table(results) + "\n" + readme_text[stop:]
+
+
+def plot(results: Results, path: Path) -> str:
+    """One PNG: the newest run's ratio of every case, one panel per experiment. Returns
+    what happened (matplotlib is optional: without it nothing is written)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    panels = []
+    for piece in PIECES + [Piece(f"`{n}`", "", n, lambda rows: family_lines(rows, generic_family))
+                           for n in sorted(set(results.rows) - {p.experiment for p in PIECES})]:
+        rows = results.rows.get(piece.experiment, []) if piece.experiment else []
+        if not rows or piece.lines is None:
+            continue
+        points = []
+        for line in piece.lines(rows):
+            run = newest_run([r for r in rows if line.select(r)])
+            ratios = [(_case(r), _number(r.get("ratio"))) for r in run]
+            ratios = [(c, v) for c, v in ratios if v is not None]
+            if ratios and line.show == "ratio":
+                points.append((line.label, ratios))
+        if points:
+            panels.append((piece.name.strip("`"), points))
+    if not panels:
+        return "plot skipped: no ratios recorded"
+    figure, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    for axis, (title, points) in zip(axes[:, 0], panels):
+        x = 0
+        for label, ratios in points:
+            axis.bar([x + i for i in range(len(ratios))], [v for _, v in ratios], label=label)
+            x += len(ratios) + 1
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_title(title)
+        axis.set_ylabel("ratio (newest run)")
+        axis.set_xticks([])
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return f"plot: {path}"
+
+
+def main(args) -> int:
+    """``python -m mkrt report [--check] [--print] [--plot PNG]``."""
+    results = load(Path(args.results))
+    readme = Path(args.readme)
+    current = readme.read_text()
+    try:
+        wanted = render_readme(current, results)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.print:
+        print(table(results))
+    if args.plot:
+        print(plot(results, Path(args.plot)))
+    if args.check:
+        if current != wanted:
+            print(f"mkrt.report: {readme} is out of date with {args.results}; run "
+                  "`python -m mkrt report` and commit README.md", file=sys.stderr)
+            return 1
+        print(f"{readme}: table up to date")
+        return 0
+    if current != wanted:
+        readme.write_text(wanted)
+        print(f"{readme}: table rewritten from {sum(len(r) for r in results.rows.values())} rows")
+    else:
+        print(f"{readme}: table already up to date")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when README.md differs from what the rows give; write nothing")
+    parser.add_argument("--print", action="store_true", help="also print the table")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the newest ratios (needs matplotlib)")
+    parser.add_argument("--results", default=str(RESULTS), help="folder of *.jsonl rows")
+    parser.add_argument("--readme", default=str(README), help="the file holding the markers")
