@@ -45,11 +45,19 @@ def _random_shapes(seed: int, count: int) -> list[tuple[int, int, int, str]]:
 
 
 def calibration() -> list[tuple[int, int, int, str]]:
-    sweep = [(s, s, s // 16, "sweep") for s in (2048, 4096, 8192, 16384)]
-    llm = [(4096, 8192, 3584, "llm70b_tp8"), (8192, 8192, 3584, "llm70b_tp8"),
-           (16384, 8192, 3584, "llm70b_tp8"), (1024, 4096, 512, "small"),
-           (512, 2048, 256, "small"), (256, 256, 256, "tiny")]
-    return sweep + llm + _random_shapes(1, 12)
+    """A grid over K (the feature that matters most) crossed with sizes and widths, odd
+    shapes, and the small end. The first version of this set (commit cc2daa8: the sweep,
+    three LLM shapes, 12 random shapes) had too few aligned large-K shapes to fit; its
+    rows stay in the results with set="calibration_v1"."""
+    sizes = [(768, 2560), (3072, 6144), (12288, 2560), (1536, 12288), (6144, 6144)]
+    grid = []
+    for i, k in enumerate((384, 768, 1536, 3072, 6144, 12288)):
+        for j in range(3):
+            m, n = sizes[(i + j) % len(sizes)]
+            grid.append((m, n, k, "grid"))
+    small = [(256, 256, 256, "tiny"), (512, 2048, 256, "small"), (1024, 1536, 640, "small"),
+             (2048, 2048, 128, "sweep"), (4096, 4096, 256, "sweep")]
+    return grid + small + _random_shapes(1, 8)
 
 
 def held_out() -> list[tuple[int, int, int, str]]:

@@ -74,8 +74,8 @@ def predict_times(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_g
 # ---- the fitted fusion rule -----------------------------------------------------------
 
 #: feature names, in the order of FUSION_WEIGHTS
-FUSION_FEATURES = ("one", "log2_k", "log2_mn", "several_nodes", "several_nodes_log2_k",
-                   "log2_ranks_per_gpu", "wave_efficiency", "reduce_share")
+FUSION_FEATURES = ("one", "log2_k", "log2_mn", "n_odd", "several_nodes",
+                   "several_nodes_log2_k", "log2_ranks_per_gpu", "wave_efficiency")
 
 #: least-squares weights of log(fused / unfused) (experiments/planner.py --fit on the
 #: calibration rows of experiments/results/planner.jsonl)
@@ -84,13 +84,20 @@ FUSION_WEIGHTS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 def fusion_features(m: int, n: int, k: int, *, nodes: int, ctas: int, reduce_ctas: int,
                     ranks_per_gpu: int, block_m: int = 128, block_n: int = 256) -> tuple:
-    """The features the fusion rule weighs (FUSION_FEATURES order)."""
+    """The features the fusion rule weighs (FUSION_FEATURES order).
+
+    log2_k: compute per byte reduced (large K: the GEMM dominates and the unfused path's
+    cuBLAS on the whole chip wins; small K: the all-reduce dominates and overlapping it
+    wins). log2_mn: size (small problems are launch-bound; fused is one launch per rank).
+    n_odd: rows of C of an odd number of elements, where cuBLAS is much slower (measured:
+    half the speed or less on such shapes, H200).
+    wave_efficiency: how well the tiles fill the compute CTAs' last wave."""
     tiles = -(-m // block_m) * -(-n // block_n)
     compute = max(1, ctas - reduce_ctas)
     waves = -(-tiles // compute)
     several = 1.0 if nodes > 1 else 0.0
-    return (1.0, math.log2(k), math.log2(m * n), several, several * math.log2(k),
-            math.log2(max(1, ranks_per_gpu)), tiles / (waves * compute), reduce_ctas / ctas)
+    return (1.0, math.log2(k), math.log2(m * n), 1.0 if n % 2 else 0.0, several,
+            several * math.log2(k), math.log2(max(1, ranks_per_gpu)), tiles / (waves * compute))
 
 
 def fusion_log_ratio(features, weights=None) -> float:
