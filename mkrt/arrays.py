@@ -1,7 +1,7 @@
 """One checked view of the device arrays users hand to mkrt, and results in their type.
 
 Accepted: CuPy arrays, anything with ``__dlpack__`` (torch tensors: bfloat16 only travels
-through DLPack, FACTS.md) and anything with ``__cuda_array_interface__``. Host arrays are
+through DLPack: mkrt/DESIGN.md, "Machine facts") and anything with ``__cuda_array_interface__``. Host arrays are
 refused with a clear error. bfloat16 is ``ml_dtypes.bfloat16``.
 """
 

@@ -1,4 +1,4 @@
-"""GPU-issued commands carried by a host proxy to a transport (DESIGN.md, "Command queue
+"""GPU-issued commands carried by a host proxy to a transport (mkrt/DESIGN.md, "Command queue
 and host proxy").
 
 Device side: ``mkrt/kernels/device/queue.py`` (``mkrt::post_put`` and friends).

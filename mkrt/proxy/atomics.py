@@ -1,6 +1,6 @@
 """Atomic memory operations for Numba-compiled code, built with llvmlite.
 
-FACTS.md: a plain ``while arr[i] != v: pass`` in ``@njit`` is hoisted by LLVM and never
+mkrt/DESIGN.md, "Machine facts": a plain ``while arr[i] != v: pass`` in ``@njit`` is hoisted by LLVM and never
 sees another thread's (or the GPU's) write; an acquire load is re-read every iteration.
 Everything here works on u64 words, either elements of a 1-D uint64 array or raw
 addresses (what the region table holds). Compare uint64 with uint64 only (mixing with

@@ -336,7 +336,7 @@ def availability() -> str | None:
         import pyverbs.device as device  # noqa: F401
     except ImportError as error:
         return (f"pyverbs is not installed ({error}); install rdma-core's python3-pyverbs "
-                "(PyPI's 'pyverbs' does not build), FACTS.md")
+                "(PyPI's 'pyverbs' does not build; mkrt/DESIGN.md, \"Machine facts\")")
     try:
         devices = device.get_device_list()
     except Exception as error:  # PyverbsRDMAError errno 38 without a device
