@@ -465,9 +465,7 @@ class AllGather(Op):
         self._receive: SymmetricBuffer | None = None
         self._receive_tables: dict[int, object] = {}
         if self.N > 1:
-            # Compile first: a compile error shows before proxy threads start, and the
-            # proxy's own copy kernel is then not this process's first NVRTC compile (a
-            # first compile of it on the H200 machine once reported no entry points).
+            # Compile first: a compile error shows before any proxy thread starts.
             self.spec.build()
             self.world.proxy()       # starts the proxy; it registers every symmetric buffer
 
