@@ -191,3 +191,22 @@ def test_unfused_nccl_is_refused_where_it_cannot_run(make_world):
     out = op.unfused(a_list, b_list)                       # auto: mkrt's all-reduce
     world.synchronize()
     assert relative_error(out[0], gar.reference(a_list, b_list)) < REL_ERROR_BOUND
+
+
+def test_shapes_that_come_back_after_the_buffers_were_remade(make_world):
+    """A -> B -> A with different tile layouts: A's prepared launches must not keep
+    pointers into buffers that B's call replaced (the layout key alone comes back)."""
+    import cupy
+    from mkrt.kernels.gemm import poison
+    world = make_world("1x2")
+    op = gar.GemmAllReduce(world, b_layout="nk", fuse=True, timeout_ms=10000)
+    for step, (m, n, k) in enumerate([(512, 768, 128), (1024, 1024, 64), (512, 768, 128),
+                                      (1024, 1024, 64)]):
+        a_list, b_list = operands(world, m, n, k, "nk", "bf16", seed=step)
+        outs = [poison(cupy.empty((m, n), a_list[0].dtype)) for _ in world.local]
+        op(a_list, b_list, out=outs)
+        world.synchronize()
+        expected = gar.reference(a_list, b_list, b_layout="nk")
+        for out in outs:
+            assert relative_error(out, expected) < REL_ERROR_BOUND, f"step {step}"
+    op.close()

@@ -573,6 +573,7 @@ class GemmAllReduce(Op):
         self.last_plan: Plan | None = None
         self._buffers: dict[str, SymmetricBuffer] = {}
         self._layout_key = None
+        self._generation = 0         # counts buffer allocations (a layout can come back)
         self._scratch: dict = {}
         self._prepared: dict = {}
 
@@ -623,6 +624,7 @@ class GemmAllReduce(Op):
                                                zero=(name == "flags"))
                          for name, size in need.items() if size}
         self._layout_key = key
+        self._generation += 1        # prepared launches of older buffers must be re-made
         self._scratch.clear()
         if p.nodes > 1:
             self.world.proxy()     # starts the proxy and registers the buffers
@@ -732,7 +734,7 @@ class GemmAllReduce(Op):
         """The prepared launches of `call` in `mode` ("gemm": fused; "copy": the all-reduce
         of existing partials), one per local rank, made on first use."""
         launches = call.launches.get(mode)
-        if launches is not None and call.buffers_key == self._layout_key:
+        if launches is not None and call.buffers_key == self._generation:
             return launches
         p = call.plan
         if mode == "copy":
@@ -740,10 +742,10 @@ class GemmAllReduce(Op):
             p = dataclasses.replace(p, reduce_ctas=max(1, p.ctas // 2))
         spec = spec_for(p, mode)
         self._ensure_buffers(p)
-        if call.buffers_key != self._layout_key:     # buffers were re-made: re-patch all
+        if call.buffers_key != self._generation:     # buffers were re-made: re-patch all
             call.launches.clear()
             call.operand_pointers.clear()
-            call.buffers_key = self._layout_key
+            call.buffers_key = self._generation
         launches = []
         for info in self.world.local:
             function = spec.function("gemm_allreduce", info.device, spec.smem_bytes)
@@ -880,7 +882,7 @@ class _PreparedCall:
     out_shape: tuple
     launches: dict = dataclasses.field(default_factory=dict)          # mode -> [KernelLaunch]
     operand_pointers: dict = dataclasses.field(default_factory=dict)  # rank index -> (a, b)
-    buffers_key: object = None
+    buffers_key: int = -1     # the op's buffer generation its launches point into
 
 
 def gemm_allreduce(a, b, *, world=None, out=None, b_layout: str = "kn", **options):
