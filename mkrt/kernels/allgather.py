@@ -45,6 +45,7 @@ import numpy as np
 
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
+from mkrt.kernels.launcher import KernelLaunch, Parameters
 from mkrt.kernels.op import Op, shared_op
 from mkrt.memory import SymmetricBuffer, flags
 from mkrt.status import kernel_id
@@ -464,6 +465,8 @@ class AllGather(Op):
         self._flags = flags(self.world, self.layout.words, name="allgather.flags")
         self._receive: SymmetricBuffer | None = None
         self._receive_tables: dict[int, object] = {}
+        self._prepared: dict = {}        # (shape, dtype) -> _PreparedGather
+        self._generation = 0             # counts receive-buffer allocations
         if self.N > 1:
             # Compile first: a compile error shows before any proxy thread starts.
             self.spec.build()
@@ -493,59 +496,91 @@ class AllGather(Op):
                 self._receive.close()       # synchronizes first: no launch still uses it
             self._receive = SymmetricBuffer(self.world, needed, name="allgather.receive", zero=False)
             self._receive_tables.clear()
+            self._generation += 1           # launches prepared on the old buffer are stale
         return self._receive
 
-    def __call__(self, x, out=None):
-        import cupy
-        inputs, as_list = self.per_rank(x, "x")
+    def _check_new(self, inputs, outputs) -> "_PreparedGather":
+        """Every check of a new signature; the prepared path repeats the per-array ones."""
+        self.per_rank(inputs, "x")
         self.same_everywhere(inputs, "x")
         shape, dtype = inputs[0].shape, inputs[0].dtype
         out_shape = (self.ranks, *shape)
-        outputs = []
-        if out is not None:
-            outputs, _ = self.per_rank(out, "out")
+        if outputs is not None:
+            self.per_rank(outputs, "out")
             for i, o in enumerate(outputs):
                 if o.shape != out_shape or o.dtype != dtype:
                     raise ValueError(f"mkrt.allgather: out[{i}] is {o.shape} {o.dtype}; "
                                      f"expected {out_shape} {dtype} (group={self.group!r})")
-            for i, (o, source) in enumerate(zip(outputs, inputs)):
-                if o.data.ptr < source.data.ptr + source.nbytes and source.data.ptr < o.data.ptr + o.nbytes:
-                    raise ValueError(f"mkrt.allgather: out[{i}] overlaps x[{i}]")
-        self.before_launch()
-        nbytes = inputs[0].nbytes
-        if not outputs:
-            for info in self.world.local:
-                with cupy.cuda.Device(info.device):
-                    outputs.append(cupy.empty(out_shape, dtype))
-        if nbytes == 0:
-            return outputs if as_list else outputs[0]
-        receive = self._receive_buffer(nbytes)
+        call = _PreparedGather(shape, dtype, out_shape, inputs[0].nbytes)
+        self._prepared[(shape, dtype)] = call
+        return call
+
+    def _launches(self, call: "_PreparedGather") -> list:
+        """One prepared launch per local rank (made again when the receive buffer was)."""
+        receive = self._receive_buffer(call.nbytes)
+        if call.launches is not None and call.generation == self._generation:
+            return call.launches
         proxy = self.world.proxy() if self.N > 1 else None
         # Load on every device before any launch: loading may wait for running kernels.
         functions = [self.spec.function("allgather", info.device) for info in self.world.local]
         launches = []
-        for info, source, target, function in zip(self.world.local, inputs, outputs, functions):
+        for info, function in zip(self.world.local, functions):
             staged_table = 0
             if receive is not None and not self.world.emulated:
                 if info.rank not in self._receive_tables:
                     self._receive_tables[info.rank] = receive.peer_table(info.rank)
                 staged_table = self._receive_tables[info.rank].data.ptr
-            node = info.node if self.N > 1 else 0
-            args = (source, target, np.uint64(nbytes),
-                    np.uint64(self._flags.local_ptr(info.rank)), self._flags.peer_table(info.rank),
-                    np.uint64(staged_table),
-                    np.uint64(receive.local_ptr(info.rank) if receive is not None else 0),
-                    np.uint64(proxy.queue_pointer(info.rank) if proxy is not None else 0),
-                    np.int32(info.local_rank), np.int32(node), np.int32(self.G), np.int32(self.N),
-                    np.int32(receive.region if receive is not None else -1),
-                    np.int32(self._flags.region), np.int32(self.muted_rank),
-                    *self.context_args(info.rank))
-            launches.append((info, function, args))
+            params = Parameters(LAUNCH_PARAMETERS)
+            status, host_flag, slot, rank, timeout_ns = self.context_args(info.rank)
+            params.set(nbytes=call.nbytes, flags=self._flags.local_ptr(info.rank),
+                       peer_flags=self._flags.peer_table(info.rank).data.ptr,
+                       peer_receive=staged_table,
+                       receive=receive.local_ptr(info.rank) if receive is not None else 0,
+                       queue=proxy.queue_pointer(info.rank) if proxy is not None else 0,
+                       me=info.local_rank, node=info.node if self.N > 1 else 0, G=self.G,
+                       N=self.N, receive_region=receive.region if receive is not None else -1,
+                       flags_region=self._flags.region, muted_rank=self.muted_rank,
+                       status=status, host_flag=host_flag, slot=slot, rank=rank,
+                       timeout_ns=timeout_ns)
+            launches.append(KernelLaunch(function, self._grid(info.rank, call.nbytes),
+                                         self.spec.threads, 0, params))
+        call.launches, call.generation = launches, self._generation
+        call.pointers = [(params.view("input"), params.view("output")) for params in
+                         (launch.params for launch in launches)]
+        return launches
+
+    def __call__(self, x, out=None):
+        import cupy
+        inputs, as_list = self.arrays(x, "x")
+        outputs = self.arrays(out, "out")[0] if out is not None else None
+        call = self._prepared.get((inputs[0].shape, inputs[0].dtype))
+        if call is None:
+            call = self._check_new(inputs, outputs)
+        else:
+            self.check_arrays(inputs, "x", call.shape, call.dtype)
+            if outputs is not None:
+                self.check_arrays(outputs, "out", call.out_shape, call.dtype)
+        if outputs is not None:
+            for i, (o, source) in enumerate(zip(outputs, inputs)):
+                if o.data.ptr < source.data.ptr + call.nbytes and source.data.ptr < o.data.ptr + o.nbytes:
+                    raise ValueError(f"mkrt.allgather: out[{i}] overlaps x[{i}]")
+        self.before_launch()
+        if outputs is None:
+            outputs = []
+            for device in self._local_devices:
+                with self.on_device(device):
+                    outputs.append(cupy.empty(call.out_shape, call.dtype))
+        if call.nbytes == 0:
+            return outputs if as_list else outputs[0]
+        launches = self._launches(call)
+        for (input_word, output_word), source, target in zip(call.pointers, inputs, outputs):
+            input_word[()] = source.data.ptr
+            output_word[()] = target.data.ptr
+        ranks, _ = self._plumbing()
         self.join_caller_stream()
-        for info, function, args in launches:
-            with cupy.cuda.Device(info.device):
-                function((self._grid(info.rank, nbytes),), (self.spec.threads,), args,
-                         stream=self.world.stream(info.rank))
+        for launch, (device, stream, _) in zip(launches, ranks):
+            with self.on_device(device):
+                launch(stream)
         self.release_to_caller_stream()
         self.after_launch()
         if out is not None:
@@ -557,6 +592,28 @@ class AllGather(Op):
         if self._receive is not None:
             self._receive.close()
             self._receive = None
+
+
+#: kernel parameters of allgather, in order
+LAUNCH_PARAMETERS = [(name, np.uint64, 8) for name in (
+    "input", "output", "nbytes", "flags", "peer_flags", "peer_receive", "receive", "queue")] + [
+    (name, np.int32, 4) for name in (
+        "me", "node", "G", "N", "receive_region", "flags_region", "muted_rank")] + [
+    ("status", np.uint64, 8), ("host_flag", np.uint64, 8), ("slot", np.int32, 4),
+    ("rank", np.int32, 4), ("timeout_ns", np.uint64, 8)]
+
+
+@dataclasses.dataclass(eq=False)
+class _PreparedGather:
+    """One signature (shape, dtype) of an AllGather: its launches, made once."""
+
+    shape: tuple
+    dtype: np.dtype
+    out_shape: tuple
+    nbytes: int
+    launches: list | None = None
+    generation: int = -1
+    pointers: list = dataclasses.field(default_factory=list)   # per rank: input, output words
 
 
 def allgather(x, *, world=None, out=None, group: str = "world", ctas: int | None = None,
