@@ -13,9 +13,10 @@ path. ratio_auto = min(fused, unfused) / auto: 1.0 when the planner picked the f
     PYTHONPATH=$PWD python3 experiments/planner.py --layouts 1x2 1x4 2x2 --sets calibration held_out
 
 Rows go to experiments/results/planner.jsonl; ``python3 experiments/planner.py --fit``
-refits the fusion rule's weights (mkrt/controller/cost.py) on the calibration rows (no
-GPU), prints them and judges them on every set: would the rule's pick have been within
-3% of the faster path measured in the same run?
+refits the fusion rule's time models (mkrt/controller/cost.py, written to
+mkrt/controller/fusion_fit.json) on the calibration rows (no GPU) and judges them on
+every set: would the rule's pick have been within 3% of the faster path measured in the
+same run? (The rows of a run with fuse=None measure the same thing directly: ratio.)
 """
 
 from __future__ import annotations
@@ -57,7 +58,20 @@ def calibration() -> list[tuple[int, int, int, str]]:
             grid.append((m, n, k, "grid"))
     small = [(256, 256, 256, "tiny"), (512, 2048, 256, "small"), (1024, 1536, 640, "small"),
              (2048, 2048, 128, "sweep"), (4096, 4096, 256, "sweep")]
-    return grid + small + _random_shapes(1, 8)
+    return grid + small + _random_shapes(1, 8) + _aligned_random_shapes(3, 30)
+
+
+def _aligned_random_shapes(seed: int, count: int) -> list[tuple[int, int, int, str]]:
+    """Shapes with the alignment of real layers, spread evenly in log size (added after
+    the K grid alone left large M and mid K thin)."""
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(count):
+        m = 128 * round(2 ** rng.uniform(1, 7))          # 256 .. 16384
+        n = 256 * round(2 ** rng.uniform(2, 6))          # 1024 .. 16384
+        k = 64 * round(2 ** rng.uniform(2, 8))           # 256 .. 16384
+        shapes.append((m, n, k, f"aligned{seed}_{i}"))
+    return shapes
 
 
 def held_out() -> list[tuple[int, int, int, str]]:
@@ -162,49 +176,66 @@ def load_rows(path, commit=None):
     return rows
 
 
-def features_of(row):
-    from mkrt.controller.cost import fusion_features
+def times_of(row, fit):
+    """(fused us, unfused us) the fitted models predict for a measured row, or None."""
+    from mkrt.controller.cost import fusion_terms
+    entry = fit.get("layouts", {}).get(row["layout"])
+    if entry is None:
+        return None
     nodes, per_node = (int(x) for x in row["layout"].split("x"))
-    return fusion_features(row["m"], row["n"], row["k"], nodes=nodes, ctas=row["ctas"],
-                           reduce_ctas=row["reduce_ctas"], ranks_per_gpu=nodes * per_node)
+    fused, unfused = fusion_terms(row["m"], row["n"], row["k"], ctas=row["ctas"],
+                                  reduce_ctas=row["reduce_ctas"], ranks_per_gpu=nodes * per_node)
+    return (sum(w * x for w, x in zip(entry["fused"], fused)),
+            sum(w * x for w, x in zip(entry["unfused"], unfused)))
 
 
-def judge(rows, weights) -> list[tuple[dict, bool, float]]:
+def judge(rows, fit) -> list[tuple[dict, bool, float]]:
     """(row, rule picks fused, best / time of the picked path) for measured rows."""
-    from mkrt.controller.cost import fusion_log_ratio
     out = []
     for row in rows:
-        fused = fusion_log_ratio(features_of(row), weights) < 0
+        times = times_of(row, fit)
+        if times is None:
+            continue
+        fused = times[0] < times[1]
         picked = row["fused_us"] if fused else row["unfused_us"]
         out.append((row, fused, min(row["fused_us"], row["unfused_us"]) / picked))
     return out
 
 
-def fit(path, commit=None, ridge=1e-3):
-    """Least-squares weights of log(fused/unfused) on the calibration rows."""
-    import math
-
+def fit(path, commit=None) -> dict:
+    """Least-squares weights (relative error) of both time models, per layout, on the
+    calibration rows."""
     import numpy as np
+
+    from mkrt.controller.cost import fusion_terms
     rows = [r for r in load_rows(path, commit) if r["set"] == "calibration"]
-    x = np.array([features_of(r) for r in rows])
-    y = np.array([math.log(r["fused_us"] / r["unfused_us"]) for r in rows])
-    # weight rows by how much a wrong pick would cost: |log ratio| (near-ties matter little)
-    w = np.sqrt(np.abs(y) + 0.02)
-    a = x * w[:, None]
-    weights = np.linalg.solve(a.T @ a + ridge * np.eye(x.shape[1]), a.T @ (y * w))
-    return tuple(round(float(v), 5) for v in weights), rows
+    out = {"fitted_on": f"{path} set=calibration commits={sorted({r['commit'] for r in rows})}",
+           "layouts": {}}
+    for layout in sorted({r["layout"] for r in rows}):
+        mine = [r for r in rows if r["layout"] == layout]
+        nodes, per_node = (int(x) for x in layout.split("x"))
+        entry = {"ranks_per_gpu": nodes * per_node, "rows": len(mine)}
+        for path_name, index in (("fused", 0), ("unfused", 1)):
+            x = np.array([fusion_terms(r["m"], r["n"], r["k"], ctas=r["ctas"],
+                                       reduce_ctas=r["reduce_ctas"],
+                                       ranks_per_gpu=nodes * per_node)[index] for r in mine])
+            y = np.array([r[f"{path_name}_us"] for r in mine])
+            weights = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)[0]
+            entry[path_name] = [round(float(w), 6) for w in weights]
+        out["layouts"][layout] = entry
+    return out
 
 
-def report(path, weights, commit=None):
+def report(path, fit_result, commit=None):
     for set_name in SETS:
         rows = [r for r in load_rows(path, commit) if r["set"] == set_name]
-        if not rows:
+        judged = judge(rows, fit_result)
+        if not judged:
             continue
-        judged = judge(rows, weights)
         worst = min(judged, key=lambda j: j[2])
         losing = [j for j in judged if j[2] < 0.97]
-        print(f"{set_name}: {len(judged)} rows, rule within 3% of the faster path on "
-              f"{len(judged) - len(losing)}; worst {worst[2]:.3f} at {worst[0]['case']}")
+        print(f"{set_name}: {len(judged)} rows, the rule's pick within 3% of the faster path "
+              f"on {len(judged) - len(losing)}; worst {worst[2]:.3f} at {worst[0]['case']}")
         for row, fused, ratio in losing:
             print(f"   {row['case']} picked {'fused' if fused else 'unfused'}: {ratio:.3f} "
                   f"(fused/unfused {row['fused_over_unfused']:.3f})")
@@ -222,14 +253,13 @@ def main() -> int:
     parser.add_argument("--commit", default=None, help="--fit: rows of this commit only")
     args = parser.parse_args()
     if args.fit:
-        from mkrt.controller.cost import FUSION_FEATURES, FUSION_WEIGHTS
-        weights, rows = fit(args.out, args.commit)
-        print(f"fitted on {len(rows)} calibration rows: FUSION_WEIGHTS = {weights}")
-        print(f"  ({', '.join(FUSION_FEATURES)})")
-        print("with the fitted weights:")
-        report(args.out, weights, args.commit)
-        print("with the shipped weights:")
-        report(args.out, FUSION_WEIGHTS, args.commit)
+        import json
+
+        from mkrt.controller.cost import FIT_PATH
+        result = fit(args.out, args.commit)
+        FIT_PATH.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {FIT_PATH}: {result['fitted_on']}")
+        report(args.out, result, args.commit)
         return 0
     run(args.layouts, args.sets, args.rounds, args.batch, args.out, args.limit)
     return 0

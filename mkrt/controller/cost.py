@@ -2,22 +2,24 @@
 
 The planners of the fused kernels ask two questions here: how many CTAs of a rank should
 communicate (:func:`default_reduce_ctas`, the static rule the on-GPU controller starts
-from), and whether the fused path beats the unfused one (:func:`fusion_log_ratio`,
-which decides ``fuse=None``).
+from), and whether the fused path beats the unfused one (:func:`fitted_times`, else
+:func:`predict_times`), which decides ``fuse=None``.
 
-The fusion rule is *fitted*, not derived: ``log(fused time / unfused time)`` is a linear
-function of a few features of the shape, the world and the split
-(:func:`fusion_features`), with weights fitted by least squares on a calibration set of
-shapes measured on the H200 and judged on a held-out set it never saw
-(experiments/planner.py, experiments/results/planner.jsonl, experiments/notes/planner.md).
-The weights were measured on emulated worlds (several ranks on one GPU). Worlds with one
-rank per GPU have not been measured: there the analytical :func:`predict_times` decides.
+The fusion rule is *fitted*: per world layout, a time model of each path (linear in its
+weights over terms such as FLOPs on the compute CTAs and bytes on the reduce CTAs,
+:func:`fusion_terms`), fitted by least squares on a calibration set of shapes measured
+on the H200 and judged on a held-out set it never saw (experiments/planner.py,
+experiments/results/planner.jsonl, experiments/notes/planner.md). The weights were
+measured on emulated worlds (all ranks on one GPU); layouts without weights, and worlds
+with one rank per GPU, fall back to the analytical :func:`predict_times`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
+import json
+from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
@@ -72,35 +74,50 @@ def predict_times(m, n, k, nodes, G, ctas, reduce_ctas, sms_per_gpu, ranks_per_g
 
 
 # ---- the fitted fusion rule -----------------------------------------------------------
+#
+# Two time models per world layout, linear in their weights over physically meaningful
+# terms, fitted by least squares on relative error (experiments/planner.py --fit writes
+# FIT_PATH). F: GFLOP the GPU runs (all its ranks); C: MB of C its ranks write.
+#   unfused = w0 + w1 F + w2 F [n odd] + w3 C + w4 F 128/m
+#             (cuBLAS on the whole chip, slower on odd rows of C and short M; the all-reduce)
+#   fused   = v0 + v1 F ctas/(compute ctas * wave efficiency) + v2 C ctas/reduce ctas
+#             + v3 C + v4 tiles/1000
+#             (the engine on the compute CTAs with its last wave; reducing on the reduce CTAs)
 
-#: feature names, in the order of FUSION_WEIGHTS
-FUSION_FEATURES = ("one", "log2_k", "log2_mn", "n_odd", "several_nodes",
-                   "several_nodes_log2_k", "log2_ranks_per_gpu", "wave_efficiency")
-
-#: least-squares weights of log(fused / unfused) (experiments/planner.py --fit on the
-#: calibration rows of experiments/results/planner.jsonl)
-FUSION_WEIGHTS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+FIT_PATH = Path(__file__).with_name("fusion_fit.json")
 
 
-def fusion_features(m: int, n: int, k: int, *, nodes: int, ctas: int, reduce_ctas: int,
-                    ranks_per_gpu: int, block_m: int = 128, block_n: int = 256) -> tuple:
-    """The features the fusion rule weighs (FUSION_FEATURES order).
-
-    log2_k: compute per byte reduced (large K: the GEMM dominates and the unfused path's
-    cuBLAS on the whole chip wins; small K: the all-reduce dominates and overlapping it
-    wins). log2_mn: size (small problems are launch-bound; fused is one launch per rank).
-    n_odd: rows of C of an odd number of elements, where cuBLAS is much slower (measured:
-    half the speed or less on such shapes, H200).
-    wave_efficiency: how well the tiles fill the compute CTAs' last wave."""
+def fusion_terms(m: int, n: int, k: int, *, ctas: int, reduce_ctas: int, ranks_per_gpu: int,
+                 block_m: int = 128, block_n: int = 256) -> tuple[list[float], list[float]]:
+    """(fused terms, unfused terms) of the time models above."""
+    gflop = 2.0 * m * n * k * ranks_per_gpu / 1e9
+    c_mb = 2.0 * m * n * ranks_per_gpu / 1e6
     tiles = -(-m // block_m) * -(-n // block_n)
     compute = max(1, ctas - reduce_ctas)
-    waves = -(-tiles // compute)
-    several = 1.0 if nodes > 1 else 0.0
-    return (1.0, math.log2(k), math.log2(m * n), 1.0 if n % 2 else 0.0, several,
-            several * math.log2(k), math.log2(max(1, ranks_per_gpu)), tiles / (waves * compute))
+    efficiency = tiles / (-(-tiles // compute) * compute)
+    fused = [1.0, gflop * ctas / compute / efficiency, c_mb * ctas / max(1, reduce_ctas), c_mb,
+             tiles * ranks_per_gpu / 1e3]
+    unfused = [1.0, gflop, gflop * (n % 2), c_mb, gflop * 128.0 / m]
+    return fused, unfused
 
 
-def fusion_log_ratio(features, weights=None) -> float:
-    """Predicted log(fused time / unfused time): below 0, fusion is expected to win."""
-    weights = FUSION_WEIGHTS if weights is None else weights
-    return float(sum(w * x for w, x in zip(weights, features)))
+@functools.cache
+def fusion_fit() -> dict:
+    """The fitted weights per layout ("1x2": {"fused": [...], "unfused": [...]}), or {}."""
+    try:
+        return json.loads(FIT_PATH.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def fitted_times(layout: str, m: int, n: int, k: int, *, ctas: int, reduce_ctas: int,
+                 ranks_per_gpu: int) -> tuple[float, float] | None:
+    """(fused us, unfused us) from the fitted models, or None when `layout` was not fitted
+    (or was fitted with all its ranks on one GPU and this world spreads them)."""
+    entry = fusion_fit().get("layouts", {}).get(layout)
+    if entry is None or entry.get("ranks_per_gpu") != ranks_per_gpu:
+        return None
+    fused, unfused = fusion_terms(m, n, k, ctas=ctas, reduce_ctas=reduce_ctas,
+                                  ranks_per_gpu=ranks_per_gpu)
+    return (sum(w * x for w, x in zip(entry["fused"], fused)),
+            sum(w * x for w, x in zip(entry["unfused"], unfused)))

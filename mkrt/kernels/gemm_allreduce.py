@@ -760,7 +760,6 @@ class GemmAllReduce(Op):
     def _run(self, call, mode: str, a_list, b_list, outs, copy_sources=None) -> None:
         """Patch what changed since the last call of `call` and launch on every local rank."""
         launches = self._launches(call, mode)
-        ranks, _ = self._plumbing()
         for i, launch in enumerate(launches):
             params = launch.params
             if mode == "gemm":
@@ -773,11 +772,11 @@ class GemmAllReduce(Op):
             else:
                 params.view("args")["copy_source"] = copy_sources[i].data.ptr
             params.view("args")["out"] = outs[i].data.ptr
-        self.join_caller_stream()
-        for launch, (device, stream, _) in zip(launches, ranks):
+        streams = self.launch_streams()
+        for launch, stream, device in zip(launches, streams, self._local_devices):
             with self.on_device(device):
                 launch(stream)
-        self.release_to_caller_stream()
+        self.finish_launches()
 
     def _unfused(self, call, a_list, b_list, outs, *, gemm: str = "cublas",
                  allreduce: str = "auto") -> None:

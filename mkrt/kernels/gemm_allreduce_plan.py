@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from mkrt.controller.cost import Ceilings, default_reduce_ctas, predict_times
+from mkrt.controller.cost import Ceilings, default_reduce_ctas, fitted_times, predict_times
 from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.schedule import find_stall
 
@@ -232,12 +232,19 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
     if not 1 <= reduce_ctas < ctas:
         raise ValueError(f"mkrt.gemm_allreduce: reduce_ctas={reduce_ctas} must be in [1, {ctas - 1}] "
                          f"(ctas={ctas} per rank)")
-    fused_us, unfused_us = predict_times(m, n, k, nodes, ranks_per_node, ctas, reduce_ctas,
-                                    sms_per_gpu, ranks_per_gpu, ceilings)
+    fitted = fitted_times(f"{nodes}x{ranks_per_node}", m, n, k, ctas=ctas,
+                          reduce_ctas=reduce_ctas, ranks_per_gpu=ranks_per_gpu)
+    if fitted is not None:
+        fused_us, unfused_us = fitted
+        model = "fitted model"
+    else:
+        fused_us, unfused_us = predict_times(m, n, k, nodes, ranks_per_node, ctas, reduce_ctas,
+                                             sms_per_gpu, ranks_per_gpu, ceilings)
+        model = "analytical model (layout not fitted)"
     if fuse is None:
-        fused = fused_us < 0.97 * unfused_us
-        reason = (f"model: fused {fused_us:.0f} us vs unfused {unfused_us:.0f} us"
-                  + ("" if fused else " (fusion loses at this size: unfused path)"))
+        fused = fused_us < unfused_us
+        reason = (f"{model}: fused {fused_us:.0f} us vs unfused {unfused_us:.0f} us"
+                  + ("" if fused else " (fusion loses here: unfused path)"))
     else:
         fused, reason = bool(fuse), f"fuse={fuse} requested"
     p = Plan(*tile, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,

@@ -9,6 +9,8 @@ order, or a single array when it holds one. Everything is checked before any lau
 from __future__ import annotations
 
 import numpy as np
+from cupy_backends.cuda.api import runtime as _runtime
+from cupy.cuda import get_current_stream as _current_stream
 
 from mkrt import envs
 from mkrt.arrays import as_cupy, dtype_name
@@ -31,6 +33,7 @@ class Op:
         self._failures_seen = self.world.failures
         self._signatures: set = set()
         self._stream_plumbing = None
+        self._last_stream = None         # one local rank: the stream of the last launch
         self._local_count = len(self.world.local)
         self._local_devices = tuple(info.device for info in self.world.local)
         self._multi_device = False
@@ -148,27 +151,54 @@ class Op:
             self._events_alive = events
             self._multi_device = len(joins) > 1
             self._stream_plumbing = (tuple(ranks), tuple(joins.items()))
+            self._rank_streams = tuple(stream for _, stream, _ in ranks)
+            with cupy.cuda.Device(self._local_devices[0]):
+                self._order_event = cupy.cuda.Event(disable_timing=True)
         return self._stream_plumbing
 
     def join_caller_stream(self) -> None:
         """Each rank's stream waits for the caller's current stream (inputs are ready)."""
-        from cupy.cuda import get_current_stream, runtime
         ranks, joins = self._plumbing()
         for device, event in joins:
-            runtime.eventRecord(event, get_current_stream(device).ptr)
+            _runtime.eventRecord(event, _current_stream(device).ptr)
         for device, stream, _ in ranks:
-            runtime.streamWaitEvent(stream, joins[0][1] if not self._multi_device
-                                    else dict(joins)[device], 0)
+            _runtime.streamWaitEvent(stream, joins[0][1] if not self._multi_device
+                                     else dict(joins)[device], 0)
 
     def release_to_caller_stream(self) -> None:
         """The caller's current stream waits for each rank's launch (outputs are ready)."""
-        from cupy.cuda import get_current_stream, runtime
         ranks, joins = self._plumbing()
-        caller = get_current_stream(joins[0][0]).ptr
+        caller = _current_stream(joins[0][0]).ptr
         for device, stream, event in ranks:
-            runtime.eventRecord(event, stream)
-            runtime.streamWaitEvent(get_current_stream(device).ptr if self._multi_device
-                                    else caller, event, 0)
+            _runtime.eventRecord(event, stream)
+            _runtime.streamWaitEvent(_current_stream(device).ptr if self._multi_device
+                                     else caller, event, 0)
+
+    def launch_streams(self) -> tuple:
+        """The stream of each local rank's launch, ordered after the caller's work; call
+        :meth:`finish_launches` after launching.
+
+        A process holding one rank launches straight on the caller's current stream (as
+        NCCL does): nothing to join. Launches of an op must stay ordered, so when the
+        caller's stream changed since the last call, the new one first waits for the old.
+        Several ranks in one process run concurrently, each on its own stream, joined to
+        and released back to the caller's stream by events."""
+        if self._stream_plumbing is None:
+            self._plumbing()
+        if self._local_count == 1:
+            stream = _current_stream(self._local_devices[0]).ptr
+            if stream != self._last_stream:
+                if self._last_stream is not None:
+                    _runtime.eventRecord(self._order_event.ptr, self._last_stream)
+                    _runtime.streamWaitEvent(stream, self._order_event.ptr, 0)
+                self._last_stream = stream
+            return (stream,)
+        self.join_caller_stream()
+        return self._rank_streams
+
+    def finish_launches(self) -> None:
+        if self._local_count != 1:
+            self.release_to_caller_stream()
 
     def on_device(self, device: int):
         """Context for work on `device`: a no-op when the op's ranks share one device."""
