@@ -114,7 +114,7 @@ def time_paths(world, paths: dict, rounds: int, batch: int) -> dict[str, float]:
     return {name: median(values) for name, values in samples.items()}
 
 
-def run(layouts, sets, rounds, batch, out_path, limit=None):
+def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
     import cupy
     import numpy as np
 
@@ -128,7 +128,7 @@ def run(layouts, sets, rounds, batch, out_path, limit=None):
         fused_op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk")
         auto_op = mkrt.GemmAllReduce(world, b_layout="nk")
         for set_name in sets:
-            shapes = SETS[set_name]()[:limit]
+            shapes = SETS[set_name]()[start:limit]
             for m, n, k, family in shapes:
                 rng = cupy.random.default_rng(m * 7 + n * 3 + k)
                 a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
@@ -247,7 +247,8 @@ def main() -> int:
     parser.add_argument("--sets", nargs="+", default=["calibration", "held_out"], choices=list(SETS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=3)
-    parser.add_argument("--limit", type=int, default=None, help="first N shapes of each set")
+    parser.add_argument("--limit", type=int, default=None, help="shapes [start, limit) of each set")
+    parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "experiments" / "results" / "planner.jsonl"))
     parser.add_argument("--fit", action="store_true", help="refit the rule from --out (no GPU)")
     parser.add_argument("--commit", default=None, help="--fit: rows of this commit only")
@@ -261,7 +262,7 @@ def main() -> int:
         print(f"wrote {FIT_PATH}: {result['fitted_on']}")
         report(args.out, result, args.commit)
         return 0
-    run(args.layouts, args.sets, args.rounds, args.batch, args.out, args.limit)
+    run(args.layouts, args.sets, args.rounds, args.batch, args.out, args.limit, args.start)
     return 0
 
 

@@ -20,8 +20,9 @@ if [ -n "$ALLGATHER_BW" ]; then
   timeout 120 python3 experiments/allgather.py --layouts 2x2 2x4 --mib 16 64 256 --iters 10 --out $OUT/allgather.jsonl 2>&1 | tail -8
 fi
 for set in $PLANNER_SETS; do
+  [ "$set" = calibration ] && PLANNER_ARGS="$CALIBRATION_ARGS" || PLANNER_ARGS=""
   for layout in ${PLANNER_LAYOUTS:-1x2 1x4 2x2}; do
-    timeout ${PLANNER_TIMEOUT:-150} python3 experiments/planner.py --layouts $layout --sets $set --out $OUT/planner.jsonl 2>&1 | tee -a $OUT/planner.log | grep -E "Error|error" | head -3
+    timeout ${PLANNER_TIMEOUT:-150} python3 experiments/planner.py --layouts $layout --sets $set --out $OUT/planner.jsonl $PLANNER_ARGS 2>&1 | tee -a $OUT/planner.log | grep -E "Error|error" | head -3
   done
 done
 [ -f $OUT/planner.jsonl ] && echo "planner rows: $(grep -c . $OUT/planner.jsonl)"
