@@ -186,8 +186,13 @@ class Op:
         if self._stream_plumbing is None:
             self._plumbing()
         if self._local_count == 1:
-            stream = _current_stream(self._local_devices[0]).ptr
+            current = _current_stream(self._local_devices[0])
+            stream = current.ptr
             if stream != self._last_stream:
+                # A stream being captured may not wait for uncaptured work: a graph's
+                # launches are ordered where it is replayed (see the op's docstring).
+                if current.is_capturing():
+                    return (stream,)
                 if self._last_stream is not None:
                     _runtime.eventRecord(self._order_event.ptr, self._last_stream)
                     _runtime.streamWaitEvent(stream, self._order_event.ptr, 0)
