@@ -127,3 +127,16 @@ def test_spec_uri_names_its_fields():
         dtype: str = "bf16"
     assert Demo().uri == "demo_bm128_bf16_sm90a"
     assert Demo(block_m=64).uri != Demo().uri
+
+
+def test_a_build_without_a_ptxas_report_is_usable(tmp_path, monkeypatch):
+    """NVRTC can return a good cubin with an empty log (no register report): the build
+    is kept, with unknown resources, instead of failing for 'no entry points'."""
+    from mkrt.jit import compiler
+    from mkrt.kernels.probe import ProbeSpec
+    monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    real = compiler._nvrtc_compile
+    monkeypatch.setattr(compiler, "_nvrtc_compile",
+                        lambda *args: (real(*args)[0], ""))
+    build = ProbeSpec().build()
+    assert build.resources == {} and build.cubin_path.exists()

@@ -172,11 +172,12 @@ def _build_entry(uri: str, key: str, entry: Path, source: str, options: tuple[st
     start = time.perf_counter()
     cubin, log_text = _nvrtc_compile(uri, source, options)
     if cubin is not None and not parse_resources(log_text):
-        # Seen on the H200 machine: a successful compile whose log lacked ptxas's report,
-        # now and then. Compile once more rather than record "no entry points".
-        log.warning("mkrt.jit: %s: no ptxas report in the log (%r); compiling again",
-                    uri, log_text[:200])
-        cubin, log_text = _nvrtc_compile(uri, source, options)
+        # Seen on the H200 machine, each time after the same source had been compiled
+        # earlier on that machine (by another process, into another cache folder): NVRTC
+        # returned the cubin with an empty log, so there is no register report. The build
+        # is good; its resources are unknown (spills unchecked) until a fresh compile.
+        log.warning("mkrt.jit: %s: NVRTC gave no ptxas report (log %r): registers and "
+                    "spills unknown", uri, log_text[:200])
     seconds = time.perf_counter() - start
     if cubin is None:
         _raise_compile_error(uri, source_path, log_text)
