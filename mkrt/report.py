@@ -150,6 +150,8 @@ class Line:
     sweep_unit: str = ""                    # after the largest value ("MiB per rank")
     sweep_unit_low: str = ""                # after the smallest (default: sweep_unit)
     at_least: float | None = None           # also count the cases whose ratio reaches this
+    same_commit: bool = False               # summarise the newest commit's rows (several
+                                            # runs, e.g. one process per world), not one run
 
 
 def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
@@ -157,7 +159,10 @@ def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
     mine = [r for r in rows if line.select(r)]
     if not mine:
         return None
-    run = newest_run(mine)
+    if line.same_commit:
+        run = [r for r in mine if r.get("commit") == mine[-1].get("commit")]
+    else:
+        run = newest_run(mine)
     key = "ratio" if line.show == "ratio" else "value"
     values = [v for v in (_number(r.get(key)) for r in run) if v is not None]
     if not values:
@@ -292,19 +297,27 @@ def _proxy_lines(rows):
 
 def _runtime_lines(rows):
     def family(row):
-        label = f", {row['label']}" if row.get("label") not in (None, "after") else ""
-        what = "host time per call per rank" if row.get("metric") == "host_us_per_rank" else \
-            str(row.get("metric", "value")).replace("_", " ")
-        return f"{row.get('op', '?')}: {what}{label}"
+        if row.get("metric") != "host_us_per_rank":
+            return None                      # graph replays: experiments/notes/runtime.md
+        label = " (code before the prepared path)" if row.get("label") == "before" else ""
+        return f"{row.get('op', '?')}: host time per call per rank{label}"
     lines = family_lines(rows, family, show="value")
-    return [dataclasses.replace(line, label=line.label + " (over layouts)") for line in lines]
+
+    def layouts(line):
+        found = sorted({str(r.get("layout")) for r in rows if line.select(r)})
+        return f"{line.label}, {'/'.join(found)}"
+    return [dataclasses.replace(line, label=layouts(line), same_commit=True) for line in lines]
 
 
 def _planner_lines(rows):
     def family(row):
-        return f"planner's pick, {row.get('set', 'shapes')} shapes"
-    return [dataclasses.replace(line, at_least=0.97)
-            for line in family_lines(rows, family, against="(faster path's time / the pick's)")]
+        if row.get("metric") == "timeout":
+            return f"shapes whose fused call ended in CommTimeout (1 per shape), {row.get('layout')}"
+        return f"planner's pick, {row.get('set', 'shapes')} shapes, {row.get('layout')}"
+    lines = family_lines(rows, family, against="(faster path's time / the pick's)")
+    return [dataclasses.replace(line, at_least=0.97) if "pick" in line.label
+            else dataclasses.replace(line, show="value")
+            for line in lines]
 
 
 def _multi_gpu_lines(rows):
