@@ -131,20 +131,17 @@ def rank_job(args) -> int:
 
     # allgather: correctness, then mkrt vs NCCL
     ag = mkrt.AllGather(world, timeout_ms=30000)
-    W = world.ranks_per_node
+    W = world.size                # mkrt.allgather gathers the world, as NCCL's does
     for mib in ALLGATHER_MIB:
         count = int(mib * 2**20) // 4
         x = cupy.random.standard_normal(count, dtype=np.float32) + me.rank
         out = ag(x)
         world.synchronize()
-        gathered = [np.asarray(v) for v in world.node_comm.allgather(x[:64].get())]
+        gathered = [np.asarray(v) for v in world.comm.allgather(x[:64].get())]
         ok = all(np.array_equal(out[i, :64].get(), gathered[i]) for i in range(W))
         ms = slowest(world, median_ms(lambda: ag(x, out=out), iters=args.iters))
-        if world.nodes == 1:
-            xt, ot = torch.from_dlpack(x), torch.empty((W * count,), device="cuda", dtype=torch.float32)
-            nccl_ms = slowest(world, median_ms(lambda: dist.all_gather_into_tensor(ot, xt), iters=args.iters))
-        else:
-            nccl_ms = None        # mkrt's allgather is node-local; NCCL's would span nodes
+        xt, ot = torch.from_dlpack(x), torch.empty((W * count,), device="cuda", dtype=torch.float32)
+        nccl_ms = slowest(world, median_ms(lambda: dist.all_gather_into_tensor(ot, xt), iters=args.iters))
         total = W * count * 4
         bus = total / (ms * 1e-3) / 1e9 * (W - 1) / W
         nccl_bus = total / (nccl_ms * 1e-3) / 1e9 * (W - 1) / W if nccl_ms else None
