@@ -109,3 +109,28 @@ def test_default_specs_compile_without_spills():
     for spec in gar.default_specs():
         build = spec.build(check_spills=True)
         assert build.resources["gemm_allreduce"].spills == 0
+
+
+def test_fitted_layouts_use_the_fitted_models_and_others_the_analytical_one():
+    from mkrt.controller import cost
+    fit = cost.fusion_fit()
+    assert set(fit["layouts"]) >= {"1x2", "1x4", "2x2"}
+    for entry in fit["layouts"].values():
+        terms = cost.fusion_terms(4096, 4096, 512, ctas=66, reduce_ctas=20,
+                                  ranks_per_gpu=entry["ranks_per_gpu"])
+        assert len(entry["fused"]) == len(terms[0]) and len(entry["unfused"]) == len(terms[1])
+    fitted = gar.plan(4096, 4096, 512, nodes=1, ranks_per_node=2, ctas=66, ranks_per_gpu=2)
+    assert fitted.reason.startswith("fitted model")
+    # The fit was made with every rank on one GPU: one rank per GPU is another machine.
+    spread = gar.plan(4096, 4096, 512, nodes=1, ranks_per_node=2, ctas=132, ranks_per_gpu=1)
+    assert spread.reason.startswith("analytical model")
+    unknown = gar.plan(4096, 4096, 512, nodes=1, ranks_per_node=8, ctas=16, ranks_per_gpu=8)
+    assert unknown.reason.startswith("analytical model")
+
+
+def test_the_fitted_rule_fuses_tiny_problems_and_not_huge_k():
+    """What every calibration run showed on 1x2: fused wins where launches dominate,
+    unfused where the GEMM dominates (K >= 6144 on aligned shapes)."""
+    tiny = gar.plan(256, 256, 256, nodes=1, ranks_per_node=2, ctas=66, ranks_per_gpu=2)
+    huge_k = gar.plan(3072, 6144, 12288, nodes=1, ranks_per_node=2, ctas=66, ranks_per_gpu=2)
+    assert tiny.fused and not huge_k.fused

@@ -744,6 +744,7 @@ class GemmAllReduce(Op):
         self._ensure_buffers(p)
         if call.buffers_key != self._generation:     # buffers were re-made: re-patch all
             call.launches.clear()
+            call.words.clear()
             call.operand_pointers.clear()
             call.buffers_key = self._generation
         launches = []
@@ -755,6 +756,8 @@ class GemmAllReduce(Op):
                        host_flag=host_flag, slot=slot, rank=rank, timeout_ns=timeout_ns)
             launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
         call.launches[mode] = launches
+        call.words[mode] = [(launch.params.field_view("args", "out"),
+                             launch.params.field_view("args", "copy_source")) for launch in launches]
         return launches
 
     def _run(self, call, mode: str, a_list, b_list, outs, copy_sources=None) -> None:
@@ -770,8 +773,8 @@ class GemmAllReduce(Op):
                     ctypes.memmove(params.address("tma_b"), tma_b.address, 128)
                     call.operand_pointers[i] = pointers
             else:
-                params.view("args")["copy_source"] = copy_sources[i].data.ptr
-            params.view("args")["out"] = outs[i].data.ptr
+                call.words[mode][i][1][()] = copy_sources[i].data.ptr
+            call.words[mode][i][0][()] = outs[i].data.ptr
         streams = self.launch_streams()
         for launch, stream, device in zip(launches, streams, self._local_devices):
             with self.on_device(device):
@@ -880,6 +883,7 @@ class _PreparedCall:
     b_shape: tuple
     out_shape: tuple
     launches: dict = dataclasses.field(default_factory=dict)          # mode -> [KernelLaunch]
+    words: dict = dataclasses.field(default_factory=dict)   # mode -> per rank (out, copy_source)
     operand_pointers: dict = dataclasses.field(default_factory=dict)  # rank index -> (a, b)
     buffers_key: int = -1     # the op's buffer generation its launches point into
 

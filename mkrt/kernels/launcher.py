@@ -70,6 +70,13 @@ class Parameters:
         raw = self.bytes[offset:offset + size]
         return raw if isinstance(kind, int) else raw.view(kind).reshape(())
 
+    def field_view(self, name: str, field: str) -> np.ndarray:
+        """A 0-d view of one field of a record-typed parameter: patching it costs less
+        than indexing the record view by name on every call."""
+        offset, _, kind = self._offsets[name]
+        sub, at = np.dtype(kind).fields[field][:2]
+        return self.bytes[offset + at:offset + at + sub.itemsize].view(sub).reshape(())
+
     def set(self, **values) -> None:
         for name, value in values.items():
             self.view(name)[()] = value

@@ -1,0 +1,49 @@
+"""The prepared-call parameter buffer (CPU): layout, alignment, field views."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from mkrt.kernels import allgather, gemm_allreduce
+from mkrt.kernels.launcher import Parameters
+
+
+def test_fields_sit_at_their_c_alignment_and_pointers_point_at_them():
+    params = Parameters([("tma", 128, 64), ("flag", np.int32, 4), ("pointer", np.uint64, 8),
+                         ("record", gemm_allreduce.ARGS_DTYPE, 8), ("last", np.int32, 4)])
+    assert params.base % 64 == 0
+    offsets = [p - params.base for p in params.pointers]
+    assert offsets[:3] == [0, 128, 136]
+    assert offsets[3] % 8 == 0 and offsets[4] == offsets[3] + gemm_allreduce.ARGS_DTYPE.itemsize
+    params.set(flag=-7, pointer=0xDEADBEEF, last=3)
+    assert ctypes.c_int32.from_address(params.pointers[1]).value == -7
+    assert ctypes.c_uint64.from_address(params.pointers[2]).value == 0xDEADBEEF
+    assert ctypes.c_int32.from_address(params.pointers[4]).value == 3
+
+
+@pytest.mark.parametrize("field", ["out", "copy_source", "queue", "m", "send_batch"])
+def test_a_field_view_writes_the_same_bytes_as_the_record_view(field):
+    params = Parameters(gemm_allreduce.LAUNCH_PARAMETERS)
+    record = np.zeros((), gemm_allreduce.ARGS_DTYPE)
+    record["m"], record["out"] = 11, 22
+    params.set(args=record)
+    params.field_view("args", field)[()] = 1234567
+    seen = params.view("args")
+    assert int(seen[field]) == 1234567
+    for other in ("m", "out", "copy_source", "queue", "send_batch"):
+        if other != field:
+            assert int(seen[other]) == int(record[other])
+
+
+def test_launch_parameter_lists_match_the_kernel_signatures():
+    """One entry per kernel parameter, in order (names from the CUDA signatures)."""
+    gar_source = gemm_allreduce.default_specs()[0].render()
+    signature = gar_source.split("gemm_allreduce(")[1].split(")")[0]
+    assert len(signature.split(",")) == len(gemm_allreduce.LAUNCH_PARAMETERS)
+    ag_source = allgather.default_specs()[0].render()
+    signature = ag_source.split("allgather(const unsigned char* input")[1].split(")")[0]
+    names = [part.split()[-1].lstrip("*") for part in ("input" + signature).split(",")]
+    assert names == [name for name, _, _ in allgather.LAUNCH_PARAMETERS]
