@@ -92,6 +92,25 @@ def held_out() -> list[tuple[int, int, int, str]]:
 SETS = {"calibration": calibration, "held_out": held_out}
 
 
+def proxy_state(world) -> dict:
+    """Per GPU: commands claimed by the kernels, consumed and completed by the proxy, per
+    queue, and the proxy threads' counters (empty when the world has no proxy)."""
+    service = world.running_service("proxy")
+    if service is None:
+        return {}
+    out = {}
+    for device, queue_set in service.queue_sets.items():
+        try:
+            heads = [int(h) for h in queue_set.device_heads()]
+        except Exception as error:          # noqa: BLE001 - the device may be in error
+            heads = repr(error)
+        out[str(device)] = {"claimed": heads,
+                            "consumed": [queue_set.tail(q) for q in range(queue_set.queues)],
+                            "completed": [queue_set.done(q) for q in range(queue_set.queues)],
+                            "proxy": service.proxies[device].stats}
+    return out
+
+
 def time_paths(world, paths: dict, rounds: int, batch: int) -> dict[str, float]:
     """Median microseconds per call of each path, the paths interleaved round by round."""
     import cupy
@@ -142,11 +161,14 @@ def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
                 try:
                     times = time_paths(world, paths, rounds, batch)
                 except mkrt.CommTimeout as error:
-                    # Recorded, not hidden: the row says which shape timed out and where.
-                    print(f"{set_name:11s} {layout}_{m}x{n}x{k} TIMEOUT {error}", flush=True)
+                    # Recorded, not hidden: the row says which shape timed out and where,
+                    # and what the proxy had done (claimed vs consumed vs completed).
+                    proxy = proxy_state(world)
+                    print(f"{set_name:11s} {layout}_{m}x{n}x{k} TIMEOUT {error} proxy {proxy}", flush=True)
                     append_jsonl(out_path, [record("planner", f"{layout}_{m}x{n}x{k}", "timeout", 1.0,
                                                    None, "count", set=set_name, family=family,
-                                                   layout=layout, m=m, n=n, k=k, error=str(error))])
+                                                   layout=layout, m=m, n=n, k=k, error=str(error),
+                                                   proxy=proxy)])
                     del a, b, outs, paths
                     world.close()
                     world = mkrt.init(emulate=layout)
