@@ -1,0 +1,161 @@
+"""API fuzzing on the CPU: everything checked before a launch, under random inputs.
+
+The rule for each checked entry point: it either returns something the kernel can run
+(checked here against the kernel's own limits), or raises ValueError / TypeError with a
+message that names the area (``mkrt...``). Nothing else may escape, and nothing that the
+kernel cannot run may pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import event  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mkrt.arrays import bfloat16  # noqa: E402
+from mkrt.kernels import gemm  # noqa: E402
+from mkrt.kernels import gemm_allreduce_plan as gar_plan  # noqa: E402
+from mkrt.world import parse_layout  # noqa: E402
+
+FAST = settings(max_examples=150, deadline=None)
+SIZES = st.one_of(st.integers(-3, 40), st.integers(1, 1 << 16),
+                  st.sampled_from([0, 1, 7, 8, 127, 128, 129, 4096, 2**31 - 1, 2**31]))
+K_SIZES = st.one_of(SIZES, st.integers(1, 2048).map(lambda x: 8 * x))   # valid K often
+DTYPES = st.sampled_from([np.float16, np.float32, np.int32, np.float64, bfloat16])
+
+
+def refused_cleanly(call):
+    """Run `call`; True if it returned, False if it raised a clean mkrt error."""
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        assert str(error).startswith("mkrt"), f"error without its area: {error!r}"
+        return False
+    return True
+
+
+GOOD_GEMM = st.fixed_dictionaries({
+    "m": st.integers(1, 1 << 15), "n": st.integers(1, 1 << 15),
+    "k": st.integers(1, 2048).map(lambda x: 8 * x), "sms": st.integers(1, 300),
+    "group_m": st.integers(1, 64), "block_n": st.sampled_from([64, 128, 192, 256]),
+    "stages": st.one_of(st.none(), st.integers(2, 6)),
+    "epilogue": st.sampled_from(["auto", "tma", "direct"]),
+    "layout": st.sampled_from(["kn", "nk"]), "dtype": st.sampled_from(["bf16", "f16"])})
+BAD_GEMM = {"m": SIZES, "n": SIZES, "k": K_SIZES, "sms": st.integers(-2, 0),
+            "group_m": st.integers(-1, 0), "block_n": st.sampled_from([0, 32, 320]),
+            "stages": st.integers(0, 12), "epilogue": st.just("bogus"),
+            "layout": st.just("mk"), "dtype": st.just("f32")}
+
+
+@st.composite
+def gemm_configs(draw):
+    """A valid configuration, half the time with one field replaced by a doubtful value."""
+    config = draw(GOOD_GEMM)
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(sorted(BAD_GEMM)))
+        config[field] = draw(BAD_GEMM[field])
+    return config
+
+
+@FAST
+@given(config=gemm_configs())
+def test_gemm_plan_returns_a_runnable_plan_or_a_clean_error(config):
+    m, n, k, sms, group_m, block_n, stages, epilogue, layout, dtype = (
+        config[f] for f in ("m", "n", "k", "sms", "group_m", "block_n", "stages", "epilogue",
+                            "layout", "dtype"))
+    result = {}
+
+    def call():
+        result["plan"] = gemm.plan(m, n, k, dtype=dtype, b_layout=layout, sms=sms,
+                                   block_n=block_n, stages=stages, group_m=group_m,
+                                   epilogue=epilogue)
+    if not refused_cleanly(call):
+        return
+    event("a plan")
+    p = result["plan"]
+    assert 1 <= m < 2**31 and 1 <= n < 2**31 and 8 <= k < 2**31 and k % 8 == 0
+    assert p.spec.smem_bytes <= gemm.SMEM_LIMIT and p.spec.stages >= 2
+    assert 1 <= p.grid <= min(sms, p.tiles)
+    assert p.tiles == -(-m // p.spec.block_m) * -(-n // p.spec.block_n)
+    if p.spec.epilogue == "tma":
+        assert n % 8 == 0                  # TMA stores need 16-byte rows of C
+    assert p.pad_n % 8 == 0 or layout == "nk"
+
+
+@FAST
+@given(a_shape=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+       b_shape=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+       a_dtype=DTYPES, b_dtype=DTYPES, layout=st.sampled_from(["kn", "nk", "x"]))
+def test_gemm_operand_checks(a_shape, b_shape, a_dtype, b_dtype, layout):
+    result = {}
+
+    def call():
+        result["mnk"] = gemm.check_operands(tuple(a_shape), tuple(b_shape), a_dtype, b_dtype, layout)
+    if refused_cleanly(call):
+        m, n, k, name = result["mnk"]
+        assert name in ("bf16", "f16") and np.dtype(a_dtype) == np.dtype(b_dtype)
+        assert (m, k) == tuple(a_shape)
+        assert (k, n) == tuple(b_shape) if layout == "kn" else (n, k) == tuple(b_shape)
+
+
+GOOD_GAR = st.fixed_dictionaries({
+    "m": st.integers(1, 3000), "n": st.integers(1, 3000),
+    "k": st.integers(1, 512).map(lambda x: 8 * x), "nodes": st.integers(1, 4),
+    "per_node": st.integers(1, 8), "ctas": st.integers(2, 40),
+    "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
+    "ranks_per_gpu": st.integers(1, 8), "layout": st.sampled_from(["kn", "nk"])})
+BAD_GAR = {"m": st.integers(-1, 0), "n": st.sampled_from([0, 2**31]), "k": st.integers(-8, 12),
+           "nodes": st.sampled_from([0, 33]), "per_node": st.sampled_from([0, 33, 64]),
+           "ctas": st.integers(0, 1), "reduce_ctas": st.integers(-1, 41),
+           "layout": st.just("zz")}
+
+
+@st.composite
+def gemm_allreduce_configs(draw):
+    config = draw(GOOD_GAR)
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(sorted(BAD_GAR)))
+        config[field] = draw(BAD_GAR[field])
+    return config
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=gemm_allreduce_configs())
+def test_gemm_allreduce_plan_is_exactly_once_and_stall_free_or_refused(config):
+    m, n, k, nodes, per_node, ctas, reduce_ctas, fuse, ranks_per_gpu, layout = (
+        config[f] for f in ("m", "n", "k", "nodes", "per_node", "ctas", "reduce_ctas", "fuse",
+                            "ranks_per_gpu", "layout"))
+    result = {}
+
+    def call():
+        result["plan"] = gar_plan.plan(m, n, k, nodes=nodes, ranks_per_node=per_node, ctas=ctas,
+                                       b_layout=layout, reduce_ctas=reduce_ctas, fuse=fuse,
+                                       ranks_per_gpu=ranks_per_gpu)
+    if not refused_cleanly(call):
+        return
+    event("a plan")
+    p = result["plan"]
+    assert m >= 1 and n >= 1 and k >= 8 and k % 8 == 0 and layout in ("kn", "nk")
+    if nodes * per_node == 1:
+        assert not p.fused
+        return
+    assert 1 <= p.reduce_ctas < p.ctas == ctas
+    if p.tiles * nodes * per_node <= 4000:      # keeps the schedule play-out quick
+        event("a plan whose schedule was played out")
+        assert p.check() == []
+
+
+@FAST
+@given(text=st.one_of(st.text(max_size=12), st.from_regex(r"\s*-?\d{1,3}\s*[xX*]\s*-?\d{1,3}\s*")))
+def test_world_layouts_parse_or_are_refused(text):
+    result = {}
+
+    def call():
+        result["layout"] = parse_layout(text)
+    if refused_cleanly(call):
+        nodes, per_node = result["layout"]
+        assert nodes >= 1 and per_node >= 1
