@@ -98,6 +98,9 @@ class Op:
             if aligned and x.data.ptr % 16:
                 raise ValueError(f"mkrt.{self.name}: {label} starts at {x.data.ptr:#x}, "
                                  "not 16-byte aligned")
+        # check_arrays saw a problem: never let the call go on without saying which.
+        raise ValueError(f"mkrt.{self.name}: {name} failed its checks (shapes "
+                         f"{[x.shape for x in arrays]}, expected {shape} {dtype_name(dtype)})")
 
     def same_everywhere(self, arrays: list, name: str) -> None:
         """Every rank (also in other processes) passes the same shape and dtype."""
