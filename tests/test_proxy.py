@@ -159,8 +159,12 @@ def test_malformed_commands_error_on_both_sides(bad, code):
     try:
         assert post(qs, 0, good) == P.POST_OK
         assert wait_flag(w.flags[1], 0, 1)
+        before = [d.copy() for d in w.data] + [f.copy() for f in w.flags]
         assert post(qs, 0, P.command(**bad)) == P.POST_OK
         assert wait_flag(qs.header, Q.H_ERROR, 1)                    # what the GPU's waits see
+        # refused, never written: not even the part of a put that lies inside the region
+        after = [d.copy() for d in w.data] + [f.copy() for f in w.flags]
+        assert all(np.array_equal(x, y) for x, y in zip(before, after))
         assert qs.error(0) & 0xFF != 0
         # later commands are drained, not executed, so producers never block
         for _ in range(20):
