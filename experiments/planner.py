@@ -245,7 +245,11 @@ def fit(path, commit=None) -> dict:
 
     from mkrt.controller.cost import fusion_terms
     rows = [r for r in load_rows(path, commit) if r["set"] == "calibration"]
-    out = {"fitted_on": f"{path} set=calibration commits={sorted({r['commit'] for r in rows})}",
+    where = Path(path).resolve()
+    where = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
+    commits = sorted({r["commit"] for r in rows})
+    out = {"fitted_on": f"{where}, set=calibration, commit {', '.join(commits)}: python3 "
+                        f"experiments/planner.py --fit" + (f" --commit {commit}" if commit else ""),
            "layouts": {}}
     for layout in sorted({r["layout"] for r in rows}):
         mine = [r for r in rows if r["layout"] == layout]

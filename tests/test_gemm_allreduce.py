@@ -134,3 +134,23 @@ def test_the_fitted_rule_fuses_tiny_problems_and_not_huge_k():
     tiny = gar.plan(256, 256, 256, nodes=1, ranks_per_node=2, ctas=66, ranks_per_gpu=2)
     huge_k = gar.plan(3072, 6144, 12288, nodes=1, ranks_per_node=2, ctas=66, ranks_per_gpu=2)
     assert tiny.fused and not huge_k.fused
+
+
+def test_the_shipped_fit_is_what_the_committed_rows_give():
+    """fusion_fit.json must be reproducible: refitting the committed calibration rows of
+    the commit it names gives the same weights."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from mkrt.controller import cost
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("planner_experiment", root / "experiments" / "planner.py")
+    planner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planner)
+    shipped = cost.fusion_fit()
+    commit = re.search(r"--commit (\w+)", shipped["fitted_on"]).group(1)
+    refit = planner.fit(root / "experiments" / "results" / "planner.jsonl", commit)
+    for layout, entry in shipped["layouts"].items():
+        assert refit["layouts"][layout]["fused"] == pytest.approx(entry["fused"], rel=1e-4)
+        assert refit["layouts"][layout]["unfused"] == pytest.approx(entry["unfused"], rel=1e-4)

@@ -1,4 +1,7 @@
-"""On-GPU SM-partition controller (roles: compute / intra / inter / reduce).
+"""SM-partition control: how a fused kernel's CTAs are split between roles (compute /
+intra / inter / reduce), and whether fusing pays.
 
-Not built yet: ops take their role split as a runtime argument until it lands.
+Today: the static role-split rule and the fitted fused-or-unfused rule
+(:mod:`mkrt.controller.cost`). The on-GPU controller that moves CTAs between roles at run
+time is not built yet: ops take their role split as a runtime argument until it lands.
 """
