@@ -28,14 +28,24 @@ K_SIZES = st.one_of(SIZES, st.integers(1, 2048).map(lambda x: 8 * x))   # valid 
 DTYPES = st.sampled_from([np.float16, np.float32, np.int32, np.float64, bfloat16])
 
 
-def refused_cleanly(call):
-    """Run `call`; True if it returned, False if it raised a clean mkrt error."""
+def outcome(call):
+    """What `call()` returns, or None when it refused cleanly: ValueError or TypeError
+    with a message naming its area. Anything else fails the test."""
     try:
-        call()
+        return call()
     except (ValueError, TypeError) as error:
         assert str(error).startswith("mkrt"), f"error without its area: {error!r}"
-        return False
-    return True
+        return None
+
+
+@st.composite
+def one_field_spoiled(draw, good, bad):
+    """A valid configuration, half the time with one field replaced by a doubtful value."""
+    config = draw(good)
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(sorted(bad)))
+        config[field] = draw(bad[field])
+    return config
 
 
 GOOD_GEMM = st.fixed_dictionaries({
@@ -51,32 +61,18 @@ BAD_GEMM = {"m": SIZES, "n": SIZES, "k": K_SIZES, "sms": st.integers(-2, 0),
             "layout": st.just("mk"), "dtype": st.just("f32")}
 
 
-@st.composite
-def gemm_configs(draw):
-    """A valid configuration, half the time with one field replaced by a doubtful value."""
-    config = draw(GOOD_GEMM)
-    if draw(st.booleans()):
-        field = draw(st.sampled_from(sorted(BAD_GEMM)))
-        config[field] = draw(BAD_GEMM[field])
-    return config
-
-
 @FAST
-@given(config=gemm_configs())
+@given(config=one_field_spoiled(GOOD_GEMM, BAD_GEMM))
 def test_gemm_plan_returns_a_runnable_plan_or_a_clean_error(config):
     m, n, k, sms, group_m, block_n, stages, epilogue, layout, dtype = (
         config[f] for f in ("m", "n", "k", "sms", "group_m", "block_n", "stages", "epilogue",
                             "layout", "dtype"))
-    result = {}
-
-    def call():
-        result["plan"] = gemm.plan(m, n, k, dtype=dtype, b_layout=layout, sms=sms,
-                                   block_n=block_n, stages=stages, group_m=group_m,
-                                   epilogue=epilogue)
-    if not refused_cleanly(call):
+    p = outcome(lambda: gemm.plan(m, n, k, dtype=dtype, b_layout=layout, sms=sms,
+                                  block_n=block_n, stages=stages, group_m=group_m,
+                                  epilogue=epilogue))
+    if p is None:
         return
     event("a plan")
-    p = result["plan"]
     assert 1 <= m < 2**31 and 1 <= n < 2**31 and 8 <= k < 2**31 and k % 8 == 0
     assert p.spec.smem_bytes <= gemm.SMEM_LIMIT and p.spec.stages >= 2
     assert 1 <= p.grid <= min(sms, p.tiles)
@@ -91,12 +87,10 @@ def test_gemm_plan_returns_a_runnable_plan_or_a_clean_error(config):
        b_shape=st.lists(st.integers(0, 300), min_size=1, max_size=3),
        a_dtype=DTYPES, b_dtype=DTYPES, layout=st.sampled_from(["kn", "nk", "x"]))
 def test_gemm_operand_checks(a_shape, b_shape, a_dtype, b_dtype, layout):
-    result = {}
-
-    def call():
-        result["mnk"] = gemm.check_operands(tuple(a_shape), tuple(b_shape), a_dtype, b_dtype, layout)
-    if refused_cleanly(call):
-        m, n, k, name = result["mnk"]
+    checked = outcome(lambda: gemm.check_operands(tuple(a_shape), tuple(b_shape), a_dtype,
+                                                  b_dtype, layout))
+    if checked is not None:
+        m, n, k, name = checked
         assert name in ("bf16", "f16") and np.dtype(a_dtype) == np.dtype(b_dtype)
         assert (m, k) == tuple(a_shape)
         assert (k, n) == tuple(b_shape) if layout == "kn" else (n, k) == tuple(b_shape)
@@ -114,31 +108,18 @@ BAD_GAR = {"m": st.integers(-1, 0), "n": st.sampled_from([0, 2**31]), "k": st.in
            "layout": st.just("zz")}
 
 
-@st.composite
-def gemm_allreduce_configs(draw):
-    config = draw(GOOD_GAR)
-    if draw(st.booleans()):
-        field = draw(st.sampled_from(sorted(BAD_GAR)))
-        config[field] = draw(BAD_GAR[field])
-    return config
-
-
 @settings(max_examples=60, deadline=None)
-@given(config=gemm_allreduce_configs())
+@given(config=one_field_spoiled(GOOD_GAR, BAD_GAR))
 def test_gemm_allreduce_plan_is_exactly_once_and_stall_free_or_refused(config):
     m, n, k, nodes, per_node, ctas, reduce_ctas, fuse, ranks_per_gpu, layout = (
         config[f] for f in ("m", "n", "k", "nodes", "per_node", "ctas", "reduce_ctas", "fuse",
                             "ranks_per_gpu", "layout"))
-    result = {}
-
-    def call():
-        result["plan"] = gar_plan.plan(m, n, k, nodes=nodes, ranks_per_node=per_node, ctas=ctas,
-                                       b_layout=layout, reduce_ctas=reduce_ctas, fuse=fuse,
-                                       ranks_per_gpu=ranks_per_gpu)
-    if not refused_cleanly(call):
+    p = outcome(lambda: gar_plan.plan(m, n, k, nodes=nodes, ranks_per_node=per_node, ctas=ctas,
+                                      b_layout=layout, reduce_ctas=reduce_ctas, fuse=fuse,
+                                      ranks_per_gpu=ranks_per_gpu))
+    if p is None:
         return
     event("a plan")
-    p = result["plan"]
     assert m >= 1 and n >= 1 and k >= 8 and k % 8 == 0 and layout in ("kn", "nk")
     if nodes * per_node == 1:
         assert not p.fused
@@ -152,10 +133,7 @@ def test_gemm_allreduce_plan_is_exactly_once_and_stall_free_or_refused(config):
 @FAST
 @given(text=st.one_of(st.text(max_size=12), st.from_regex(r"\s*-?\d{1,3}\s*[xX*]\s*-?\d{1,3}\s*")))
 def test_world_layouts_parse_or_are_refused(text):
-    result = {}
-
-    def call():
-        result["layout"] = parse_layout(text)
-    if refused_cleanly(call):
-        nodes, per_node = result["layout"]
+    layout = outcome(lambda: parse_layout(text))
+    if layout is not None:
+        nodes, per_node = layout
         assert nodes >= 1 and per_node >= 1
