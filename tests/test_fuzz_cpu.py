@@ -54,24 +54,20 @@ GOOD_GEMM = st.fixed_dictionaries({
     "group_m": st.integers(1, 64), "block_n": st.sampled_from([64, 128, 192, 256]),
     "stages": st.one_of(st.none(), st.integers(2, 6)),
     "epilogue": st.sampled_from(["auto", "tma", "direct"]),
-    "layout": st.sampled_from(["kn", "nk"]), "dtype": st.sampled_from(["bf16", "f16"])})
+    "b_layout": st.sampled_from(["kn", "nk"]), "dtype": st.sampled_from(["bf16", "f16"])})
 BAD_GEMM = {"m": SIZES, "n": SIZES, "k": K_SIZES, "sms": st.integers(-2, 0),
             "group_m": st.integers(-1, 0), "block_n": st.sampled_from([0, 32, 320]),
             "stages": st.integers(0, 12), "epilogue": st.just("bogus"),
-            "layout": st.just("mk"), "dtype": st.just("f32")}
+            "b_layout": st.just("mk"), "dtype": st.just("f32")}
 
 
 @FAST
 @given(config=one_field_spoiled(GOOD_GEMM, BAD_GEMM))
 def test_gemm_plan_returns_a_runnable_plan_or_a_clean_error(config):
-    m, n, k, sms, group_m, block_n, stages, epilogue, layout, dtype = (
-        config[f] for f in ("m", "n", "k", "sms", "group_m", "block_n", "stages", "epilogue",
-                            "layout", "dtype"))
-    p = outcome(lambda: gemm.plan(m, n, k, dtype=dtype, b_layout=layout, sms=sms,
-                                  block_n=block_n, stages=stages, group_m=group_m,
-                                  epilogue=epilogue))
+    p = outcome(lambda: gemm.plan(**config))
     if p is None:
         return
+    m, n, k, sms, layout = (config[f] for f in ("m", "n", "k", "sms", "b_layout"))
     event("a plan")
     assert 1 <= m < 2**31 and 1 <= n < 2**31 and 8 <= k < 2**31 and k % 8 == 0
     assert p.spec.smem_bytes <= gemm.SMEM_LIMIT and p.spec.stages >= 2
@@ -99,26 +95,23 @@ def test_gemm_operand_checks(a_shape, b_shape, a_dtype, b_dtype, layout):
 GOOD_GAR = st.fixed_dictionaries({
     "m": st.integers(1, 3000), "n": st.integers(1, 3000),
     "k": st.integers(1, 512).map(lambda x: 8 * x), "nodes": st.integers(1, 4),
-    "per_node": st.integers(1, 8), "ctas": st.integers(2, 40),
+    "ranks_per_node": st.integers(1, 8), "ctas": st.integers(2, 40),
     "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
-    "ranks_per_gpu": st.integers(1, 8), "layout": st.sampled_from(["kn", "nk"])})
+    "ranks_per_gpu": st.integers(1, 8), "b_layout": st.sampled_from(["kn", "nk"])})
 BAD_GAR = {"m": st.integers(-1, 0), "n": st.sampled_from([0, 2**31]), "k": st.integers(-8, 12),
-           "nodes": st.sampled_from([0, 33]), "per_node": st.sampled_from([0, 33, 64]),
+           "nodes": st.sampled_from([0, 33]), "ranks_per_node": st.sampled_from([0, 33, 64]),
            "ctas": st.integers(0, 1), "reduce_ctas": st.integers(-1, 41),
-           "layout": st.just("zz")}
+           "b_layout": st.just("zz")}
 
 
 @settings(max_examples=60, deadline=None)
 @given(config=one_field_spoiled(GOOD_GAR, BAD_GAR))
 def test_gemm_allreduce_plan_is_exactly_once_and_stall_free_or_refused(config):
-    m, n, k, nodes, per_node, ctas, reduce_ctas, fuse, ranks_per_gpu, layout = (
-        config[f] for f in ("m", "n", "k", "nodes", "per_node", "ctas", "reduce_ctas", "fuse",
-                            "ranks_per_gpu", "layout"))
-    p = outcome(lambda: gar_plan.plan(m, n, k, nodes=nodes, ranks_per_node=per_node, ctas=ctas,
-                                      b_layout=layout, reduce_ctas=reduce_ctas, fuse=fuse,
-                                      ranks_per_gpu=ranks_per_gpu))
+    p = outcome(lambda: gar_plan.plan(**config))
     if p is None:
         return
+    m, n, k, nodes, per_node, ctas, layout = (
+        config[f] for f in ("m", "n", "k", "nodes", "ranks_per_node", "ctas", "b_layout"))
     event("a plan")
     assert m >= 1 and n >= 1 and k >= 8 and k % 8 == 0 and layout in ("kn", "nk")
     if nodes * per_node == 1:
