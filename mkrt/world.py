@@ -184,9 +184,7 @@ class World:
                 if proxy is not None:
                     proxy.check()
                 return
-        for (name, _), block in list(self._services.items()):
-            if name != "status":
-                continue
+        for block in list(self._status_blocks()):
             try:
                 block.raise_if_failed(blocking=synchronize)
             except Exception:

@@ -47,3 +47,22 @@ def test_launch_parameter_lists_match_the_kernel_signatures():
     signature = ag_source.split("allgather(const unsigned char* input")[1].split(")")[0]
     names = [part.split()[-1].lstrip("*") for part in ("input" + signature).split(",")]
     assert names == [name for name, _, _ in allgather.LAUNCH_PARAMETERS]
+
+
+def test_context_params_fill_the_context_fields_of_every_prepared_kernel():
+    """Op.context_params(rank) is splatted into Parameters.set: its names must be the
+    kernels' context parameters, and the typed form (context_args) must carry the same."""
+    from types import SimpleNamespace
+
+    from mkrt.kernels.op import Op
+    block = SimpleNamespace(device_ptr=0x1000, host_flag_ptr=0x2000)
+    world = SimpleNamespace(ranks=[SimpleNamespace(device=0)] * 3, status=lambda device: block,
+                            device_slot=lambda rank: 1)
+    op = SimpleNamespace(world=world, timeout_ms=2.5)
+    values = Op.context_params(op, 2)
+    for fields in (allgather.LAUNCH_PARAMETERS, gemm_allreduce.LAUNCH_PARAMETERS):
+        params = Parameters(fields)
+        params.set(**values)
+        assert [int(params.view(name)) for name in values] == list(values.values())
+    op.context_params = lambda rank: Op.context_params(op, rank)
+    assert [int(v) for v in Op.context_args(op, 2)] == [0x1000, 0x2000, 1, 2, 2_500_000]

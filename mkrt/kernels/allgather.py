@@ -532,7 +532,6 @@ class AllGather(Op):
                     self._receive_tables[info.rank] = receive.peer_table(info.rank)
                 staged_table = self._receive_tables[info.rank].data.ptr
             params = Parameters(LAUNCH_PARAMETERS)
-            status, host_flag, slot, rank, timeout_ns = self.context_args(info.rank)
             params.set(nbytes=call.nbytes, flags=self._flags.local_ptr(info.rank),
                        peer_flags=self._flags.peer_table(info.rank).data.ptr,
                        peer_receive=staged_table,
@@ -541,8 +540,7 @@ class AllGather(Op):
                        me=info.local_rank, node=info.node if self.N > 1 else 0, G=self.G,
                        N=self.N, receive_region=receive.region if receive is not None else -1,
                        flags_region=self._flags.region, muted_rank=self.muted_rank,
-                       status=status, host_flag=host_flag, slot=slot, rank=rank,
-                       timeout_ns=timeout_ns)
+                       **self.context_params(info.rank))
             launches.append(KernelLaunch(function, self._grid(info.rank, call.nbytes),
                                          self.spec.threads, 0, params))
         call.launches, call.generation = launches, self._generation
@@ -577,11 +575,7 @@ class AllGather(Op):
         for (input_word, output_word), source, target in zip(call.pointers, inputs, outputs):
             input_word[()] = source.data.ptr
             output_word[()] = target.data.ptr
-        streams = self.launch_streams()
-        for launch, stream, device in zip(launches, streams, self._local_devices):
-            with self.on_device(device):
-                launch(stream)
-        self.finish_launches()
+        self.launch(launches)
         self.after_launch()
         if out is not None:
             return out

@@ -32,8 +32,9 @@ import numpy as np
 from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register the pieces)
-from mkrt.jit.spec import KernelSpec
 from mkrt.cuda import device_sm_count
+from mkrt.jit.spec import KernelSpec
+from mkrt.kernels.launcher import KernelLaunch, Parameters
 
 GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;
@@ -318,15 +319,14 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
            b_layout, sms, group_m, block_n, stages, epilogue, device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, a_view, b_view, out_view):
-        call = _prepare_gemm(key, a_view, b_view, out_view, b_layout=b_layout, sms=sms,
-                             group_m=group_m, block_n=block_n, stages=stages, epilogue=epilogue)
-        if call is None:        # a padded copy of B: the slow path did the work
-            return _gemm_padded(a, a_view, b_view, out_view, b_layout=b_layout, sms=sms,
-                                group_m=group_m, block_n=block_n, stages=stages,
-                                epilogue=epilogue, stream=stream)
-    switch = cupy.cuda.runtime.getDevice() != device
+        p = _gemm_plan(a_view, b_view, out_view, b_layout=b_layout, sms=sms, group_m=group_m,
+                       block_n=block_n, stages=stages, epilogue=epilogue)
+        if p.spec.b_layout == "kn" and p.pad_n != p.n:
+            return _gemm_padded(a, a_view, b_view, out_view, p, stream)
+        call = _prepared_gemm(key, p, device)
+    previous = cupy.cuda.runtime.getDevice()
+    switch = previous != device
     if switch:
-        previous = cupy.cuda.runtime.getDevice()
         cupy.cuda.runtime.setDevice(device)
     try:
         if out_view is None:
@@ -352,7 +352,6 @@ class _PreparedGemm:
     """One signature of :func:`gemm`: its plan, kernel and packed parameters."""
 
     def __init__(self, p: GemmPlan, function):
-        from mkrt.kernels.launcher import KernelLaunch, Parameters
         self.plan = p
         self.out_shape = (p.m, p.n)
         params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_out", 128, 64),
@@ -401,20 +400,18 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_n, stages, epilogue):
+    """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_n=block_n, stages=stages, group_m=group_m, epilogue=epilogue)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
-    return p, device
+    return p
 
 
-def _prepare_gemm(key, a_view, b_view, out_view, **options) -> _PreparedGemm | None:
-    """Check everything and prepare the signature; None when B needs a padded copy."""
-    p, device = _gemm_plan(a_view, b_view, out_view, **options)
-    if p.spec.b_layout == "kn" and p.pad_n != p.n:
-        return None
+def _prepared_gemm(key, p: GemmPlan, device: int) -> _PreparedGemm:
+    """The prepared launch of a checked signature (kept for the next 256 signatures)."""
     call = _PREPARED.get(key)
     if call is None:
         call = _PREPARED[key] = _PreparedGemm(p, p.spec.function("gemm", device, p.spec.smem_bytes))
@@ -423,10 +420,10 @@ def _prepare_gemm(key, a_view, b_view, out_view, **options) -> _PreparedGemm | N
     return call
 
 
-def _gemm_padded(a, a_view, b_view, out_view, *, stream, **options):
+def _gemm_padded(a, a_view, b_view, out_view, p: GemmPlan, stream):
     """b_layout="kn" with N % 8 != 0: TMA needs 16-byte rows, so B is copied padded."""
     import cupy
-    p, device = _gemm_plan(a_view, b_view, out_view, **options)
+    device = a_view.data.device_id
     spec, m, n, k = p.spec, p.m, p.n, p.k
     with cupy.cuda.Device(device):
         if out_view is None:

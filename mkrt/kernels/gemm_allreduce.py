@@ -751,9 +751,8 @@ class GemmAllReduce(Op):
         for info in self.world.local:
             function = spec.function("gemm_allreduce", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
-            status, host_flag, slot, rank, timeout_ns = self.context_args(info.rank)
-            params.set(args=self._args(p, info, 0), muted_rank=self.muted_rank, status=status,
-                       host_flag=host_flag, slot=slot, rank=rank, timeout_ns=timeout_ns)
+            params.set(args=self._args(p, info, 0), muted_rank=self.muted_rank,
+                       **self.context_params(info.rank))
             launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
         call.launches[mode] = launches
         call.words[mode] = [(launch.params.field_view("args", "out"),
@@ -775,11 +774,7 @@ class GemmAllReduce(Op):
             else:
                 call.words[mode][i][1][()] = copy_sources[i].data.ptr
             call.words[mode][i][0][()] = outs[i].data.ptr
-        streams = self.launch_streams()
-        for launch, stream, device in zip(launches, streams, self._local_devices):
-            with self.on_device(device):
-                launch(stream)
-        self.finish_launches()
+        self.launch(launches)
 
     def _unfused(self, call, a_list, b_list, outs, *, gemm: str = "cublas",
                  allreduce: str = "auto") -> None:

@@ -36,7 +36,7 @@ class Op:
         self._last_stream = None         # one local rank: the stream of the last launch
         self._local_count = len(self.world.local)
         self._local_devices = tuple(info.device for info in self.world.local)
-        self._multi_device = False
+        self._multi_device = len(set(self._local_devices)) > 1
         self._sync_check = envs.get("MKRT_SYNC_CHECK")     # read once per op
         self._timeout_slots = None
 
@@ -136,8 +136,9 @@ class Op:
 
     # ---- streams: each rank's launches are ordered on the rank's own stream --------
     def _plumbing(self):
-        """Per local rank: (device, stream ptr, release event ptr); per device: join event.
-        Built once per op: a call then costs one runtime call per record or wait."""
+        """Per local rank: (device, stream ptr, release event ptr, join event ptr of its
+        device); per device: its join event. Built once per op: a call then costs one
+        runtime call per record or wait."""
         if self._stream_plumbing is None:
             import cupy
             events = []           # kept alive with the op
@@ -150,13 +151,14 @@ class Op:
                         join = cupy.cuda.Event(disable_timing=True)
                         events.append(join)
                         joins[info.device] = join.ptr
-                    ranks.append((info.device, self.world.stream(info.rank).ptr, release.ptr))
-            self._events_alive = events
-            self._multi_device = len(joins) > 1
-            self._stream_plumbing = (tuple(ranks), tuple(joins.items()))
-            self._rank_streams = tuple(stream for _, stream, _ in ranks)
+                    ranks.append((info.device, self.world.stream(info.rank).ptr, release.ptr,
+                                  joins[info.device]))
             with cupy.cuda.Device(self._local_devices[0]):
-                self._order_event = cupy.cuda.Event(disable_timing=True)
+                events.append(cupy.cuda.Event(disable_timing=True))
+            self._events_alive = events
+            self._order_event = events[-1].ptr
+            self._stream_plumbing = (tuple(ranks), tuple(joins.items()))
+            self._rank_streams = tuple(stream for _, stream, _, _ in ranks)
         return self._stream_plumbing
 
     def join_caller_stream(self) -> None:
@@ -164,30 +166,37 @@ class Op:
         ranks, joins = self._plumbing()
         for device, event in joins:
             _runtime.eventRecord(event, _current_stream(device).ptr)
-        for device, stream, _ in ranks:
-            _runtime.streamWaitEvent(stream, joins[0][1] if not self._multi_device
-                                     else dict(joins)[device], 0)
+        for _, stream, _, join in ranks:
+            _runtime.streamWaitEvent(stream, join, 0)
 
     def release_to_caller_stream(self) -> None:
         """The caller's current stream waits for each rank's launch (outputs are ready)."""
         ranks, joins = self._plumbing()
         caller = _current_stream(joins[0][0]).ptr
-        for device, stream, event in ranks:
-            _runtime.eventRecord(event, stream)
+        for device, stream, release, _ in ranks:
+            _runtime.eventRecord(release, stream)
             _runtime.streamWaitEvent(_current_stream(device).ptr if self._multi_device
-                                     else caller, event, 0)
+                                     else caller, release, 0)
 
-    def launch_streams(self) -> tuple:
-        """The stream of each local rank's launch, ordered after the caller's work; call
-        :meth:`finish_launches` after launching.
+    def launch(self, launches: list) -> None:
+        """Launch each local rank's prepared kernel (mkrt/kernels/launcher.py), ordered
+        after the caller's work, with the caller's stream ordered after them."""
+        streams = self._launch_streams()
+        for launch, stream, device in zip(launches, streams, self._local_devices):
+            with self.on_device(device):
+                launch(stream)
+        if self._local_count != 1:
+            self.release_to_caller_stream()
+
+    def _launch_streams(self) -> tuple:
+        """The stream of each local rank's launch, ordered after the caller's work.
 
         A process holding one rank launches straight on the caller's current stream (as
         NCCL does): nothing to join. Launches of an op must stay ordered, so when the
         caller's stream changed since the last call, the new one first waits for the old.
         Several ranks in one process run concurrently, each on its own stream, joined to
         and released back to the caller's stream by events."""
-        if self._stream_plumbing is None:
-            self._plumbing()
+        self._plumbing()
         if self._local_count == 1:
             current = _current_stream(self._local_devices[0])
             stream = current.ptr
@@ -197,20 +206,17 @@ class Op:
                 if current.is_capturing():
                     return (stream,)
                 if self._last_stream is not None:
-                    _runtime.eventRecord(self._order_event.ptr, self._last_stream)
-                    _runtime.streamWaitEvent(stream, self._order_event.ptr, 0)
+                    _runtime.eventRecord(self._order_event, self._last_stream)
+                    _runtime.streamWaitEvent(stream, self._order_event, 0)
                 self._last_stream = stream
             return (stream,)
         self.join_caller_stream()
         return self._rank_streams
 
-    def finish_launches(self) -> None:
-        if self._local_count != 1:
-            self.release_to_caller_stream()
-
     def on_device(self, device: int):
-        """Context for work on `device`: a no-op when the op's ranks share one device."""
-        if self._stream_plumbing is not None and not self._multi_device:
+        """Context for work on `device`: a no-op when it is already the current one (the
+        common case: the op's ranks share one device)."""
+        if _runtime.getDevice() == device:
             return _NO_CONTEXT
         import cupy
         return cupy.cuda.Device(device)
@@ -235,12 +241,19 @@ class Op:
             self._failed = error
             raise
 
-    def context_args(self, rank: int) -> tuple:
-        """Kernel arguments of mkrt::Context: status, host flag, slot, rank, timeout (ns)."""
+    def context_params(self, rank: int) -> dict:
+        """Values of a kernel's mkrt::Context parameters (status, host_flag, slot, rank,
+        timeout_ns), by name: ``Parameters.set(**op.context_params(rank))``."""
         block = self.world.status(self.world.ranks[rank].device)
-        return (np.uint64(block.device_ptr), np.uint64(block.host_flag_ptr),
-                np.int32(self.world.device_slot(rank)), np.int32(rank),
-                np.uint64(int(self.timeout_ms * 1e6)))
+        return {"status": block.device_ptr, "host_flag": block.host_flag_ptr,
+                "slot": self.world.device_slot(rank), "rank": rank,
+                "timeout_ns": int(self.timeout_ms * 1e6)}
+
+    def context_args(self, rank: int) -> tuple:
+        """The same values as typed arguments, for a kernel launched through CuPy."""
+        c = self.context_params(rank)
+        return (np.uint64(c["status"]), np.uint64(c["host_flag"]), np.int32(c["slot"]),
+                np.int32(c["rank"]), np.uint64(c["timeout_ns"]))
 
 
 class _NoContext:
