@@ -214,15 +214,10 @@ def load_rows(path, commit=None):
 
 def times_of(row, fit):
     """(fused us, unfused us) the fitted models predict for a measured row, or None."""
-    from mkrt.controller.cost import fusion_terms
-    entry = fit.get("layouts", {}).get(row["layout"])
-    if entry is None:
-        return None
+    from mkrt.controller.cost import fitted_times
     nodes, per_node = (int(x) for x in row["layout"].split("x"))
-    fused, unfused = fusion_terms(row["m"], row["n"], row["k"], ctas=row["ctas"],
-                                  reduce_ctas=row["reduce_ctas"], ranks_per_gpu=nodes * per_node)
-    return (sum(w * x for w, x in zip(entry["fused"], fused)),
-            sum(w * x for w, x in zip(entry["unfused"], unfused)))
+    return fitted_times(row["layout"], row["m"], row["n"], row["k"], ctas=row["ctas"],
+                        reduce_ctas=row["reduce_ctas"], ranks_per_gpu=nodes * per_node, fit=fit)
 
 
 def judge(rows, fit) -> list[tuple[dict, bool, float]]:

@@ -21,6 +21,7 @@ import functools
 import json
 from pathlib import Path
 
+
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
     """Rates the planner models with (H200 measurements; leads, not truths)."""
@@ -111,10 +112,11 @@ def fusion_fit() -> dict:
 
 
 def fitted_times(layout: str, m: int, n: int, k: int, *, ctas: int, reduce_ctas: int,
-                 ranks_per_gpu: int) -> tuple[float, float] | None:
-    """(fused us, unfused us) from the fitted models, or None when `layout` was not fitted
-    (or was fitted with all its ranks on one GPU and this world spreads them)."""
-    entry = fusion_fit().get("layouts", {}).get(layout)
+                 ranks_per_gpu: int, fit: dict | None = None) -> tuple[float, float] | None:
+    """(fused us, unfused us) from the fitted models (``fit``: weights to judge instead of
+    the shipped ones), or None when `layout` was not fitted (or was fitted with all its
+    ranks on one GPU and this world spreads them)."""
+    entry = (fusion_fit() if fit is None else fit).get("layouts", {}).get(layout)
     if entry is None or entry.get("ranks_per_gpu") != ranks_per_gpu:
         return None
     fused, unfused = fusion_terms(m, n, k, ctas=ctas, reduce_ctas=reduce_ctas,
