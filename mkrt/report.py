@@ -14,8 +14,9 @@ How a line is made (mkrt/DESIGN.md, "Results and the README table"):
   ``report_family`` field; otherwise the experiment's rule below decides, and experiments
   without a rule fall back to (metric, layout, group).
 * A *run* is the rows that share (commit, command, date). Each family is summarised over
-  its newest run only: the run of its last row in file order. Older runs stay in the
-  files for the record but no longer move the table.
+  its newest run only: the run of its last row in file order (or, for lines marked
+  ``same_commit``, every row of its last row's commit: one experiment run as one process
+  per world). Older runs stay in the files for the record but no longer move the table.
 * The summary is small and fixed per experiment: the range of the run's ratios (ratio > 1
   favours mkrt for every row ``mkrt.bench.record`` writes, except where a line says it is
   a time ratio), the geometric mean when there are several cases, and for a few single
