@@ -59,7 +59,7 @@ class CommTimeout(MkrtError):
     """A device-side bounded wait timed out; ``record`` says who waited for what."""
 
     def __init__(self, record: WaitRecord, timeout_ms: float | None = None,
-                 others: int = 0):
+                 others: int = 0, records: tuple = ()):
         where = f" in {record.kernel}" if record.kernel else ""
         after = f" after {timeout_ms:g} ms" if timeout_ms is not None else ""
         more = f" ({others} more waits also timed out)" if others else ""
@@ -67,3 +67,5 @@ class CommTimeout(MkrtError):
         self.record = record
         self.timeout_ms = timeout_ms
         self.others = others
+        #: the first failed wait of every rank on the GPU (``record`` is one of them)
+        self.records = tuple(records) or (record,)

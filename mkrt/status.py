@@ -88,7 +88,8 @@ class StatusBlock:
         if not records:
             raise CommTimeout(WaitRecord(-1, "unknown", -1, -1, -1, 0, 0), None)
         head = records.get(int(words[1]) - 1, next(iter(records.values())))
-        raise CommTimeout(head, self.timeout_ms.get(head.rank), others=int(words[2]) - 1)
+        raise CommTimeout(head, self.timeout_ms.get(head.rank), others=int(words[2]) - 1,
+                          records=tuple(records.values()))
 
     def reset(self) -> None:
         """Clear the block so the device can run again after a reported failure."""
