@@ -115,10 +115,13 @@ def time_paths(world, paths: dict, rounds: int, batch: int) -> dict[str, float]:
     """Median microseconds per call of each path, the paths interleaved round by round."""
     import cupy
     stream = cupy.cuda.get_current_stream()
+    # Each path's first calls, synchronized: a first cuBLAS call of a shape waits for the
+    # device, and must not while fused kernels wait for the proxy (mkrt/DESIGN.md,
+    # "Runtime hazards"; before this, 8 of 101 shapes on 2x2 timed out here).
     for call in paths.values():
         call()
         call()
-    world.synchronize()
+        world.synchronize()
     samples = {name: [] for name in paths}
     for _ in range(rounds):
         for name, call in paths.items():

@@ -18,11 +18,21 @@ from dataclasses import dataclass, field
 
 from mkrt import envs
 from mkrt.cuda import device_sm_count
+from mkrt.errors import CommTimeout
 
 log = logging.getLogger("mkrt.world")
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_RANK")
 
+
+#: Appended to a CommTimeout when the proxy had issued every command (mkrt/DESIGN.md,
+#: "Runtime hazards").
+PROXY_STALL_HINT = (
+    "; the proxy had issued every command posted to it, so if this flag is one the proxy "
+    "writes, its GPU work (copy, flag write on the proxy's stream) did not run in time: "
+    "where nodes share a host, a CUDA call of this process that waits for the device (a "
+    "first cuBLAS call of a new shape, a memory allocation or free) while a fused call is "
+    "in flight holds that work back; call world.synchronize() before such calls")
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -187,13 +197,24 @@ class World:
         for block in list(self._status_blocks()):
             try:
                 block.raise_if_failed(blocking=synchronize)
-            except Exception:
+            except Exception as error:
                 self.failures += 1
                 if proxy is not None:
                     proxy.check()     # a proxy failure is the root cause: say so
+                    if isinstance(error, CommTimeout) and self._proxy_stream_stalled(proxy):
+                        error.args = (error.args[0] + PROXY_STALL_HINT,)
                 raise
         if proxy is not None:
             proxy.check()
+
+    @staticmethod
+    def _proxy_stream_stalled(proxy) -> bool:
+        """After a timeout: whether the proxy had issued every command (then what did not
+        arrive was its GPU work, held back, not a command never posted or never taken)."""
+        try:
+            return proxy.caught_up()
+        except Exception:          # noqa: BLE001 - only a hint; the timeout is the error
+            return False
 
     def synchronize(self) -> None:
         """Wait for every local rank's stream, then raise device-side errors, if any."""

@@ -20,3 +20,58 @@ def test_records_decode_by_slot_with_signed_fields_and_kernel_name():
     assert (record.rank, record.role, record.cta, record.tile, record.flag) == (5, "reduce", 17, -1, -2)
     assert (record.expected, record.seen, record.kernel) == (12, 11, "gemm_allreduce")
     assert "proxy reported an error" in str(record)
+
+
+class _FailedBlock:
+    """A status block whose wait gave up (what StatusBlock.raise_if_failed raises)."""
+
+    host_word = np.ones(1, np.uint64)
+
+    def __init__(self, records):
+        self.records = records
+
+    def raise_if_failed(self, *, blocking=False):
+        from mkrt.errors import CommTimeout
+        raise CommTimeout(self.records[0], 50.0, others=len(self.records) - 1,
+                          records=tuple(self.records))
+
+
+class _Proxy:
+    def __init__(self, caught_up):
+        self._caught_up = caught_up
+
+    def check(self):
+        pass
+
+    def caught_up(self):
+        if isinstance(self._caught_up, Exception):
+            raise self._caught_up
+        return self._caught_up
+
+
+def _world_with(block, proxy):
+    import mkrt
+    world = mkrt.init(emulate="1x2")
+    world._status_blocks = lambda: [block]
+    world.running_service = lambda name, key=None: proxy if name == "proxy" else None
+    return world
+
+
+def test_timeout_lists_every_rank_and_names_a_stalled_proxy_stream():
+    import pytest
+
+    from mkrt.errors import CommTimeout, WaitRecord
+    from mkrt.world import PROXY_STALL_HINT
+    records = [WaitRecord(0, "reduce", 31, -1, 5, 2, 1), WaitRecord(2, "reduce", 29, -1, 4, 2, 1)]
+    world = _world_with(_FailedBlock(records), _Proxy(True))
+    with pytest.raises(CommTimeout) as caught:
+        world.check()
+    assert caught.value.records == tuple(records)
+    assert "1 more waits" in str(caught.value) and str(caught.value).endswith(PROXY_STALL_HINT)
+    assert world.failures == 1
+    # A proxy that had not issued everything, or whose queues cannot be read: no hint.
+    for state in (False, RuntimeError("device in error")):
+        world = _world_with(_FailedBlock(records), _Proxy(state))
+        with pytest.raises(CommTimeout) as caught:
+            world.check()
+        assert PROXY_STALL_HINT not in str(caught.value)

@@ -790,10 +790,22 @@ class GemmAllReduce(Op):
         if use_nccl and not _nccl_ready(self.world):
             raise ValueError("mkrt.gemm_allreduce: allreduce='nccl' needs one process per GPU "
                              "and torch.distributed initialised with the nccl backend")
+        kept = self._scratch.get("partials")
+        if not use_nccl and (kept is None or kept[0].shape != call.out_shape
+                             or kept[0].dtype != call.dtype):
+            # Kept between calls of one shape: an allocation while persistent kernels wait
+            # for the proxy can hold back its copies (mkrt/DESIGN.md, "Runtime hazards").
+            # Memory replaced here is reused stream-ordered: the caller's stream waits for
+            # the all-reduce that read it.
+            kept = []
+            for device in self._local_devices:
+                with self.on_device(device):
+                    kept.append(cupy.empty(call.out_shape, call.dtype))
+            self._scratch["partials"] = kept
         partials = []
-        for device, a_r, b_r, out in zip(self._local_devices, a_list, b_list, outs):
+        for i, (device, a_r, b_r, out) in enumerate(zip(self._local_devices, a_list, b_list, outs)):
             with self.on_device(device):
-                target = out if use_nccl else None
+                target = out if use_nccl else kept[i]
                 if gemm == "mkrt":
                     partials.append(gemm_module.gemm(a_r, b_r, out=target, b_layout=self.b_layout))
                 else:
@@ -802,10 +814,9 @@ class GemmAllReduce(Op):
         if use_nccl:
             _nccl_all_reduce(outs[0])
             return
+        # The next call's GEMM overwrites the partials only after this all-reduce has read
+        # them: it runs on the caller's stream, which waits for the ranks' launches.
         self._run(call, "copy", a_list, b_list, outs, copy_sources=partials)
-        # The partials are freed when this returns; the all-reduce has read them once the
-        # caller's stream passes this point, and CuPy's pool reuses memory stream-ordered.
-        self._scratch["partials"] = partials
 
     def unfused(self, a, b, out=None, *, gemm: str = "cublas", allreduce: str = "auto"):
         """The baseline: cuBLAS (or ``gemm="mkrt"``) then the all-reduce (NCCL or mkrt's,

@@ -73,6 +73,16 @@ class WorldProxy:
         descriptors = self.queue_sets[device].device_descriptors()
         return descriptors.data.ptr + index * Q.QUEUE_DESC_DTYPE.itemsize
 
+    def caught_up(self) -> bool:
+        """Whether every command the kernels claimed was taken and issued by the proxy
+        (reads the queues' device heads: call it when the GPU is idle)."""
+        for queue_set in self.queue_sets.values():
+            heads = queue_set.device_heads()
+            for q in range(queue_set.queues):
+                if not int(heads[q]) == queue_set.tail(q) == queue_set.done(q):
+                    return False
+        return True
+
     def check(self) -> None:
         """Raise the first error a proxy thread reported (mkrt.proxy.ProxyError)."""
         for proxy in self.proxies.values():

@@ -1,0 +1,69 @@
+"""Which host activity lets a fused 2x2 gemm_allreduce time out? (debug, not committed)"""
+import faulthandler, json, os, sys, time, tempfile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cupy, numpy as np
+import mkrt
+from mkrt.arrays import bfloat16
+from planner import proxy_state, time_paths
+
+SHAPES = [(16384, 4096, 1024), (16384, 8192, 2048), (896, 8704, 9664), (8320, 3840, 3648),
+          (2304, 7936, 4160), (1792, 7424, 9920), (7168, 3584, 12544), (2944, 12544, 4352)]
+out = open(os.path.join(os.environ.get("OUT", "/tmp"), "gar_timeout.jsonl"), "a")
+
+
+def new_ops(world):
+    return (mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000),
+            mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=5000))
+
+
+def run(mode, passes):
+    world = mkrt.init(emulate="2x2")
+    fused_op, auto_op = new_ops(world)
+    dump = tempfile.TemporaryFile("w+")
+    fails = 0
+    for p in range(passes):
+        for m, n, k in SHAPES:
+            rng = cupy.random.default_rng(m + n + k + p)
+            a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+            b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
+            outs = {x: [cupy.empty((m, n), bfloat16) for _ in world.local] for x in ("f", "u", "a")}
+            paths = {"fused": lambda: fused_op(a, b, out=outs["f"])}
+            if mode != "fused_only":
+                paths["unfused"] = lambda: fused_op.unfused(a, b, out=outs["u"])
+                paths["auto"] = lambda: auto_op(a, b, out=outs["a"])
+            dump.seek(0); dump.truncate()
+            faulthandler.dump_traceback_later(2.5, repeat=False, file=dump)
+            t0 = time.perf_counter()
+            try:
+                if mode == "synced_warmup":
+                    for call in paths.values():
+                        call(); world.synchronize()
+                time_paths(world, paths, 3, 3)
+                status = "ok"
+                err = None
+            except mkrt.CommTimeout as e:
+                status = "timeout"; fails += 1
+                err = {"error": str(e), "records": [str(r) for r in e.records],
+                       "proxy": proxy_state(world)}
+            faulthandler.cancel_dump_traceback_later()
+            dump.seek(0); stacks = dump.read()
+            row = {"mode": mode, "pass": p, "shape": f"{m}x{n}x{k}", "status": status,
+                   "seconds": round(time.perf_counter() - t0, 3), "err": err,
+                   "stacks": stacks[-6000:] if stacks else None}
+            print(json.dumps({k2: v for k2, v in row.items() if k2 != "stacks"}), flush=True)
+            if stacks:
+                print(stacks[-4000:], flush=True)
+            out.write(json.dumps(row) + "\n"); out.flush()
+            if status == "timeout":
+                del a, b, outs, paths
+                world.close(); world = mkrt.init(emulate="2x2"); fused_op, auto_op = new_ops(world)
+            else:
+                del a, b, outs, paths
+            cupy.get_default_memory_pool().free_all_blocks()
+    world.close()
+    return fails
+
+
+if __name__ == "__main__":
+    for mode in sys.argv[1].split(","):
+        print("MODE", mode, "fails", run(mode, int(sys.argv[2])), flush=True)
