@@ -192,7 +192,7 @@ class World:
                     break
             else:
                 if proxy is not None:
-                    proxy.check()
+                    self._check_proxy(proxy)
                 return
         for block in list(self._status_blocks()):
             try:
@@ -200,12 +200,39 @@ class World:
             except Exception as error:
                 self.failures += 1
                 if proxy is not None:
-                    proxy.check()     # a proxy failure is the root cause: say so
+                    self._check_proxy(proxy)     # a proxy failure is the root cause: say so
                     if isinstance(error, CommTimeout) and self._proxy_stream_stalled(proxy):
                         error.args = (error.args[0] + PROXY_STALL_HINT,)
+                    self._retire_proxy(proxy)
                 raise
         if proxy is not None:
+            self._check_proxy(proxy)
+
+    def _check_proxy(self, proxy) -> None:
+        """Raise the proxy's error, once, and retire the proxy that reported it."""
+        try:
             proxy.check()
+        except Exception:
+            self.failures += 1
+            self._retire_proxy(proxy)
+            raise
+
+    def _retire_proxy(self, proxy) -> None:
+        """After a failure: stop the proxy (it may have lost commands, or its threads may be
+        dead) once the GPUs are idle; the next op that needs one starts a new one, with every
+        buffer registered again. Ops that used the old one refuse further calls (their
+        epochs are out of step anyway)."""
+        if self._services.get(("proxy", None)) is not proxy:
+            return
+        del self._services[("proxy", None)]
+        self._status_cache = None
+        try:
+            import cupy
+            for device in sorted({r.device for r in self.local if r.device is not None}):
+                cupy.cuda.Device(device).synchronize()
+            proxy.close()
+        except Exception as error:     # noqa: BLE001 - the failure being raised says more
+            log.warning("mkrt.world: while retiring the proxy after a failure: %s", error)
 
     @staticmethod
     def _proxy_stream_stalled(proxy) -> bool:

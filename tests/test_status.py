@@ -75,3 +75,35 @@ def test_timeout_lists_every_rank_and_names_a_stalled_proxy_stream():
         with pytest.raises(CommTimeout) as caught:
             world.check()
         assert PROXY_STALL_HINT not in str(caught.value)
+
+
+class _BrokenProxy(_Proxy):
+    """A proxy whose thread reported an error (raised once, like Proxy.check)."""
+
+    def __init__(self):
+        super().__init__(True)
+        self.closed = False
+        self._raised = False
+
+    def check(self):
+        if not self._raised:
+            self._raised = True
+            raise RuntimeError("mkrt.proxy: destination rank out of range")
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_failed_proxy_is_reported_once_then_retired_for_a_fresh_one():
+    import pytest
+
+    import mkrt
+    world = mkrt.init(emulate="1x2")
+    proxy = _BrokenProxy()
+    world._services[("proxy", None)] = proxy
+    world._status_blocks = lambda: []
+    with pytest.raises(RuntimeError, match="destination rank"):
+        world.check()
+    assert proxy.closed and world.running_service("proxy") is None
+    assert world.failures == 1              # ops that launched before now refuse
+    world.check()                           # nothing left to report

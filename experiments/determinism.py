@@ -1,0 +1,165 @@
+"""Determinism at scale: many back-to-back calls of every world op give the same bits.
+
+For each op on an emulated world (2x2 by default), on fixed random inputs: CALLS calls
+without host synchronisation, and every EVERY calls a hash of every rank's output taken on
+the GPU, in stream order (two 64-bit words: the XOR of its 32-bit words and a sum of its
+words times odd position weights, mod 2^64). Then the same op captured once in a CUDA graph
+and replayed REPLAYS times, hashed the same way. Every hash must equal the first, and the
+first output must match a float64 (or exact) reference. Rows go to
+`experiments/results/determinism.jsonl`, one per op and mode:
+
+    PYTHONPATH=$PWD python3 experiments/determinism.py --layout 2x2 --calls 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+class Hasher:
+    """Hashes of arrays into a preallocated table, on the current stream. The first use
+    allocates CuPy temporaries; hash once (then synchronize) before timing anything."""
+
+    def __init__(self, arrays, slots: int):
+        import cupy
+        self.words = [x.view(cupy.uint32).ravel() for x in arrays]
+        self.weights = [2 * cupy.arange(w.size, dtype=cupy.uint64) + 1 for w in self.words]
+        self.table = cupy.zeros((slots, len(arrays), 2), dtype=cupy.uint64)
+        self.used = 0
+
+    def take(self) -> None:
+        import cupy
+        for i, (words, weights) in enumerate(zip(self.words, self.weights)):
+            self.table[self.used, i, 0] = cupy.bitwise_xor.reduce(words.astype(cupy.uint64))
+            self.table[self.used, i, 1] = (words.astype(cupy.uint64) * weights).sum()
+        self.used += 1
+
+    def distinct(self) -> int:
+        """How many different hash rows were taken (1: every snapshot identical)."""
+        rows = self.table[:self.used].get().reshape(self.used, -1)
+        return len({row.tobytes() for row in rows})
+
+
+def ops(world, args):
+    """name -> (call(out) issuing one call, the outputs, check of the first output)."""
+    import cupy
+    import numpy as np
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.kernels.gemm import to_float32
+    rng = cupy.random.default_rng(11)
+    m, n, k = args.shape
+    a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
+    reference = sum(to_float32(x).astype(cupy.float64) @ to_float32(y).astype(cupy.float64).T
+                    for x, y in zip(a, b))
+
+    def gar_check(outs):
+        return max(float(cupy.linalg.norm(to_float32(o).astype(cupy.float64) - reference)
+                         / cupy.linalg.norm(reference)) for o in outs) < 2e-2
+
+    x = [rng.standard_normal(args.gather_elems, dtype=np.float32) for _ in world.local]
+    x_host = np.stack([v.get() for v in x])
+
+    def gather_check(outs):
+        return all(np.array_equal(o.get(), x_host) for o in outs)
+
+    def node_check(outs):
+        return all(np.array_equal(o.get(), x_host[world.node_ranks(info.node)])
+                   for o, info in zip(outs, world.local))
+
+    fused = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=20000)
+    auto = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=20000)
+    gather = mkrt.AllGather(world, timeout_ms=20000)
+    node = mkrt.AllGather(world, group="node", timeout_ms=20000)
+    gar_outs = lambda: [cupy.empty((m, n), bfloat16) for _ in world.local]          # noqa: E731
+    table = {
+        "gemm_allreduce_fused": (lambda out: fused(a, b, out=out), gar_outs(), gar_check),
+        "gemm_allreduce_unfused": (lambda out: fused.unfused(a, b, out=out), gar_outs(), gar_check),
+        "gemm_allreduce_planner": (lambda out: auto(a, b, out=out), gar_outs(), gar_check),
+        "allgather_world": (lambda out: gather(x, out=out),
+                            [cupy.empty((world.size, args.gather_elems), np.float32)
+                             for _ in world.local], gather_check),
+        "allgather_node": (lambda out: node(x, out=out),
+                           [cupy.empty((world.ranks_per_node, args.gather_elems), np.float32)
+                            for _ in world.local], node_check),
+    }
+    return table
+
+
+def run(args) -> None:
+    import cupy
+
+    import mkrt
+    from mkrt.bench import append_jsonl, record
+    world = mkrt.init(emulate=args.layout)
+    stream = cupy.cuda.get_current_stream()
+    for name, (call, outs, check) in ops(world, args).items():
+        if args.only and name not in args.only:
+            continue
+        for mode in ("eager", "graph"):
+            count = args.calls if mode == "eager" else args.replays
+            for out in outs:
+                out.fill(0)
+            call(outs)                          # first call of the shape, then its check
+            world.synchronize()
+            correct = bool(check(outs))
+            if mode == "graph":
+                stream = cupy.cuda.Stream(non_blocking=True)
+                with stream:
+                    stream.begin_capture()
+                    call(outs)
+                    graph = stream.end_capture()
+                graph.upload(stream)
+                stream.synchronize()
+            hasher = Hasher(outs, count // args.every + 1)
+            with stream:
+                # CuPy's pool reuses memory per stream: allocate the temporaries now, not
+                # while the op's kernels wait for the proxy (mkrt/DESIGN.md, "Runtime hazards").
+                hasher.take()
+            stream.synchronize()
+            world.synchronize()
+            hasher.used = 0
+            start = time.perf_counter()
+            with stream:
+                for i in range(count):
+                    if mode == "eager":
+                        call(outs)
+                    else:
+                        graph.launch(stream)
+                    if (i + 1) % args.every == 0:
+                        hasher.take()
+            stream.synchronize()
+            world.synchronize()
+            seconds = time.perf_counter() - start
+            distinct = hasher.distinct()
+            stream = cupy.cuda.get_current_stream()
+            ok = correct and distinct == 1
+            print(f"{args.layout} {name:24s} {mode:5s} {count:6d} calls, {hasher.used:4d} hashes, "
+                  f"{distinct} distinct, first output {'right' if correct else 'WRONG'}, "
+                  f"{seconds:6.2f} s", flush=True)
+            append_jsonl(args.out, [record(
+                "determinism", f"{args.layout}_{name}_{mode}", "distinct_hashes", float(distinct),
+                1.0, "count", higher_is_better=False, calls=count, hashes=hasher.used,
+                every=args.every, first_output_correct=correct, identical=ok,
+                shape=list(args.shape), gather_elems=args.gather_elems, seconds=seconds)])
+    world.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layout", default="2x2")
+    parser.add_argument("--calls", type=int, default=10000)
+    parser.add_argument("--replays", type=int, default=2000)
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--shape", type=int, nargs=3, default=[640, 896, 1152], metavar=("M", "N", "K"))
+    parser.add_argument("--gather-elems", type=int, default=65536)
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--out", default="experiments/results/determinism.jsonl")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

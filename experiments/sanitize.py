@@ -1,0 +1,195 @@
+"""compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over mkrt's kernels at
+small shapes, one process per (tool, case):
+
+    PYTHONPATH=$PWD python3 experiments/sanitize.py --out experiments/results/sanitize.jsonl
+
+Each case first runs once without the sanitizer (it must pass: this also fills the JIT
+cache), then under each tool. A row per (tool, case): the errors the tool reported (its
+ERROR SUMMARY), whether the case's own check passed, the time. Waits carry a 120 s bound:
+a tool slows kernels, and ranks of an emulated world wait for each other's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+TOOLS = ["memcheck", "racecheck", "synccheck", "initcheck"]
+TIMEOUT_MS = 120_000
+
+
+def _gar(layout, fuse, m=192, n=256, k=128):
+    def case():
+        import cupy
+        import numpy as np
+
+        import mkrt
+        from mkrt.arrays import bfloat16
+        from mkrt.kernels.gemm import to_float32
+        world = mkrt.init(emulate=layout)
+        rng = np.random.default_rng(1)
+        a = [cupy.asarray(rng.standard_normal((m, k), dtype=np.float32)).astype(bfloat16)
+             for _ in world.local]
+        b = [cupy.asarray(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+             for _ in world.local]
+        op = mkrt.GemmAllReduce(world, fuse=fuse, timeout_ms=TIMEOUT_MS)
+        outs = op(a, b) if fuse else op.unfused(a, b)
+        outs = op(a, b) if fuse else op.unfused(a, b)        # a second epoch
+        world.synchronize()
+        ref = sum(to_float32(x) @ to_float32(y) for x, y in zip(a, b))
+        error = max(float(cupy.linalg.norm(to_float32(o) - ref) / cupy.linalg.norm(ref)) for o in outs)
+        world.close()
+        return error < 2e-2
+    return case
+
+
+def _allgather(layout, group="world"):
+    def case():
+        import cupy
+        import numpy as np
+
+        import mkrt
+        world = mkrt.init(emulate=layout)
+        x = [cupy.full(3000, info.rank, np.int32) for info in world.local]
+        op = mkrt.AllGather(world, group=group, timeout_ms=TIMEOUT_MS)
+        outs = op(x)
+        outs = op(x)
+        world.synchronize()
+        ranks = world.size if group == "world" else world.ranks_per_node
+        ok = all(o.shape == (ranks, 3000) for o in outs)
+        if group == "world":
+            ok = ok and all(np.array_equal(o.get()[:, 0], np.arange(world.size)) for o in outs)
+        world.close()
+        return ok
+    return case
+
+
+def _gemm(m=300, n=520, k=64, b_layout="kn"):
+    def case():
+        import cupy
+        import numpy as np
+
+        import mkrt
+        from mkrt.arrays import bfloat16
+        from mkrt.kernels.gemm import to_float32
+        rng = np.random.default_rng(2)
+        a = cupy.asarray(rng.standard_normal((m, k), dtype=np.float32)).astype(bfloat16)
+        shape = (k, n) if b_layout == "kn" else (n, k)
+        b = cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(bfloat16)
+        c = mkrt.gemm(a, b, b_layout=b_layout)
+        ref = to_float32(a) @ (to_float32(b) if b_layout == "kn" else to_float32(b).T)
+        return float(cupy.linalg.norm(to_float32(c) - ref) / cupy.linalg.norm(ref)) < 2e-2
+    return case
+
+
+def _proxy_ce():
+    """Proxy test kernels post puts and signals through the `ce` transport."""
+    def case():
+        import cupy
+        import numpy as np
+
+        from mkrt.proxy import REGION_DEVICE, Proxy, QueueSet, new_region_table, set_region
+        from mkrt.proxy.kernels import ProxyKernelsSpec, raise_status, status_words
+        from mkrt.proxy.transports.ce import CopyEngineTransport
+        chunk, ctas, count = 256, 2, 8
+        src = cupy.random.randint(0, 256, chunk * ctas * count, dtype=np.uint8)
+        dst = cupy.zeros_like(src)
+        flags = cupy.zeros(8, dtype=np.uint64)
+        regions = new_region_table(2, 2)
+        set_region(regions, 0, 0, src.data.ptr, src.nbytes, REGION_DEVICE)
+        set_region(regions, 1, 0, dst.data.ptr, dst.nbytes, REGION_DEVICE)
+        set_region(regions, 1, 1, flags.data.ptr, flags.nbytes, REGION_DEVICE)
+        qs = QueueSet(2, 64, [0, 0], memory="pinned")
+        status = status_words()
+        with Proxy(qs, regions, CopyEngineTransport(0), threads=1):
+            fn = ProxyKernelsSpec().function("post_puts", 0)
+            result = cupy.zeros(ctas, dtype=np.uint64)
+            fn((ctas,), (32,), (qs.device_descriptors(), np.int32(2), np.uint32(1), np.uint32(1),
+                                flags, np.uint64(chunk), np.int32(count), np.int32(1),
+                                *status.args, np.uint64(TIMEOUT_MS * 1_000_000), result))
+            cupy.cuda.Device(0).synchronize()
+            raise_status(status)
+        qs.close()
+        return bool(cupy.array_equal(src, dst))
+    return case
+
+
+CASES = {
+    "gemm_300x520x64_kn": _gemm(),
+    "gemm_129x127x24_nk": _gemm(129, 127, 24, "nk"),
+    "allgather_1x2": _allgather("1x2"),
+    "allgather_2x2": _allgather("2x2"),
+    "gemm_allreduce_fused_1x2": _gar("1x2", True),
+    "gemm_allreduce_fused_2x2": _gar("2x2", True),
+    "gemm_allreduce_unfused_1x2": _gar("1x2", False),
+    "proxy_ce_puts": _proxy_ce(),
+}
+
+
+def inner(name: str) -> None:
+    ok = CASES[name]()
+    print(f"SANITIZE_CASE {name} ok={ok}", flush=True)
+    sys.exit(0 if ok else 3)
+
+
+def one(tool: str | None, name: str, timeout_s: float) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--inner", name]
+    if tool is not None:
+        command = [shutil.which("compute-sanitizer") or "compute-sanitizer", "--tool", tool,
+                   "--print-limit", "20", *(["--racecheck-report", "all"] if tool == "racecheck" else []),
+                   *command]
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        output, code, timed_out = result.stdout + result.stderr, result.returncode, False
+    except subprocess.TimeoutExpired as expired:
+        output = (expired.stdout or b"").decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        code, timed_out = None, True
+    summary = re.search(r"ERROR SUMMARY: (\d+) error", output)
+    races = re.search(r"RACECHECK SUMMARY: (\d+) hazard", output)
+    return {"tool": tool or "none", "case": name, "seconds": time.perf_counter() - start,
+            "returncode": code, "timed_out": timed_out,
+            "errors": int(summary.group(1)) if summary else None,
+            "hazards": int(races.group(1)) if races else None,
+            "case_ok": f"SANITIZE_CASE {name} ok=True" in output,
+            "tail": output[-3000:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--inner")
+    parser.add_argument("--tools", nargs="*", default=TOOLS)
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--out", default="experiments/results/sanitize.jsonl")
+    args = parser.parse_args()
+    if args.inner:
+        inner(args.inner)
+        return
+    from mkrt.bench import append_jsonl, record
+    plain = {name: one(None, name, 300) for name in args.cases}
+    for name, row in plain.items():
+        print(f"{'none':10s} {name:28s} case_ok={row['case_ok']} {row['seconds']:.1f} s", flush=True)
+    jobs = [(tool, name) for tool in args.tools for name in args.cases if plain[name]["case_ok"]]
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        rows = list(pool.map(lambda job: one(*job, args.timeout), jobs))
+    for row in [*plain.values(), *rows]:
+        print(f"{row['tool']:10s} {row['case']:28s} errors={row['errors']} hazards={row['hazards']} "
+              f"case_ok={row['case_ok']} timed_out={row['timed_out']} {row['seconds']:.1f} s", flush=True)
+        if row["errors"]:
+            print(row["tail"][-2500:], flush=True)
+        append_jsonl(args.out, [record("sanitize", f"{row['tool']}_{row['case']}", "errors",
+                                       float(row["errors"]) if row["errors"] is not None else None,
+                                       0.0, "count", higher_is_better=False, **{
+                                           k: v for k, v in row.items() if k not in ("case",)})])
+
+
+if __name__ == "__main__":
+    main()
