@@ -153,6 +153,7 @@ class Line:
     at_least: float | None = None           # also count the cases whose ratio reaches this
     same_commit: bool = False               # summarise the newest commit's rows (several
                                             # runs, e.g. one process per world), not one run
+    describe: Callable[[list[Row]], str] | None = None   # words the run itself, instead
 
 
 def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
@@ -164,6 +165,8 @@ def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
         run = [r for r in mine if r.get("commit") == mine[-1].get("commit")]
     else:
         run = newest_run(mine)
+    if line.describe is not None:
+        return line.describe(run), commit_of(run)
     key = "ratio" if line.show == "ratio" else "value"
     values = [v for v in (_number(r.get(key)) for r in run) if v is not None]
     if not values:
@@ -328,6 +331,53 @@ def _multi_gpu_lines(rows):
     return family_lines(rows, family, against=versus_baseline)
 
 
+def _faults_text(run):
+    cases = [r for r in run if r.get("case") != "summary"]
+    handled = sum(_number(r.get("value")) == 1 for r in cases)
+    hangs = sum(bool(r.get("problems")) and any("took" in p for p in r["problems"]) for r in cases)
+    wrong = len(cases) - handled - hangs
+    slowest = max((_number(r.get("seconds")) or 0.0 for r in cases), default=0.0)
+    text = (f"{len(cases)} faults tried: {hangs} hangs, {wrong} wrong results; "
+            f"{handled} of {len(cases)} ended as promised and a new op was right afterwards; "
+            f"slowest end {slowest:.2f} s")
+    missed = [str(r.get("case")) for r in cases if _number(r.get("value")) != 1]
+    return text + (f"; not handled: {', '.join(missed)}" if missed else "")
+
+
+def _determinism_text(run):
+    calls = sum(int(_number(r.get("calls")) or 0) for r in run)
+    same = [r for r in run if r.get("identical")]
+    differ = [str(r.get("case")) for r in run if not r.get("identical")]
+    text = (f"{len(same)} of {len(run)} op/mode pairs identical in every hash snapshot "
+            f"({calls} calls and graph replays in all, a hash every "
+            f"{run[-1].get('every', '?')} calls), first output checked against a reference")
+    return text + (f"; differing or wrong: {', '.join(differ)}" if differ else "")
+
+
+def _sanitize_text(run):
+    parts = []
+    for tool in dict.fromkeys(str(r.get("tool")) for r in run if r.get("tool") != "none"):
+        mine = [r for r in run if r.get("tool") == tool]
+        errors = sum(int(_number(r.get("errors")) or 0) for r in mine)
+        unfinished = sum(r.get("errors") is None for r in mine)
+        parts.append(f"{tool} {errors} errors in {len(mine) - unfinished} cases"
+                     + (f" ({unfinished} without a summary)" if unfinished else ""))
+    return "; ".join(parts) or "no sanitizer rows"
+
+
+def _proxy_stall_text(run):
+    parts = []
+    for mode in dict.fromkeys(str(r.get("mode")) for r in run):
+        mine = [r for r in run if r.get("mode") == mode]
+        parts.append(f"{mode} warm-up: {sum(_number(r.get('value')) == 1 for r in mine)} of "
+                     f"{len(mine)} shapes timed out")
+    return "; ".join(parts)
+
+
+def _described(label, text, *, same_commit=False):
+    return lambda rows: [Line(label, lambda r: True, describe=text, same_commit=same_commit)]
+
+
 PIECES = [
     Piece("JIT", "CUDA C in Python strings, `#line` back to the Python source, NVRTC for "
           "`sm_90a` (also on machines without a GPU), disk cache, register/spill report"),
@@ -351,6 +401,19 @@ PIECES = [
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
           "`verbs` (RC, EFA SRD) CPU-tested on a fake device only, never on RDMA hardware",
           "proxy", _proxy_lines),
+    Piece("reliability: faults", "a stalled rank, a proxy killed mid-run, a full queue with a "
+          "stalled proxy, commands the transport refuses, NaN/Inf inputs, a timeout shorter than a "
+          "tile (`experiments/faults.py`, also `tests/test_faults_gpu.py` with a rank process that "
+          "exits under mpiexec)", "faults", _described("fault matrix", _faults_text)),
+    Piece("reliability: determinism", "every world op on 2x2, 10,000 back-to-back calls and "
+          "2,000 graph replays, hashed on the GPU every 100 (`experiments/determinism.py`)",
+          "determinism", _described("determinism", _determinism_text)),
+    Piece("reliability: sanitizers", "compute-sanitizer memcheck, racecheck, synccheck, initcheck "
+          "over every kernel at small shapes (`experiments/sanitize.py`)", "sanitize",
+          _described("sanitizers", _sanitize_text)),
+    Piece("reliability: host stalls", "a host call that waits for the device while fused kernels "
+          "wait for the proxy (mkrt/DESIGN.md, \"Runtime hazards\"; `experiments/proxy_stall.py`)",
+          "proxy_stall", _described("proxy stall", _proxy_stall_text, same_commit=True)),
     Piece("one multi-GPU host", "mkrt vs NCCL + cuBLAS over NVLink (`experiments/multi_gpu.py`)",
           "multi_gpu", _multi_gpu_lines),
     Piece("not yet", "AllGather+GEMM, GEMM+ReduceScatter, Ring Attention, MoE, the SM-partition "
