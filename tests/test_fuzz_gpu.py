@@ -1,0 +1,127 @@
+"""API fuzzing on the GPU: a bounded sample of random shapes, dtypes, layouts and options
+through every public op, against references. Each example either raises ValueError /
+TypeError before launching (then a new call on the same op still works) or matches the
+reference; nothing else may happen (no CommTimeout, no wrong numbers).
+
+The shared worlds (one per layout, made once) keep the sample fast; every op has a
+bounded wait (timeout_ms) so a bad example ends in an error, not a hang."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SAMPLE = settings(max_examples=25, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+ODD = st.one_of(st.integers(1, 300), st.sampled_from([1, 7, 127, 129, 1000, 4097]))
+_WORLDS: dict = {}
+
+
+def world_of(layout):
+    import mkrt
+    if layout not in _WORLDS:
+        _WORLDS[layout] = mkrt.init(emulate=layout)
+    return _WORLDS[layout]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_worlds():
+    yield
+    for world in _WORLDS.values():
+        world.close()
+    _WORLDS.clear()
+
+
+def refused(error: Exception) -> bool:
+    return isinstance(error, (ValueError, TypeError)) and str(error).startswith("mkrt")
+
+
+def _float(x):
+    import cupy
+
+    from mkrt.kernels.gemm import to_float32
+    return to_float32(x).astype(cupy.float64) if x.dtype.itemsize == 2 and x.dtype != np.float16 \
+        else x.astype(cupy.float64)
+
+
+@SAMPLE
+@given(m=ODD, n=ODD, k=st.sampled_from([8, 24, 64, 136, 4104]),
+       dtype=st.sampled_from(["bf16", "f16"]), b_layout=st.sampled_from(["kn", "nk"]))
+def test_gemm_random_shapes_match_float64(m, n, k, dtype, b_layout):
+    import cupy
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    np_dtype = bfloat16 if dtype == "bf16" else np.float16
+    rng = cupy.random.default_rng(m * 31 + n * 7 + k)
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np_dtype)
+    b = rng.standard_normal((k, n) if b_layout == "kn" else (n, k), dtype=np.float32).astype(np_dtype)
+    try:
+        c = mkrt.gemm(a, b, b_layout=b_layout)
+    except Exception as error:          # noqa: BLE001 - judged below
+        assert refused(error), repr(error)
+        return
+    b64 = _float(b) if b_layout == "kn" else _float(b).T
+    reference = _float(a) @ b64
+    error = float(cupy.linalg.norm(_float(c) - reference) / max(float(cupy.linalg.norm(reference)), 1e-30))
+    assert c.shape == (m, n) and error < 1e-2, (m, n, k, dtype, b_layout, error)
+
+
+@SAMPLE
+@given(layout=st.sampled_from(["1x2", "2x2", "1x4"]), m=ODD, n=ODD,
+       k=st.sampled_from([8, 24, 64, 200]), b_layout=st.sampled_from(["kn", "nk"]),
+       fuse=st.sampled_from([None, True, False]), reduce_ctas=st.sampled_from([None, 1, 3]))
+def test_gemm_allreduce_random_options_match_float64(layout, m, n, k, b_layout, fuse, reduce_ctas):
+    import cupy
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    world = world_of(layout)
+    rng = cupy.random.default_rng(m + 3 * n + 5 * k)
+    a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    shape = (k, n) if b_layout == "kn" else (n, k)
+    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    try:
+        op = mkrt.GemmAllReduce(world, b_layout=b_layout, fuse=fuse, reduce_ctas=reduce_ctas,
+                                timeout_ms=10000)
+        outs = op(a, b)
+        world.synchronize()
+    except Exception as error:          # noqa: BLE001
+        assert refused(error), repr(error)
+        return
+    reference = sum(_float(x) @ (_float(y) if b_layout == "kn" else _float(y).T) for x, y in zip(a, b))
+    for out in outs:
+        error = float(cupy.linalg.norm(_float(out) - reference) / max(float(cupy.linalg.norm(reference)), 1e-30))
+        assert out.shape == (m, n) and error < 1e-2, (layout, m, n, k, b_layout, fuse, error)
+    op.close()
+
+
+@SAMPLE
+@given(layout=st.sampled_from(["1x2", "2x2", "3x1", "1x3"]),
+       shape=st.lists(st.integers(0, 70), min_size=1, max_size=3).map(tuple),
+       dtype=st.sampled_from([np.float32, np.float16, np.int8, np.int64, np.uint8]),
+       group=st.sampled_from(["world", "node"]), ctas=st.sampled_from([None, 1, 5]))
+def test_allgather_random_shapes_are_exact(layout, shape, dtype, group, ctas):
+    import cupy
+
+    import mkrt
+    world = world_of(layout)
+    x = [(cupy.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) * 3 + 7 * info.rank)
+         .astype(dtype) for info in world.local]
+    try:
+        outs = mkrt.AllGather(world, group=group, ctas=ctas, timeout_ms=10000)(x)
+        world.synchronize()
+    except Exception as error:          # noqa: BLE001
+        assert refused(error), repr(error)
+        return
+    host = np.stack([v.get() for v in x]) if x else None
+    for out, info in zip(outs, world.local):
+        ranks = list(range(world.size)) if group == "world" else world.node_ranks(info.node)
+        expected = np.stack([host[[i.rank for i in world.local].index(r)] for r in ranks])
+        assert np.array_equal(out.get(), expected), (layout, shape, dtype, group, ctas)
