@@ -38,7 +38,13 @@ def _configure_logging() -> None:
         handler = _logging.StreamHandler()
         handler.setFormatter(_logging.Formatter("[mkrt %(name)s] %(levelname)s %(message)s"))
         logger.addHandler(handler)
-    logger.setLevel(_envs.get("MKRT_LOG_LEVEL").upper())
+    try:
+        level = _envs.get("MKRT_LOG_LEVEL")
+    except ValueError as error:          # a typo in a log level must not stop the import
+        import warnings
+        warnings.warn(f"{error}; using WARNING", stacklevel=2)
+        level = "WARNING"
+    logger.setLevel(level)
 
 
 _configure_logging()

@@ -16,6 +16,35 @@ def _flag(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _timeout_ms(text: str) -> float:
+    from mkrt.checks import MAX_TIMEOUT_MS
+    value = float(text)
+    if not 0 < value <= MAX_TIMEOUT_MS:       # also refuses nan and inf
+        raise ValueError(f"expected milliseconds > 0 and <= {MAX_TIMEOUT_MS:g}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
+    return value
+
+
+def _arch(text: str) -> str:
+    import re
+    if not re.fullmatch(r"sm_\d+[a-z]?", text):
+        raise ValueError("expected an architecture such as sm_90a")
+    return text
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -35,9 +64,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "`python -m mkrt compile` and the tests always check."),
     EnvVar("MKRT_JIT_DEBUG", "0", _flag,
            "1: log every compile (spec, options, time, registers) at INFO on `mkrt.jit`."),
-    EnvVar("MKRT_JIT_ARCH", "sm_90a", str,
+    EnvVar("MKRT_JIT_ARCH", "sm_90a", _arch,
            "Target architecture of every compile."),
-    EnvVar("MKRT_WAIT_TIMEOUT_MS", "10000", float,
+    EnvVar("MKRT_WAIT_TIMEOUT_MS", "10000", _timeout_ms,
            "Default bound of every device-side wait, in milliseconds; a wait past it "
            "aborts the kernel and the host raises mkrt.CommTimeout. Ops take timeout_ms= too."),
     EnvVar("MKRT_SYNC_CHECK", "0", _flag,
@@ -45,12 +74,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MKRT_EMULATE", "", str,
            "Layout 'NxG' that mkrt.init() emulates when it is not given one and runs "
            "without mpiexec (default: 1 node x every visible GPU)."),
-    EnvVar("MKRT_WORLD_RANKS_PER_NODE", "0", int,
+    EnvVar("MKRT_WORLD_RANKS_PER_NODE", "0", _count,
            "Under mpiexec: treat every N consecutive ranks of a host as one node "
            "(0: a node is a host). Splits one host into nodes that talk through the proxy."),
     EnvVar("MKRT_BENCH_COMMIT", "", str,
            "Git commit that experiments record when the checkout has no .git (a copied tree)."),
-    EnvVar("MKRT_LOG_LEVEL", "WARNING", str,
+    EnvVar("MKRT_LOG_LEVEL", "WARNING", _log_level,
            "Level of the `mkrt` loggers (DEBUG, INFO, WARNING, ...)."),
 )}
 

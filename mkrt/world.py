@@ -294,12 +294,33 @@ def register_service(name: str, factory) -> None:
 CE_COPY_SMS = 4
 
 
+#: the most ranks a world may have: a proxy command names its destination in 16 bits
+MAX_WORLD_SIZE = 65535
+
+
 def parse_layout(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text or "")
+    if not isinstance(text, str):
+        raise TypeError(f"mkrt.world: a layout is a str 'NxG', got {text!r} ({type(text).__name__})")
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text)
     if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
         raise ValueError(f"mkrt.world: layout {text!r} is not 'NxG' (N nodes x G ranks per node, "
                          "both >= 1), e.g. '2x4'")
-    return int(match.group(1)), int(match.group(2))
+    nodes, per_node = int(match.group(1)), int(match.group(2))
+    if nodes * per_node > MAX_WORLD_SIZE:
+        raise ValueError(f"mkrt.world: layout {text!r} has {nodes * per_node} ranks; at most "
+                         f"{MAX_WORLD_SIZE} (proxy commands address ranks in 16 bits)")
+    return nodes, per_node
+
+
+def _gpus_option(gpus) -> int:
+    """``gpus=``: how many GPUs the world spreads its ranks over (0: none, planning only)."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int):
+        raise TypeError(f"mkrt.world: gpus= must be an int, got {gpus!r}")
+    visible = visible_gpus()
+    if gpus < 0 or (visible and gpus > visible):
+        raise ValueError(f"mkrt.world: gpus={gpus}; expected 0 to the {visible} visible GPUs"
+                         if visible else f"mkrt.world: gpus={gpus}; expected >= 0")
+    return gpus
 
 
 def visible_gpus() -> int:
@@ -313,7 +334,7 @@ def visible_gpus() -> int:
 def emulated_world(layout: str, *, gpus: int | None = None) -> World:
     """N nodes x G ranks in this process; rank r runs on GPU r*gpus//size (blocks of ranks)."""
     nodes, per_node = parse_layout(layout)
-    gpus = visible_gpus() if gpus is None else gpus
+    gpus = visible_gpus() if gpus is None else _gpus_option(gpus)
     size = nodes * per_node
     ranks = tuple(RankInfo(rank=r, node=r // per_node, local_rank=r % per_node,
                            device=(r * gpus // size) if gpus else None) for r in range(size))
@@ -344,6 +365,10 @@ def mpi_world(comm=None, *, ranks_per_node: int | None = None, gpus: int | None 
     """The real world: one rank per process, nodes from host names (or fixed-size groups)."""
     from mpi4py import MPI
     comm = comm if comm is not None else MPI.COMM_WORLD
+    if not all(hasattr(comm, name) for name in ("Get_rank", "Get_size", "allgather", "Barrier")):
+        raise TypeError(f"mkrt.world: comm= must be an MPI communicator (mpi4py), got "
+                        f"{type(comm).__name__}")
+    gpus = None if gpus is None else _gpus_option(gpus)
     rank, size = comm.Get_rank(), comm.Get_size()
     hosts = comm.allgather(socket.gethostname())
     # A node is a host, in order of first appearance; its ranks keep world order.

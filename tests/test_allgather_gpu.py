@@ -165,7 +165,7 @@ def test_bad_arguments_raise_before_launch(make_world):
         op([big[0], a], out=[big, cupy.empty((2, 16), np.float32)])
     with pytest.raises(ValueError, match="mkrt.allgather: group='everyone'"):
         mkrt.AllGather(world, group="everyone")
-    with pytest.raises(ValueError, match="mkrt.allgather: muted_rank=5"):
+    with pytest.raises(ValueError, match="mkrt.allgather: muted_rank must be"):
         mkrt.AllGather(world, muted_rank=5)
     with pytest.raises(ValueError, match="mkrt.allgather: ctas"):
         mkrt.AllGather(world, ctas=0)

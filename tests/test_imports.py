@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mkrt"
 
 # (prefix, layer); the longest matching prefix wins.
 LAYERS = [
-    ("mkrt.envs", 0), ("mkrt.errors", 0), ("mkrt.arrays", 0), ("mkrt.launch", 0),
+    ("mkrt.envs", 0), ("mkrt.errors", 0), ("mkrt.arrays", 0), ("mkrt.launch", 0), ("mkrt.checks", 0),
     ("mkrt.bench", 0), ("mkrt.cuda", 0),
     ("mkrt.jit", 1),
     ("mkrt.kernels.device", 2), ("mkrt.proxy.layout", 2),   # CUDA vocabulary + wire format

@@ -83,15 +83,6 @@ def barrier(**kw):
                      signal_value=0xBAD), **kw)
 
 
-XFAIL_BARRIER_WRAP = pytest.mark.xfail(strict=True, reason=(
-    "validate_command: a barrier's slot offset signal_offset + 8 * my_rank wraps around "
-    "2**64 before the bounds check, so rank 1's barrier at 2**64 - 8 writes word 0 of every "
-    "rank's flag region and is not refused"))
-XFAIL_BARRIER_NOWHERE = pytest.mark.xfail(strict=True, reason=(
-    "validate_command: a barrier on a region inside the table that no rank registered is "
-    "accepted (counted as a barrier, nothing written) instead of refused with "
-    "E_REGION; the GPU waiting for it would end in CommTimeout without the proxy's error"))
-
 #: id -> Case: every check validate_command (mkrt/proxy/proxy.py) makes, and its edges
 CASES = {
     # opcodes
@@ -122,8 +113,7 @@ CASES = {
     "fence-signal-region-beyond-table": Case(fence(signal_region=REGIONS), Q.E_REGION),
     "barrier-region-beyond-table": Case(barrier(signal_region=REGIONS), Q.E_REGION),
     "barrier-no-region": Case(barrier(signal_region=NO_REGION), Q.E_REGION),
-    "barrier-region-registered-nowhere": pytest.param(
-        Case(barrier(signal_region=2), Q.E_REGION), marks=XFAIL_BARRIER_NOWHERE),
+    "barrier-region-registered-nowhere": Case(barrier(signal_region=2), Q.E_REGION),
     # destination bounds
     "put-dst-straddles-end": Case(put(dst_offset=DATA - 4, nbytes=8), Q.E_BOUNDS),
     "put-dst-offset-past-end": Case(put(dst_offset=DATA + 8, nbytes=0), Q.E_BOUNDS),
@@ -149,8 +139,7 @@ CASES = {
     "barrier-past-end": Case(barrier(signal_offset=FLAG_BYTES), Q.E_BOUNDS),
     "barrier-last-slot-past-end": Case(barrier(signal_offset=FLAG_BYTES - 8), Q.E_BOUNDS,
                                        poster=1),
-    "barrier-offset-wraps-2**64": pytest.param(
-        Case(barrier(signal_offset=U64 - 8), Q.E_BOUNDS, poster=1), marks=XFAIL_BARRIER_WRAP),
+    "barrier-offset-wraps-2**64": Case(barrier(signal_offset=U64 - 8), Q.E_BOUNDS, poster=1),
 }
 
 
@@ -374,12 +363,6 @@ def test_ce_transport_refuses_and_reports(case):
     run_case(CopyEngineBench(case.poster), case)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "VerbsProxy: a signal the EFA transport cannot encode (value >= 2**20, flag index "
-    ">= 4096, or a region other than efa_flag_region) passes validate_command, then "
-    "VerbsTransport._flag raises ValueError inside the proxy thread: the thread dies, the "
-    "queue's tail and error word never move, so the GPU's waits end in CommTimeout "
-    "instead of seeing the proxy's error (and the command is not reported as refused)"))
 def test_efa_unencodable_signal_is_refused_and_reported():
     bench = VerbsBench(0, efa=True)
     header = bench.queue.header

@@ -9,6 +9,7 @@ stays a runtime argument. The URI names the cache entry and the logs, e.g.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import ClassVar
 
 from mkrt import envs
@@ -22,6 +23,17 @@ class KernelSpec:
     family: ClassVar[str] = ""
     #: entry functions the module defines (checked for spills, loaded by name)
     entry_points: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        """Fields declared int must be ints (a 128.0 would render as 128.0 into the source
+        and the cache name). Subclasses with checks of their own call this first."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise TypeError(f"mkrt.{self.family or 'jit'}: {f.name} must be an int, got "
+                                f"{value!r} ({type(value).__name__})")
+            if f.type in ("str", str) and not isinstance(value, str):
+                raise TypeError(f"mkrt.{self.family or 'jit'}: {f.name} must be a str, got {value!r}")
 
     def template(self) -> CudaSource:
         raise NotImplementedError(f"{type(self).__name__} must return its CUDA template")

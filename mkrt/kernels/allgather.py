@@ -43,6 +43,7 @@ import dataclasses
 
 import numpy as np
 
+from mkrt import checks
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels.launcher import KernelLaunch, Parameters
@@ -286,6 +287,7 @@ class AllGatherSpec(KernelSpec):
     threads: int = dataclasses.field(default=512, metadata={"short": "t"})
 
     def __post_init__(self):
+        super().__post_init__()
         # 1024 threads leave 64 registers a thread: the kernel spills (ptxas, sm_90a).
         if self.threads % 32 or not 64 <= self.threads <= 512:
             raise ValueError(f"mkrt.allgather: threads must be a multiple of 32 in [64, 512], "
@@ -320,8 +322,8 @@ class Transfer:
 def plan(nodes: int, per_node: int) -> list[Transfer]:
     """Every movement of data one world-wide gather makes, on ``nodes`` x ``per_node``
     ranks (rank = node * per_node + local index)."""
-    if nodes < 1 or per_node < 1:
-        raise ValueError(f"mkrt.allgather: need nodes >= 1 and per_node >= 1, got {nodes}x{per_node}")
+    nodes = checks.integer(nodes, "nodes", "allgather", low=1)
+    per_node = checks.integer(per_node, "per_node", "allgather", low=1)
     G, N = per_node, nodes
     out = []
     for rank in range(N * G):
@@ -439,8 +441,10 @@ class AllGather(Op):
         super().__init__(world, timeout_ms=timeout_ms)
         if group not in GROUPS:
             raise ValueError(f"mkrt.allgather: group={group!r}; expected one of {GROUPS}")
-        if ctas is not None and ctas < 1:
-            raise ValueError(f"mkrt.allgather: ctas must be >= 1, got {ctas}")
+        ctas = checks.integer(ctas, "ctas", "allgather", low=1, high=checks.MAX_GRID, optional=True)
+        threads = checks.integer(threads, "threads", "allgather")
+        muted_rank = checks.integer(muted_rank, "muted_rank", "allgather", low=0,
+                                    high=self.world.size - 1, optional=True)
         sizes = sorted({len(self.world.node_ranks(n)) for n in range(self.world.nodes)})
         if len(sizes) != 1:
             raise ValueError(f"mkrt.allgather: nodes of different sizes {sizes} are not supported "
@@ -455,9 +459,13 @@ class AllGather(Op):
                 raise ValueError(f"mkrt.allgather: group='world' needs ranks numbered node by "
                                  f"node (rank = node * {self.G} + local rank); ranks {disordered[:8]} "
                                  "are not; use group='node'")
-        if muted_rank is not None and not 0 <= muted_rank < self.world.size:
-            raise ValueError(f"mkrt.allgather: muted_rank={muted_rank} is not a rank of this "
-                             f"world (size {self.world.size})")
+        devices = [info for info in self.world.local if info.device is not None]
+        if ctas is not None and devices:
+            share = min(self.world.sm_count(info.rank) for info in devices)
+            if ctas > share:
+                # CTAs wait for other ranks' CTAs: all of them must be resident together.
+                raise ValueError(f"mkrt.allgather: ctas={ctas} exceeds this rank's share of "
+                                 f"{share} SMs (ranks sharing a GPU split its SMs)")
         self.group = group
         self.spec = AllGatherSpec(threads=threads)
         self.ctas = ctas

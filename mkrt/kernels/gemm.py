@@ -93,6 +93,7 @@ class GemmSpec(KernelSpec):
     epilogue: str = "tma"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.dtype not in _CTYPES:
             raise ValueError(f"mkrt.gemm: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
         if self.b_layout not in B_LAYOUTS:

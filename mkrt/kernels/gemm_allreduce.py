@@ -34,7 +34,9 @@ import dataclasses
 
 import numpy as np
 
+from mkrt import checks
 from mkrt.arrays import like_input
+from mkrt.checks import MAX_GRID
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.jit.spec import KernelSpec
@@ -478,6 +480,7 @@ class GemmAllReduceSpec(KernelSpec):
     mode: str = "gemm"          # "gemm": fused; "copy": the all-reduce alone (baseline)
 
     def __post_init__(self):
+        super().__post_init__()
         # The engine's own checks (dtype, layout, tile, shared memory) apply unchanged.
         gemm_module.GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n,
                              self.stages, "direct")
@@ -555,6 +558,14 @@ class GemmAllReduce(Op):
         super().__init__(world, timeout_ms=timeout_ms)
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.gemm_allreduce: b_layout={b_layout!r}; expected 'kn' or 'nk'")
+        area = "gemm_allreduce"
+        ctas = checks.integer(ctas, "ctas", area, low=1, high=MAX_GRID, optional=True)
+        reduce_ctas = checks.integer(reduce_ctas, "reduce_ctas", area, low=1, high=MAX_GRID,
+                                     optional=True)
+        fuse = checks.flag(fuse, "fuse", area, optional=True)
+        group_m = checks.integer(group_m, "group_m", area, low=1, high=1 << 16)
+        muted_rank = checks.integer(muted_rank, "muted_rank", area, low=0,
+                                    high=self.world.size - 1, optional=True)
         sizes = {len(self.world.node_ranks(n)) for n in range(self.world.nodes)}
         if len(sizes) != 1:
             raise ValueError(f"mkrt.gemm_allreduce: nodes of different sizes ({self.world.layout}) "

@@ -12,7 +12,7 @@ import numpy as np
 from cupy_backends.cuda.api import runtime as _runtime
 from cupy.cuda import get_current_stream as _current_stream
 
-from mkrt import envs
+from mkrt import checks, envs
 from mkrt.arrays import as_cupy, dtype_name
 from mkrt.errors import MkrtError
 from mkrt.proxy import world as _proxy_service  # noqa: F401  (provides world.proxy())
@@ -25,10 +25,8 @@ class Op:
 
     def __init__(self, world: World | None = None, *, timeout_ms: float | None = None):
         self.world = world if world is not None else current_world()
-        self.timeout_ms = float(timeout_ms if timeout_ms is not None
-                                else envs.get("MKRT_WAIT_TIMEOUT_MS"))
-        if self.timeout_ms <= 0:
-            raise ValueError(f"mkrt.{self.name}: timeout_ms must be > 0, got {self.timeout_ms}")
+        self.timeout_ms = checks.timeout_ms(timeout_ms if timeout_ms is not None
+                                            else envs.get("MKRT_WAIT_TIMEOUT_MS"), self.name)
         self._failed: BaseException | None = None
         self._failures_seen = self.world.failures
         self._signatures: set = set()

@@ -185,17 +185,24 @@ def validate_command(ring, base, regions, my_rank, out):
     if opcode == np.uint64(Q.OP_BARRIER):
         if goffset & np.uint64(7):
             return Q.E_ALIGN, goffset
+        # this rank's slot: the offset must not wrap past 2**64 on the way there
+        if goffset > np.uint64(0xFFFFFFFFFFFFFFFF) - np.uint64(8) * np.uint64(my_rank):
+            return Q.E_BOUNDS, goffset
         slot_offset = goffset + np.uint64(8) * np.uint64(my_rank)
         out[V_GOFFSET] = slot_offset
         if gregion >= np.uint64(regions.shape[1]):
             return Q.E_REGION, gregion
         # every rank that registered the region takes part; validate all before writing
+        takers = 0
         for r in range(regions.shape[0]):
             if regions[r, gregion, 3] != np.uint64(0):
+                takers += 1
                 flag, fkind, err, detail = _address(regions, np.uint64(r), gregion,
                                                     slot_offset, np.uint64(8))
                 if err != 0:
                     return err, detail
+        if takers == 0:                 # a barrier nobody can see would never complete
+            return Q.E_REGION, gregion
         out[V_SIGNAL] = np.uint64(1)
         return 0, np.uint64(0)
     return Q.E_OPCODE, opcode

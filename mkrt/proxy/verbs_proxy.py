@@ -190,6 +190,8 @@ class VerbsProxy(P.Proxy):
                 continue
             v = decoded[k].copy()
             code, detail = int(errors[k, 0]), int(errors[k, 1])
+            if code == 0:
+                code, detail = transport.refusal(v)
             opcode = int(v[P.V_OPCODE])
             if opcode in (Q.OP_FENCE, Q.OP_BARRIER):
                 flush()

@@ -775,6 +775,22 @@ class VerbsTransport:
             chain += self._build(peer, builder, v, opcode, last)
         return posted + self._post(peer, chain)
 
+    def refusal(self, v) -> tuple[int, int]:
+        """(error code, detail) for a validated command this transport cannot carry, else
+        (0, 0): on EFA, a flag outside what write-with-immediate encodes. Checked before
+        anything of the command is posted, so it is refused like a malformed command."""
+        from mkrt.proxy import proxy as P
+        opcode = int(v[P.V_OPCODE])
+        if not self.efa or not (opcode in (Q.OP_PUT_SIGNAL, Q.OP_SIGNAL, Q.OP_BARRIER)
+                                or (opcode == Q.OP_FENCE and v[P.V_SIGNAL])):
+            return 0, 0
+        region, offset, value = int(v[P.V_GREGION]), int(v[P.V_GOFFSET]), int(v[P.V_VALUE])
+        if region != self.efa_flag_region:
+            return Q.E_REGION, region
+        if offset // 8 >= 1 << 12 or value >= 1 << 20:
+            return Q.E_BOUNDS, offset if offset // 8 >= 1 << 12 else value
+        return 0, 0
+
     def _flag(self, peer, region, offset, value):
         """(RemoteRegion, offset, value, index) of a flag write."""
         remote = RemoteRegion(int(self.regions[peer, region, 0]), int(self.regions[peer, region, 1]),
