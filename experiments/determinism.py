@@ -2,8 +2,8 @@
 
 For each op on an emulated world (2x2 by default), on fixed random inputs: CALLS calls
 without host synchronisation, and every EVERY calls a hash of every rank's output taken on
-the GPU, in stream order (two 64-bit words: the XOR of its 32-bit words and a sum of its
-words times odd position weights, mod 2^64). Then the same op captured once in a CUDA graph
+the GPU, in stream order (two 64-bit words: sums mod 2^64 of its 32-bit words times two
+sets of odd position weights). Then the same op captured once in a CUDA graph
 and replayed REPLAYS times, hashed the same way. Every hash must equal the first, and the
 first output must match a float64 (or exact) reference. Rows go to
 `experiments/results/determinism.jsonl`, one per op and mode:
@@ -23,16 +23,20 @@ class Hasher:
 
     def __init__(self, arrays, slots: int):
         import cupy
-        self.words = [x.view(cupy.uint32).ravel() for x in arrays]
-        self.weights = [2 * cupy.arange(w.size, dtype=cupy.uint64) + 1 for w in self.words]
+        self.words = [x.view(cupy.uint8).ravel().view(cupy.uint32) if x.nbytes % 4 == 0
+                      else x.view(cupy.uint8).ravel() for x in arrays]
+        positions = [cupy.arange(w.size, dtype=cupy.uint64) for w in self.words]
+        self.weights = [(2 * p + 1, (p * cupy.uint64(0x9E3779B97F4A7C15)) | cupy.uint64(1))
+                        for p in positions]
         self.table = cupy.zeros((slots, len(arrays), 2), dtype=cupy.uint64)
         self.used = 0
 
     def take(self) -> None:
         import cupy
-        for i, (words, weights) in enumerate(zip(self.words, self.weights)):
-            self.table[self.used, i, 0] = cupy.bitwise_xor.reduce(words.astype(cupy.uint64))
-            self.table[self.used, i, 1] = (words.astype(cupy.uint64) * weights).sum()
+        for i, (words, (w1, w2)) in enumerate(zip(self.words, self.weights)):
+            wide = words.astype(cupy.uint64)
+            self.table[self.used, i, 0] = (wide * w1).sum()     # sums wrap mod 2^64
+            self.table[self.used, i, 1] = (wide * w2).sum()
         self.used += 1
 
     def distinct(self) -> int:
