@@ -16,6 +16,7 @@ for step in $STEPS; do
     faults) timeout 200 python3 experiments/faults.py --out $OUT/faults.jsonl 2>&1 | tail -14 ;;
     tests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TESTS:-tests/test_faults_gpu.py tests/test_fuzz_gpu.py tests/test_gemm_allreduce_gpu.py tests/test_allgather_gpu.py} -p no:cacheprovider -p timeout --timeout=150 2>&1 | tee $OUT/pytest_gpu.log | tail -25 ;;
     determinism) timeout 200 python3 experiments/determinism.py ${DETERMINISM_ARGS} --out $OUT/determinism.jsonl 2>&1 | tail -12 ;;
-    sanitize) timeout ${SANITIZE_TIMEOUT:-400} python3 experiments/sanitize.py ${SANITIZE_ARGS} --out $OUT/sanitize.jsonl 2>&1 | tee $OUT/sanitize.log | grep -E "^(none|memcheck|racecheck|synccheck|initcheck) " ;;
+    sanitize) left=$(( ${DEADLINE:-100000} - SECONDS )); [ $left -lt 60 ] && { echo "no time left for the sanitizers"; continue; }
+      timeout $(( left < ${SANITIZE_TIMEOUT:-400} ? left : ${SANITIZE_TIMEOUT:-400} )) python3 experiments/sanitize.py ${SANITIZE_ARGS} --out $OUT/sanitize.jsonl 2>&1 | tee $OUT/sanitize.log | grep -E "^(none|memcheck|racecheck|synccheck|initcheck) " ;;
   esac
 done

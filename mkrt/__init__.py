@@ -22,13 +22,14 @@ from mkrt.errors import CommTimeout, CompileError, MkrtError, WaitRecord
 from mkrt.kernels.allgather import AllGather, allgather
 from mkrt.kernels.gemm import gemm
 from mkrt.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce
+from mkrt.kernels.gemm_reducescatter import GemmReduceScatter, gemm_reducescatter
 from mkrt.memory import SymmetricBuffer
 from mkrt.world import World, current_world, init
 
 __version__ = "0.1.0"
 
 __all__ = ["init", "current_world", "World", "SymmetricBuffer", "AllGather", "allgather", "gemm",
-           "GemmAllReduce", "gemm_allreduce",
+           "GemmAllReduce", "gemm_allreduce", "GemmReduceScatter", "gemm_reducescatter",
            "CommTimeout", "CompileError", "MkrtError", "WaitRecord"]
 
 

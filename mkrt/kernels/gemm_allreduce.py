@@ -53,6 +53,9 @@ typedef $CTYPE T;
 // (C_r, row-major): the unfused baseline's all-reduce.
 constexpr int MODE_GEMM = 0, MODE_COPY = 1;
 constexpr int MODE = $MODE;
+// SCATTER: reduce-scatter instead of all-reduce. Rank w keeps rows [w * rows_per_rank,
+// (w + 1) * rows_per_rank) of C; a node sum goes only to the node that owns its rows.
+constexpr bool SCATTER = $SCATTER;
 typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR, 0> Cfg;
 constexpr int BM = Cfg::BM, BN = Cfg::BN, TILE = BM * BN, CHUNKS = TILE / 8;
 
@@ -77,6 +80,7 @@ struct Args {
     int me, node, rank, G, nodes, slots;
     int compute_ctas;
     int send_batch;             // owned slots per group (one put per group between nodes)
+    int rows_per_rank;          // SCATTER: rows of C each rank keeps (M / world size)
     u64* flags;                 // this rank's flag words
     const u64* peer_flags;      // [G] node peers' flag words
     const u64* peer_partial;    // [G] node peers' partial slots: [G][slots][TILE]
@@ -201,8 +205,17 @@ __device__ void deliver_chunk(const Args& a, T* const* targets, int row0, int co
                               const uint4& value, bool aligned) {
     const int r = row0 + chunk / (BN / 8), c = col0 + (chunk % (BN / 8)) * 8;
     if (r >= a.m) return;
-    for (int p = 0; p < a.G; ++p) {
-        T* row = targets[p] + (long long)r * a.n;
+    int first = 0, last = a.G;
+    long long target_row = r;
+    if constexpr (SCATTER) {
+        // Only the row's owner (a rank of this node) gets it, as a row of its shard.
+        const int owner = r / a.rows_per_rank;
+        first = owner - a.node * a.G;
+        last = first + 1;
+        target_row = r - (long long)owner * a.rows_per_rank;
+    }
+    for (int p = first; p < last; ++p) {
+        T* row = targets[p] + target_row * a.n;
         if (aligned && c + 8 <= a.n) {
             *reinterpret_cast<uint4*>(row + c) = value;
         } else {
@@ -220,6 +233,13 @@ __device__ void publish_final(const Args& a, const Layout& L, int t, u64 epoch) 
         __threadfence_system();
         for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.final_tile(t), epoch);
     }
+}
+
+// SCATTER: the node that keeps the rows of the tile in owned slot `slot` of this rank
+// (the host makes node shards whole tile rows when nodes > 1).
+__device__ __forceinline__ int owner_node(const Args& a, const Layout& L, int slot, int tiles_n) {
+    const int t = slot * L.G + a.me;
+    return ((t / tiles_n) * BM) / (a.rows_per_rank * a.G);
 }
 
 __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
@@ -295,7 +315,30 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         // every other node, once that node's launch has begun (its inter buffer is free);
         // the flag of the group's first slot says the whole group arrived.
         __syncthreads();
-        if (threadIdx.x == 0) {
+        if (SCATTER && threadIdx.x == 0) {
+            // Only the node that keeps a tile's rows gets its node sum. Tile rows grow with
+            // the slot, so the group splits into runs of one owner node: one put per run.
+            __threadfence_system();
+            const u64 tile_bytes = (u64)TILE * sizeof(T);
+            for (int run = first; run < last;) {
+                const int dest = owner_node(a, L, run, tiles_n);
+                int end = run + 1;
+                while (end < last && owner_node(a, L, end, tiles_n) == dest) ++end;
+                if (dest != a.node) {
+                    if (!proxy_wait_at_least(a.flags + L.node_arrive(dest), epoch, ctx, *a.queue,
+                                             ROLE_INTER, run * L.G + a.me, L.node_arrive(dest))) {
+                        wait_ids[0] = -1; break;
+                    }
+                    const u64 ticket = post_put_signal(*a.queue, ctx, (unsigned)(dest * a.G + a.me),
+                        (unsigned)a.inter_region, (u64)(a.node * L.slots + run) * tile_bytes,
+                        (unsigned)a.node_sum_region, (u64)run * tile_bytes, (u64)(end - run) * tile_bytes,
+                        (unsigned)a.flags_region, (u64)L.inter(a.node, run) * 8, epoch,
+                        ROLE_INTER, run * L.G + a.me);
+                    if (ticket == POST_FAILED) { wait_ids[0] = -1; break; }
+                }
+                run = end;
+            }
+        } else if (threadIdx.x == 0) {
             __threadfence_system();
             const u64 tile_bytes = (u64)TILE * sizeof(T);
             for (int step = 1; step < a.nodes; ++step) {
@@ -319,16 +362,26 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
     // Pass 2: add the nodes' sums in node order (the same bits on every node), deliver
     // inside the node.
     for (int first = cta * batch; first < owned; first += ctas * batch) {
-        const int last = min(first + batch, owned);
+      const int group_last = min(first + batch, owned);
+      // A run of the group: all of it (all-reduce), or slots of one owner node (SCATTER,
+      // the runs pass 1 sent: only those this node keeps are summed here).
+      for (int run = first, last; run < group_last; run = last) {
+        last = group_last;
+        if constexpr (SCATTER) {
+            const int keeper = owner_node(a, L, run, tiles_n);
+            last = run + 1;
+            while (last < group_last && owner_node(a, L, last, tiles_n) == keeper) ++last;
+            if (keeper != a.node) continue;
+        }
         if (threadIdx.x < a.nodes) {
-            wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, first);
-            wait_ids[threadIdx.x] = L.inter(threadIdx.x, first);
+            wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, run);
+            wait_ids[threadIdx.x] = L.inter(threadIdx.x, run);
         }
         __syncthreads();
         // Our own node's entry is never written: its thread waits for 0.
         if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx,
-                           first * L.G + a.me, wait_ids, true, a.queue)) return;
-        for (int slot = first; slot < last; ++slot) {
+                           run * L.G + a.me, wait_ids, true, a.queue)) return;
+        for (int slot = run; slot < last; ++slot) {
             const int t = slot * L.G + a.me;
             const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
             const int stride = blockDim.x;
@@ -346,16 +399,33 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
             }
             publish_final(a, L, t, epoch);
         }
+      }
     }
 }
 
 // Reduce CTA `cta` waits (all its threads at once) until its share of this rank's C,
 // tiles t = cta (mod ctas), is final.
+// The tiles this rank waits for: all of C, or (SCATTER) the tile rows its shard touches.
+__device__ __forceinline__ void own_tiles(const Args& a, int tiles, int& first, int& count) {
+    first = 0;
+    count = tiles;
+    if constexpr (SCATTER) {
+        const int tiles_n = (a.n + BN - 1) / BN;
+        const int row0 = a.rank * a.rows_per_rank, row1 = row0 + a.rows_per_rank;
+        first = (row0 / BM) * tiles_n;
+        count = ((row1 - 1) / BM - row0 / BM + 1) * tiles_n;
+    }
+}
+
 __device__ bool wait_own_result(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
                                 int cta, int ctas) {
     bool ok = true;
-    for (int t = cta + ctas * threadIdx.x; t < L.tiles && ok; t += ctas * blockDim.x)
+    int first, count;
+    own_tiles(a, L.tiles, first, count);
+    for (int i = cta + ctas * threadIdx.x; i < count && ok; i += ctas * blockDim.x) {
+        const int t = first + i;
         ok = wait_at_least(a.flags + L.final_tile(t), epoch, ctx, ROLE_REDUCE, t, L.final_tile(t));
+    }
     return __syncthreads_and(ok);
 }
 
@@ -422,11 +492,20 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
             // Staged (processes): copy our result buffer into C once all of it is final.
             // Each reduce CTA waited for its share only: copy that share.
             const T* result = (const T*)a.peer_result[a.me];
-            for (int t = cta; t < L.tiles; t += reduce_ctas) {
+            int first, count;
+            own_tiles(a, L.tiles, first, count);
+            // Rows of C this rank keeps, and where its result buffer starts among them.
+            const int keep0 = SCATTER ? a.rank * a.rows_per_rank : 0;
+            const int keep1 = SCATTER ? keep0 + a.rows_per_rank : a.m;
+            for (int i = cta; i < count; i += reduce_ctas) {
+                const int t = first + i;
                 const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
                 for (int e = threadIdx.x; e < TILE; e += blockDim.x) {
                     const int r = row0 + e / BN, c = col0 + e % BN;
-                    if (r < a.m && c < a.n) a.out[(long long)r * a.n + c] = result[(long long)r * a.n + c];
+                    if (r >= keep0 && r < keep1 && r < a.m && c < a.n) {
+                        const long long at = (long long)(r - keep0) * a.n + c;
+                        a.out[at] = result[at];
+                    }
                 }
             }
         }
@@ -446,6 +525,8 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
 """, requires=("gemm_tile", "queue", "sync"), register=False)
 
 KERNEL_ID = kernel_id("gemm_allreduce")
+#: what the reduce role ends with: every rank all of C, or each rank its rows of C
+COLLECTIVES = ("allreduce", "reducescatter")
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 # Kernel argument struct, defined once here; the template asserts the C layout matches.
@@ -453,7 +534,7 @@ ARGS_DTYPE = np.dtype([
     ("copy_source", "<u8"), ("out", "<u8"),
     ("m", "<i4"), ("n", "<i4"), ("k", "<i4"), ("group_m", "<i4"),
     ("me", "<i4"), ("node", "<i4"), ("rank", "<i4"), ("G", "<i4"), ("nodes", "<i4"),
-    ("slots", "<i4"), ("compute_ctas", "<i4"), ("send_batch", "<i4"),
+    ("slots", "<i4"), ("compute_ctas", "<i4"), ("send_batch", "<i4"), ("rows_per_rank", "<i4"),
     ("flags", "<u8"), ("peer_flags", "<u8"), ("peer_partial", "<u8"), ("peer_result", "<u8"),
     ("node_sum", "<u8"), ("inter_in", "<u8"), ("queue", "<u8"),
     ("node_sum_region", "<i4"), ("inter_region", "<i4"), ("flags_region", "<i4"),
@@ -478,6 +559,7 @@ class GemmAllReduceSpec(KernelSpec):
     block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
     stages: int = dataclasses.field(default=4, metadata={"short": "s"})
     mode: str = "gemm"          # "gemm": fused; "copy": the all-reduce alone (baseline)
+    collective: str = "allreduce"   # or "reducescatter": each rank keeps its rows only
 
     def __post_init__(self):
         super().__post_init__()
@@ -486,6 +568,9 @@ class GemmAllReduceSpec(KernelSpec):
                              self.stages, "direct")
         if self.mode not in ("gemm", "copy"):
             raise ValueError(f"mkrt.gemm_allreduce: mode={self.mode!r}; expected 'gemm' or 'copy'")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"mkrt.gemm_allreduce: collective={self.collective!r}; expected one "
+                             f"of {COLLECTIVES}")
 
     @property
     def engine(self) -> gemm_module.GemmSpec:
@@ -507,18 +592,21 @@ class GemmAllReduceSpec(KernelSpec):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
                 "MODE": 0 if self.mode == "gemm" else 1, "KERNEL_ID": f"{KERNEL_ID}ull",
+                "SCATTER": int(self.collective == "reducescatter"),
                 "ARGS_CHECKS": args_layout_checks()}
 
 
 def spec_for(p: Plan, mode: str = "gemm") -> GemmAllReduceSpec:
-    """The kernel that runs plan `p` (``mode="copy"``: the all-reduce alone)."""
-    return GemmAllReduceSpec(p.dtype, p.b_layout, p.block_m, p.block_n, p.stages, mode)
+    """The kernel that runs plan `p` (``mode="copy"``: the collective alone)."""
+    return GemmAllReduceSpec(p.dtype, p.b_layout, p.block_m, p.block_n, p.stages, mode,
+                             p.collective)
 
 
 def default_specs() -> list[GemmAllReduceSpec]:
     stages = gemm_module.max_stages(128, 256, "direct")
-    return [GemmAllReduceSpec(dtype, layout, 128, 256, stages, mode)
-            for dtype in ("bf16", "f16") for layout in ("kn", "nk") for mode in ("gemm", "copy")]
+    return [GemmAllReduceSpec(dtype, layout, 128, 256, stages, mode, collective)
+            for dtype in ("bf16", "f16") for layout in ("kn", "nk") for mode in ("gemm", "copy")
+            for collective in COLLECTIVES]
 
 
 
@@ -551,6 +639,7 @@ class GemmAllReduce(Op):
     """
 
     name = "gemm_allreduce"
+    collective = "allreduce"
 
     def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
                  reduce_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
@@ -608,7 +697,8 @@ class GemmAllReduce(Op):
                  ctas=ctas, dtype=dtype, b_layout=self.b_layout, reduce_ctas=self.reduce_ctas,
                  fuse=fuse if fusable else False,
                  sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
-                 ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings)
+                 ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings,
+                 collective=self.collective)
         if not fusable and mode_fuse is None and self.fuse is None:
             p = dataclasses.replace(p, reason="b_layout='kn' with n % 8 != 0: the fused kernel's "
                                               "TMA needs 16-byte rows of B; unfused path")
@@ -619,11 +709,11 @@ class GemmAllReduce(Op):
         tile_bytes = p.tile_bytes
         need = {"flags": p.flags.words * 8,
                 "partial": p.G * p.slots * tile_bytes,
-                "result": 0 if self.world.emulated else p.m * p.n * 2}
+                "result": 0 if self.world.emulated else p.kept_rows * p.n * 2}
         if p.nodes > 1:
             need["node_sum"] = p.slots * tile_bytes
             need["inter"] = p.nodes * p.slots * tile_bytes
-        key = (p.tiles, p.slots, p.m * p.n)
+        key = (p.tiles, p.slots, p.kept_rows * p.n)
         if self._layout_key == key:
             return
         if self._buffers:
@@ -653,6 +743,7 @@ class GemmAllReduce(Op):
         args["G"], args["nodes"], args["slots"] = p.G, p.nodes, p.slots
         args["compute_ctas"] = p.compute_ctas
         args["send_batch"] = p.send_batch
+        args["rows_per_rank"] = p.kept_rows
         args["flags"] = b["flags"].local_ptr(rank)
         args["peer_flags"] = flags_table.data.ptr
         args["peer_partial"] = partial_table.data.ptr
@@ -676,12 +767,13 @@ class GemmAllReduce(Op):
         self.same_everywhere(b_list, "b")
         m, n, k, dtype = gemm_module.check_operands(a_list[0].shape, b_list[0].shape, a_list[0].dtype,
                                                     b_list[0].dtype, self.b_layout)
+        out_shape = self.out_shape(m, n)
         if outs is not None:
             self.per_rank(outs, "out")
             for i, o in enumerate(outs):
-                if o.shape != (m, n) or o.dtype != a_list[0].dtype:
-                    raise ValueError(f"mkrt.gemm_allreduce: out[{i}] is {o.shape} {o.dtype}; "
-                                     f"expected {(m, n)} {a_list[0].dtype}")
+                if o.shape != out_shape or o.dtype != a_list[0].dtype:
+                    raise ValueError(f"mkrt.{self.name}: out[{i}] is {o.shape} {o.dtype}; "
+                                     f"expected {out_shape} {a_list[0].dtype}")
         for name, arrays in (("a", a_list), ("b", b_list), ("out", outs or [])):
             for i, x in enumerate(arrays):
                 if x.data.ptr % 16:
@@ -697,7 +789,8 @@ class GemmAllReduce(Op):
         if call is None:
             m, n, k, dtype = self._operands(a_list, b_list, outs)
             p = self.plan_for(m, n, k, dtype, mode_fuse=fuse)
-            call = _PreparedCall(p, a_list[0].dtype, a_list[0].shape, b_list[0].shape, (m, n))
+            call = _PreparedCall(p, a_list[0].dtype, a_list[0].shape, b_list[0].shape,
+                                 self.out_shape(m, n))
             self._prepared[key] = call
             return call
         self.check_arrays(a_list, "a", call.a_shape, call.dtype, aligned=True)
@@ -732,6 +825,10 @@ class GemmAllReduce(Op):
         if out is not None:
             return out
         return outs if as_list else like_input(outs[0], a)
+
+    def out_shape(self, m: int, n: int) -> tuple:
+        """Each rank's C: all of it (subclasses keep a part)."""
+        return (m, n)
 
     def _new_outputs(self, shape, dtype) -> list:
         import cupy
@@ -802,8 +899,10 @@ class GemmAllReduce(Op):
             raise ValueError("mkrt.gemm_allreduce: allreduce='nccl' needs one process per GPU "
                              "and torch.distributed initialised with the nccl backend")
         kept = self._scratch.get("partials")
-        if not use_nccl and (kept is None or kept[0].shape != call.out_shape
-                             or kept[0].dtype != call.dtype):
+        full = (call.plan.m, call.plan.n)            # each rank's partial C_r is all of C
+        partial_needed = not use_nccl or full != call.out_shape
+        if partial_needed and (kept is None or kept[0].shape != full
+                               or kept[0].dtype != call.dtype):
             # Kept between calls of one shape: an allocation while persistent kernels wait
             # for the proxy can hold back its copies (mkrt/DESIGN.md, "Runtime hazards").
             # Memory replaced here is reused stream-ordered: the caller's stream waits for
@@ -811,19 +910,22 @@ class GemmAllReduce(Op):
             kept = []
             for device in self._local_devices:
                 with self.on_device(device):
-                    kept.append(cupy.empty(call.out_shape, call.dtype))
+                    kept.append(cupy.empty(full, call.dtype))
             self._scratch["partials"] = kept
         partials = []
         for i, (device, a_r, b_r, out) in enumerate(zip(self._local_devices, a_list, b_list, outs)):
             with self.on_device(device):
-                target = out if use_nccl else kept[i]
+                target = kept[i] if partial_needed else out
                 if gemm == "mkrt":
                     partials.append(gemm_module.gemm(a_r, b_r, out=target, b_layout=self.b_layout))
                 else:
                     b_view = b_r.T if self.b_layout == "nk" else b_r
                     partials.append(cupy.matmul(a_r, b_view, out=target))
         if use_nccl:
-            _nccl_all_reduce(outs[0])
+            if partial_needed:
+                _nccl_reduce_scatter(outs[0], partials[0])
+            else:
+                _nccl_all_reduce(outs[0])
             return
         # The next call's GEMM overwrites the partials only after this all-reduce has read
         # them: it runs on the caller's stream, which waits for the ranks' launches.
@@ -874,6 +976,17 @@ def _nccl_all_reduce(out) -> None:
                                        device=torch.device("cuda", out.device.id))
     with torch.cuda.stream(stream):
         dist.all_reduce(torch.from_dlpack(out))
+
+
+def _nccl_reduce_scatter(out, partial) -> None:
+    """This rank's rows of the sum over the world of `partial`, into `out`, with NCCL."""
+    import cupy
+    import torch
+    import torch.distributed as dist
+    stream = torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr,
+                                       device=torch.device("cuda", out.device.id))
+    with torch.cuda.stream(stream):
+        dist.reduce_scatter_tensor(torch.from_dlpack(out), torch.from_dlpack(partial))
 
 
 def _descriptors(p: Plan, a, b):

@@ -65,6 +65,44 @@ class Plan:
     predicted_fused_us: float
     predicted_unfused_us: float
     send_batch: int = 1     # owned slots per group: one put between nodes per group
+    collective: str = "allreduce"   # or "reducescatter": rank w keeps rows of C only
+
+    @property
+    def scatter(self) -> bool:
+        return self.collective == "reducescatter"
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows of C each rank ends with (reduce-scatter: M / world size)."""
+        return self.m // (self.nodes * self.G) if self.scatter else self.m
+
+    def keeper(self, row: int) -> int:
+        """The world rank that ends with `row` of C (reduce-scatter)."""
+        return row // self.kept_rows
+
+    def tile_node(self, tile: int) -> int:
+        """Reduce-scatter with several nodes: the node that keeps `tile`'s rows."""
+        return (tile // self.tiles_n) * self.block_m // (self.kept_rows * self.G)
+
+    def kept_tiles(self, rank: int) -> list[int]:
+        """Tiles the final result of `rank` comes from (all of them for an all-reduce)."""
+        if not self.scatter:
+            return list(range(self.tiles))
+        row0 = rank * self.kept_rows
+        first, last = row0 // self.block_m, (row0 + self.kept_rows - 1) // self.block_m
+        return list(range(first * self.tiles_n, (last + 1) * self.tiles_n))
+
+    def runs(self, group: list[int]) -> list[list[int]]:
+        """A group's tiles in runs of one keeping node (reduce-scatter), else the group."""
+        if not self.scatter or self.nodes == 1:
+            return [group]
+        out = []
+        for t in group:
+            if out and self.tile_node(out[-1][0]) == self.tile_node(t):
+                out[-1].append(t)
+            else:
+                out.append([t])
+        return out
 
     @property
     def G(self) -> int:
@@ -114,8 +152,13 @@ class Plan:
     def traffic(self) -> dict[str, int]:
         """Bytes one call moves per rank (partials and final tiles) and per node (network)."""
         partials = self.tiles * self.tile_bytes * (self.G - 1) // self.G
-        gather = len(self.owned(0)) * self.tile_bytes * (self.G - 1)
-        network = self.tiles * self.tile_bytes * (self.nodes - 1)
+        if self.scatter:
+            # Final rows go to their keeper only; a node sends what other nodes keep.
+            gather = len(self.owned(0)) * self.tile_bytes * (self.G - 1) // self.G
+            network = self.tiles * self.tile_bytes * (self.nodes - 1) // self.nodes
+        else:
+            gather = len(self.owned(0)) * self.tile_bytes * (self.G - 1)
+            network = self.tiles * self.tile_bytes * (self.nodes - 1)
         return {"intra_partials_per_rank": partials, "intra_gather_per_rank": gather,
                 "network_per_node": network, "network_minimum_per_node": network}
 
@@ -145,25 +188,41 @@ class Plan:
                             tasks.append(("node_sum", node, t))
                             depends[("node_sum", node, t)] = [("partial", node * G + src, t)
                                                              for src in range(G)]
-                        for dest in range(self.nodes):
-                            if dest != node:
-                                send = ("send", node, group[0], dest)
+                        for run in self.runs(group):
+                            for dest in self.destinations(node, run[0]):
+                                send = ("send", node, run[0], dest)
                                 sends.append(send)
-                                depends[send] = [("node_sum", node, t) for t in group]
+                                depends[send] = [("node_sum", node, t) for t in run]
                     if self.nodes > 1:
                         for group in groups:
-                            for t in group:
-                                tasks.append(("final", node, t))
-                                depends[("final", node, t)] = [("node_sum", node, t)] + [
-                                    ("send", other, group[0], node)
-                                    for other in range(self.nodes) if other != node]
-                    tasks += [("result", rank, t) for t in range(q, self.tiles, R)]
-                    for t in range(q, self.tiles, R):
+                            for run in self.runs(group):
+                                if self.scatter and self.tile_node(run[0]) != node:
+                                    continue
+                                for t in run:
+                                    tasks.append(("final", node, t))
+                                    depends[("final", node, t)] = [("node_sum", node, t)] + [
+                                        ("send", other, run[0], node)
+                                        for other in range(self.nodes) if other != node]
+                    kept = self.kept_tiles(rank)[q::R]
+                    tasks += [("result", rank, t) for t in kept]
+                    for t in kept:
                         depends[("result", rank, t)] = [
                             ("final", node, t) if self.nodes > 1 else ("node_sum", node, t)]
                     workers[("reduce", rank, q)] = tasks
                 workers[("proxy", rank)] = sends
         return workers, depends
+
+    def destinations(self, node: int, tile: int) -> list[int]:
+        """Nodes that `node` sends the node sum of `tile` to (a run starting at it)."""
+        if self.scatter:
+            keeper = self.tile_node(tile)
+            return [] if keeper == node else [keeper]
+        return [dest for dest in range(self.nodes) if dest != node]
+
+    def _run_starting_at(self, tile: int) -> list[int]:
+        local = self.owner(tile)
+        return next(run for q in range(self.reduce_ctas) for g in self.groups(local, q)
+                    for run in self.runs(g) if run[0] == tile)
 
     def check(self) -> list[str]:
         """Problems with this plan (empty: fine): exactly-once reduction and sends, no stall."""
@@ -180,16 +239,22 @@ class Plan:
                 sent = []
                 for task in tasks:
                     if task[0] == "send" and task[1] == node and task[3] == dest:
-                        local = self.owner(task[2])
-                        group = next(g for q in range(self.reduce_ctas)
-                                     for g in self.groups(local, q) if g[0] == task[2])
-                        sent += group
-                if sorted(sent) != list(range(self.tiles)):
-                    problems.append(f"node {node} -> {dest}: tiles not sent exactly once")
+                        sent += self._run_starting_at(task[2])
+                wanted = [t for t in range(self.tiles) if not self.scatter or self.tile_node(t) == dest]
+                if sorted(sent) != wanted:
+                    problems.append(f"node {node} -> {dest}: tiles not sent exactly once "
+                                    "(or sent where they are not kept)")
         for rank in range(self.nodes * self.G):
             got = sorted(t[2] for t in tasks if t[0] == "result" and t[1] == rank)
-            if got != list(range(self.tiles)):
+            if got != self.kept_tiles(rank):
                 problems.append(f"rank {rank}: does not wait for every tile of its C exactly once")
+        if self.scatter:
+            for t in range(self.tiles):
+                row0 = (t // self.tiles_n) * self.block_m
+                rows = range(row0, min(row0 + self.block_m, self.m))
+                keepers = {self.keeper(r) for r in rows}
+                if self.nodes > 1 and len({k // self.G for k in keepers}) > 1:
+                    problems.append(f"tile {t}: its rows are kept on two nodes")
         try:
             stall = find_stall(workers, depends)
         except ValueError as error:          # a wait on work nobody does
@@ -203,7 +268,8 @@ class Plan:
 def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
          dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
          fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
-         send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings()) -> Plan:
+         send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings(),
+         collective: str = "allreduce") -> Plan:
     """Plan one shape on a world; ``fuse=None`` lets the cost model decide.
 
     ``send_bytes``: about how much one put between nodes carries (tiles are grouped to
@@ -224,9 +290,16 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
                          "bf16/f16 and kn/nk")
     tile = (dtype, b_layout, BLOCK_M, BLOCK_N, gemm_module.max_stages(BLOCK_M, BLOCK_N, "direct"))
     world = nodes * ranks_per_node
+    area = "gemm_reducescatter" if collective == "reducescatter" else "gemm_allreduce"
+    if collective not in ("allreduce", "reducescatter"):
+        raise ValueError(f"mkrt.gemm_allreduce: collective={collective!r}; expected "
+                         "'allreduce' or 'reducescatter'")
+    if collective == "reducescatter" and m % world:
+        raise ValueError(f"mkrt.{area}: m={m} must be a multiple of the world size {world} "
+                         f"(rank r keeps rows r*m/{world} .. (r+1)*m/{world})")
     if world == 1:
         return Plan(*tile, m, n, k, 1, 1, ctas, 0, False, "one rank: plain GEMM, nothing to reduce",
-                    0.0, 0.0)
+                    0.0, 0.0, collective=collective)
     if reduce_ctas is None:
         reduce_ctas = default_reduce_ctas(k, ctas, nodes=nodes, ceilings=ceilings)
     if not 1 <= reduce_ctas < ctas:
@@ -247,8 +320,16 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
                   + ("" if fused else " (fusion loses here: unfused path)"))
     else:
         fused, reason = bool(fuse), f"fuse={fuse} requested"
+    whole_tiles = nodes == 1 or (m // nodes) % BLOCK_M == 0
+    if collective == "reducescatter" and not whole_tiles:
+        if fuse:
+            raise ValueError(f"mkrt.{area}: the fused kernel on {nodes} nodes needs each node's "
+                             f"rows (m / nodes = {m / nodes:g}) to be a multiple of {BLOCK_M}; "
+                             "leave fuse=None for the unfused path")
+        fused, reason = False, (f"node shards of {m / nodes:g} rows are not whole {BLOCK_M}-row "
+                                "tiles: unfused path")
     p = Plan(*tile, m, n, k, nodes, ranks_per_node, ctas, reduce_ctas, fused, reason,
-             fused_us, unfused_us)
+             fused_us, unfused_us, collective=collective)
     if nodes == 1:
         return p
     # p.slots: the most tiles a rank owns.
