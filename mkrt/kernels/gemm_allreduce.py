@@ -846,8 +846,12 @@ class GemmAllReduce(Op):
             return launches
         p = call.plan
         if mode == "copy":
-            # The all-reduce alone: copying and reducing both stream memory; split evenly.
+            # The collective alone: copying and reducing both stream memory; split evenly.
             p = dataclasses.replace(p, reduce_ctas=max(1, p.ctas // 2))
+            if not p.whole_node_tiles:
+                # Node shards that split a tile: all-reduce into whole partial-size outputs
+                # (the caller keeps its rows, see _unfused).
+                p = dataclasses.replace(p, collective="allreduce")
         spec = spec_for(p, mode)
         self._ensure_buffers(p)
         if call.buffers_key != self._generation:     # buffers were re-made: re-patch all
@@ -929,7 +933,24 @@ class GemmAllReduce(Op):
             return
         # The next call's GEMM overwrites the partials only after this all-reduce has read
         # them: it runs on the caller's stream, which waits for the ranks' launches.
-        self._run(call, "copy", a_list, b_list, outs, copy_sources=partials)
+        if call.plan.whole_node_tiles:
+            self._run(call, "copy", a_list, b_list, outs, copy_sources=partials)
+            return
+        # Reduce-scatter whose node shards split a tile: all-reduce into whole-size sums
+        # (not in place: a peer may deliver a tile before this rank has copied it out),
+        # then each rank keeps its rows (on the caller's stream, after the ranks).
+        sums = self._scratch.get("sums")
+        if sums is None or sums[0].shape != partials[0].shape or sums[0].dtype != partials[0].dtype:
+            sums = []
+            for device in self._local_devices:
+                with self.on_device(device):
+                    sums.append(cupy.empty_like(partials[0]))
+            self._scratch["sums"] = sums
+        self._run(call, "copy", a_list, b_list, sums, copy_sources=partials)
+        rows = call.out_shape[0]
+        for info, device, full, out in zip(self.world.local, self._local_devices, sums, outs):
+            with self.on_device(device):
+                out[...] = full[info.rank * rows:(info.rank + 1) * rows]
 
     def unfused(self, a, b, out=None, *, gemm: str = "cublas", allreduce: str = "auto"):
         """The baseline: cuBLAS (or ``gemm="mkrt"``) then the all-reduce (NCCL or mkrt's,

@@ -72,6 +72,12 @@ class Plan:
         return self.collective == "reducescatter"
 
     @property
+    def whole_node_tiles(self) -> bool:
+        """Whether the reduce-scatter kernel can run this shape: one node, or each node's
+        rows whole tiles (an all-reduce always can)."""
+        return not self.scatter or self.nodes == 1 or (self.m // self.nodes) % self.block_m == 0
+
+    @property
     def kept_rows(self) -> int:
         """Rows of C each rank ends with (reduce-scatter: M / world size)."""
         return self.m // (self.nodes * self.G) if self.scatter else self.m
