@@ -12,7 +12,7 @@ for step in $STEPS; do
           MKRT_JIT_CACHE_DIR=/tmp/mkrt-cache-old PYTHONPATH=$PWD/.bench_old timeout 60 python3 .bench_old/experiments/runtime.py --layouts 1x1 1x2 --label ab_4b97680 --out $OUT/runtime_ab.jsonl 2>&1 | grep -v "^ "
           timeout 60 python3 experiments/runtime.py --layouts 1x1 1x2 --label ab_now --out $OUT/runtime_ab.jsonl 2>&1 | grep -v "^ "
         done ;;
-    stall) timeout ${STALL_TIMEOUT:-150} python3 experiments/proxy_stall.py --modes ${STALL_MODES:-unsynced synced} --out $OUT/proxy_stall.jsonl > $OUT/proxy_stall.log 2>&1; echo "rc $?"; grep -v "^ " $OUT/proxy_stall.log | tail -20 ;;
+    stall) timeout ${STALL_TIMEOUT:-150} python3 experiments/proxy_stall.py ${STALL_MODES:-planner,synced_warmup,fused_only} 1 > $OUT/proxy_stall.log 2>&1; echo "rc $?"; grep -v "^ " $OUT/proxy_stall.log | tail -20 ;;
     tp) timeout ${TP_TIMEOUT:-200} python3 experiments/tp_pair.py ${TP_ARGS} --out $OUT/tp_pair.jsonl 2>&1 | tail -30 ;;
     faults) timeout 200 python3 experiments/faults.py --out $OUT/faults.jsonl 2>&1 | tail -14 ;;
     tests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TESTS:-tests/test_faults_gpu.py tests/test_fuzz_gpu.py tests/test_gemm_allreduce_gpu.py tests/test_allgather_gpu.py} -p no:cacheprovider -p timeout --timeout=150 2>&1 | tee $OUT/pytest_gpu.log | tail -25 ;;

@@ -154,6 +154,8 @@ class Line:
     same_commit: bool = False               # summarise the newest commit's rows (several
                                             # runs, e.g. one process per world), not one run
     describe: Callable[[list[Row]], str] | None = None   # words the run itself, instead
+    latest_per_case: bool = False           # describe: the newest row of every case, over
+                                            # all runs (an experiment run op by op)
 
 
 def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
@@ -166,6 +168,8 @@ def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
     else:
         run = newest_run(mine)
     if line.describe is not None:
+        if line.latest_per_case:
+            run = list({_case(r): r for r in mine}.values())
         return line.describe(run), commit_of(run)
     key = "ratio" if line.show == "ratio" else "value"
     values = [v for v in (_number(r.get(key)) for r in run) if v is not None]
@@ -324,6 +328,15 @@ def _planner_lines(rows):
             for line in lines]
 
 
+def _tp_pair_lines(rows):
+    def family(row):
+        if row.get("op") != "gemm_reducescatter":
+            return None
+        return f"GEMM+ReduceScatter {row.get('layout')} emulated on one GPU"
+    lines = family_lines(rows, family, against="cuBLAS + reduce-scatter (unfused time / fused time)")
+    return [dataclasses.replace(line, at_least=0.97) for line in lines]
+
+
 def _multi_gpu_lines(rows):
     def family(row):
         kind = "allgather" if "_allgather_" in _case(row) else "gemm_allreduce"
@@ -345,13 +358,16 @@ def _faults_text(run):
 
 
 def _determinism_text(run):
-    calls = sum(int(_number(r.get("calls")) or 0) for r in run)
     same = [r for r in run if r.get("identical")]
-    differ = [str(r.get("case")) for r in run if not r.get("identical")]
+    calls = sum(int(_number(r.get("calls")) or 0) for r in same)
     text = (f"{len(same)} of {len(run)} op/mode pairs identical in every hash snapshot "
-            f"({calls} calls and graph replays in all, a hash every "
-            f"{run[-1].get('every', '?')} calls), first output checked against a reference")
-    return text + (f"; differing or wrong: {', '.join(differ)}" if differ else "")
+            f"({', '.join(str(r.get('case')) for r in same) or 'none'}; {calls} calls and "
+            "replays, a hash every 100, first output checked against a reference)")
+    failed = [r for r in run if not r.get("identical")]
+    for r in failed:
+        what = "timed out (CommTimeout)" if r.get("metric") == "timeout" else "differed or was wrong"
+        text += f"; {r.get('case')} {what}"
+    return text
 
 
 def _sanitize_text(run):
@@ -367,15 +383,19 @@ def _sanitize_text(run):
 
 def _proxy_stall_text(run):
     parts = []
+    words = {"unsynced": "first calls of each path unsynchronized",
+             "synced": "each path synchronized after its first calls",
+             "fused": "the fused path alone"}
     for mode in dict.fromkeys(str(r.get("mode")) for r in run):
         mine = [r for r in run if r.get("mode") == mode]
-        parts.append(f"{mode} warm-up: {sum(_number(r.get('value')) == 1 for r in mine)} of "
-                     f"{len(mine)} shapes timed out")
+        parts.append(f"{words.get(mode, mode)}: {sum(_number(r.get('value')) == 1 for r in mine)} "
+                     f"of {len(mine)} shapes timed out")
     return "; ".join(parts)
 
 
-def _described(label, text, *, same_commit=False):
-    return lambda rows: [Line(label, lambda r: True, describe=text, same_commit=same_commit)]
+def _described(label, text, *, same_commit=False, latest_per_case=False):
+    return lambda rows: [Line(label, lambda r: True, describe=text, same_commit=same_commit,
+                              latest_per_case=latest_per_case)]
 
 
 PIECES = [
@@ -401,13 +421,17 @@ PIECES = [
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
           "`verbs` (RC, EFA SRD) CPU-tested on a fake device only, never on RDMA hardware",
           "proxy", _proxy_lines),
+    Piece("`mkrt.gemm_reducescatter`", "fused (the gemm_allreduce kernel, reduce-scatter build): "
+          "true W-way, final rows to their keeper only, node sums only to the node that keeps them; "
+          "the planner falls back to unfused where it predicts fusion loses "
+          "(`experiments/tp_pair.py`)", "tp_pair", _tp_pair_lines),
     Piece("reliability: faults", "a stalled rank, a proxy killed mid-run, a full queue with a "
           "stalled proxy, commands the transport refuses, NaN/Inf inputs, a timeout shorter than a "
           "tile (`experiments/faults.py`, also `tests/test_faults_gpu.py` with a rank process that "
           "exits under mpiexec)", "faults", _described("fault matrix", _faults_text)),
     Piece("reliability: determinism", "every world op on 2x2, 10,000 back-to-back calls and "
           "2,000 graph replays, hashed on the GPU every 100 (`experiments/determinism.py`)",
-          "determinism", _described("determinism", _determinism_text)),
+          "determinism", _described("determinism", _determinism_text, latest_per_case=True)),
     Piece("reliability: sanitizers", "compute-sanitizer memcheck, racecheck, synccheck, initcheck "
           "over every kernel at small shapes (`experiments/sanitize.py`)", "sanitize",
           _described("sanitizers", _sanitize_text)),
@@ -416,7 +440,7 @@ PIECES = [
           "proxy_stall", _described("proxy stall", _proxy_stall_text, same_commit=True)),
     Piece("one multi-GPU host", "mkrt vs NCCL + cuBLAS over NVLink (`experiments/multi_gpu.py`)",
           "multi_gpu", _multi_gpu_lines),
-    Piece("not yet", "AllGather+GEMM, GEMM+ReduceScatter, Ring Attention, MoE, the SM-partition "
+    Piece("not yet", "AllGather+GEMM, Ring Attention, MoE, the SM-partition "
           "controller, worlds across hosts (verbs transport in a world)"),
 ]
 
