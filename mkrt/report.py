@@ -421,6 +421,9 @@ PIECES = [
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
           "`verbs` (RC, EFA SRD) CPU-tested on a fake device only, never on RDMA hardware",
           "proxy", _proxy_lines),
+    Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in a few "
+          "communication CTAs, the GEMM engine in the rest, each tile row loaded once its blocks "
+          "of A are in; planned and compiled on the CPU, **not yet run on a GPU**"),
     Piece("`mkrt.gemm_reducescatter`", "fused (the gemm_allreduce kernel, reduce-scatter build): "
           "true W-way, final rows to their keeper only, node sums only to the node that keeps them; "
           "the planner falls back to unfused where it predicts fusion loses "
@@ -440,7 +443,7 @@ PIECES = [
           "proxy_stall", _described("proxy stall", _proxy_stall_text, same_commit=True)),
     Piece("one multi-GPU host", "mkrt vs NCCL + cuBLAS over NVLink (`experiments/multi_gpu.py`)",
           "multi_gpu", _multi_gpu_lines),
-    Piece("not yet", "AllGather+GEMM, Ring Attention, MoE, the SM-partition "
+    Piece("not yet", "Ring Attention, MoE, the SM-partition "
           "controller, worlds across hosts (verbs transport in a world)"),
 ]
 

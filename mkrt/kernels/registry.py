@@ -13,6 +13,7 @@ KERNEL_MODULES = [
     "mkrt.kernels.allgather",
     "mkrt.kernels.gemm",
     "mkrt.kernels.gemm_allreduce",
+    "mkrt.kernels.allgather_gemm",
 ]
 
 

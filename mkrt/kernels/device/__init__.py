@@ -6,4 +6,5 @@ Importing this package registers every piece with mkrt.jit.render, so a template
 
 from mkrt.kernels.device import base, copy, sync  # noqa: F401
 from mkrt.kernels.device import queue  # noqa: F401,E402  (command queue, mkrt/proxy)
+from mkrt.kernels.device import gather  # noqa: F401,E402  (all-gather steps)
 from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401,E402  (GEMM engine)

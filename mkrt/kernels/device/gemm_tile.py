@@ -19,9 +19,13 @@ Plugging in (what a fused kernel supplies):
 
 * a **work list**: any type with ``__device__ bool get(int i, Tile& tile) const`` giving
   the i-th tile of *this* CTA (false past the end). Producer and consumers walk it
-  independently, so it must be a pure function of ``i``. Provided: ``RasterWork`` (tiles
-  in grouped raster order, CTA c takes c, c + ctas, ...) and ``ListWork`` (explicit tile
-  ids per CTA from a planner's arrays).
+  independently, so it must be a pure function of ``i``. It also has
+  ``__device__ bool wait(const Tile&) const``, which the producer calls before loading a
+  tile's operands: a fused kernel waits there for operands other ranks write (and fences
+  them for TMA); false (a wait that gave up) makes the producer release the tile's stages
+  without loading, so the consumers finish instead of waiting forever. Provided:
+  ``RasterWork`` (tiles in grouped raster order, CTA c takes c, c + ctas, ...) and
+  ``ListWork`` (explicit tile ids per CTA from a planner's arrays); both never wait.
 * an **epilogue**: any type with
   ``template <class Acc> __device__ void operator()(const Tile&, const Acc&, const ConsumerThread&)``
   called by every consumer thread once per tile. ``Acc`` is ``Accumulator<BN>``:
@@ -100,6 +104,7 @@ struct RasterWork {
         tile = tile_at(t);
         return true;
     }
+    __device__ __forceinline__ bool wait(const Tile&) const { return true; }
 };
 
 // Explicit per-CTA lists: CTA `cta` computes tiles[offsets[cta] .. offsets[cta + 1]),
@@ -118,6 +123,7 @@ struct ListWork {
         tile.index = index;
         return true;
     }
+    __device__ __forceinline__ bool wait(const Tile&) const { return true; }
 };
 
 // ---- consumers and their accumulators ------------------------------------------------
@@ -361,8 +367,16 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
     u32 phase = 0;
     Tile tile;
     for (int i = 0; work.get(i, tile); ++i) {
+        const bool ready = work.wait(tile);
         for (int kb = 0; kb < k_blocks; ++kb) {
             mbarrier_wait(&pipe.empty[stage], phase ^ 1);
+            if (!ready) {
+                // The operands never came (a bounded wait gave up): release the stage
+                // unloaded so the consumers drain; the host raises the timeout.
+                mbarrier_arrive(&pipe.full[stage]);
+                if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+                continue;
+            }
             mbarrier_arrive_expect_tx(&pipe.full[stage], Cfg::STAGE_BYTES);
             const int k = kb * Cfg::BK;
             tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.m * Cfg::BM, &pipe.full[stage]);

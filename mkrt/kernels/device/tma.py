@@ -114,5 +114,10 @@ template <int IN_FLIGHT> __device__ __forceinline__ void tma_store_wait() {
 __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
+// Generic-proxy writes to global memory (another rank's stores, acquired through a flag)
+// become visible to this thread's later TMA (async-proxy) reads.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 }  // namespace mkrt
 """, requires=("mbarrier",))

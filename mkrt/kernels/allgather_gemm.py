@@ -1,0 +1,788 @@
+"""AllGather+GEMM: the column-parallel linear with sequence-sharded input, fused.
+
+Every rank holds A_r, rows r*R .. (r+1)*R of A (R = M / W rows, world rank order) and its
+weight shard B_r ([K, N_r] or [N_r, K]); every rank ends with C_r = A @ B_r [M, N_r] (and,
+if asked, A itself: Megatron keeps it for the backward pass). One persistent kernel per
+rank; its CTAs take two roles:
+
+* **communication** CTAs move the blocks of A into every rank's *gathered* buffer (a
+  symmetric [M, K] buffer), as mkrt.allgather moves them (mkrt/kernels/allgather.py): each
+  block crosses to each other node once, through the proxy, to the rank with the same
+  local index, and is spread inside the node with peer stores; a ``ready[b]`` flag at
+  every receiving rank says block b is in place.
+* **compute** CTAs run the GEMM engine over C's tiles, the tile rows of the rank's own
+  block first, then the blocks after it in rank order (node peers' blocks arrive before
+  other nodes'). Before loading a tile's rows of A, the engine's producer waits for the
+  ``ready`` flags of the blocks those rows come from, then fences them for TMA (the
+  blocks were written by generic stores of other ranks).
+
+The gathered buffer is reused by the next call: a rank writes into a peer's buffer only
+after the peer's launch has begun (``arrive``), so the peer's previous GEMM has read it.
+Flags are epochs read and advanced on the device (no host sync per call; graph-capturable);
+every wait is bounded (mkrt.CommTimeout). The unfused baseline is ``op.unfused``:
+mkrt.allgather of A, then cuBLAS.
+
+Status: CPU-checked (plan, compile for sm_90a without spills); **not yet run on a GPU**.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+
+from mkrt import checks
+from mkrt.arrays import like_input
+from mkrt.jit import cuda_source
+from mkrt.jit.spec import KernelSpec
+from mkrt.kernels import allgather as allgather_module
+from mkrt.kernels import gemm as gemm_module
+from mkrt.kernels.launcher import KernelLaunch, Parameters
+from mkrt.kernels.op import Op, shared_op
+from mkrt.kernels.schedule import find_stall
+from mkrt.memory import SymmetricBuffer, flags as flag_buffer
+from mkrt.status import kernel_id
+
+#: most ranks per node (peer targets live in shared memory)
+MAX_NODE_RANKS = 32
+
+ALLGATHER_GEMM = cuda_source("allgather_gemm", r"""
+using namespace mkrt;
+typedef $CTYPE T;
+typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR, 0> Cfg;
+constexpr int BM = Cfg::BM, BN = Cfg::BN;
+constexpr int MAX_NODE_RANKS = $MAX_NODE_RANKS;
+
+// Where each flag word of a rank lives (mirrors FlagLayout in Python).
+struct Layout {
+    int G, N;
+    __device__ int arrive(int p) const { return p; }                 // node peer p's launch began
+    __device__ int node_arrive(int n) const { return G + n; }        // rank (n, me) began (proxy)
+    __device__ int landed(int n) const { return G + N + n; }         // rank (n, me)'s block is here
+    __device__ int ready(int b) const { return G + 2 * N + b; }      // block b is in our buffer
+    __device__ int sent() const { return G + 2 * N + N * G; }        // communication CTA counters
+    __device__ int pushed() const { return sent() + 1; }
+    __device__ int forwarded(int n) const { return sent() + 2 + n; }
+    __device__ int comm_before() const { return sent() + 2 + N; }    // comm CTAs of earlier launches
+    __device__ int finished() const { return comm_before() + 1; }    // every CTA, all launches
+    __device__ int ctas_before() const { return finished() + 1; }
+    __device__ int launches() const { return finished() + 2; }
+};
+
+struct Args {
+    const T* input;             // A_r [rows, k]
+    T* out;                     // C_r [m, n]
+    T* gathered;                // this rank's gathered A [m, k] (symmetric)
+    u64* flags;                 // this rank's flag words
+    const u64* peer_flags;      // [G] node peers' flag words
+    const u64* peer_gathered;   // [G] node peers' gathered buffers
+    const Queue* queue;         // the proxy queue (several nodes)
+    int m, n, k, rows;          // rows = m / world size: one block
+    int group_m, me, node, G, N, compute_ctas;
+    int gathered_region, flags_region;
+};
+$ARGS_CHECKS
+
+// The compute role's work: C's tiles in grouped raster order, tile rows rotated so the
+// rows of this rank's block come first; the producer waits for a tile's blocks of A.
+struct GatheredWork {
+    gemm::RasterWork raster;
+    int shift;                  // first tile row of this rank's block
+    int rows, m;
+    const u64* flags;
+    Layout L;
+    u64 epoch;
+    Context ctx;
+
+    __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
+        if (!raster.get(i, tile)) return false;
+        tile.m = (tile.m + shift) % raster.tiles_m;
+        tile.index = tile.m * raster.tiles_n + tile.n;
+        return true;
+    }
+    // Written out rather than calling wait_at_least: a call here, in the engine's producer,
+    // makes ptxas spill around it (the same bound, backoff and abort checks).
+    __device__ __forceinline__ bool wait(const gemm::Tile& tile) const {
+        const int row0 = tile.m * BM, row1 = min(row0 + BM, m) - 1;
+        for (int b = row0 / rows; b <= row1 / rows; ++b) {
+            const u64* flag = flags + L.ready(b);
+            u64 seen = ld_acquire_sys(flag);
+            if (seen >= epoch) continue;
+            const u64 start = global_timer_ns();
+            u32 backoff = 0;
+            for (unsigned spin = 0; seen < epoch; ++spin) {
+                if ((spin & 63) == 63) {
+                    if (aborted(ctx)) return false;
+                    if (global_timer_ns() - start > ctx.timeout_ns) {
+                        report_timeout(ctx, ROLE_COMPUTE, tile.index, L.ready(b), epoch, seen);
+                        return false;
+                    }
+                    backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
+                }
+                if (backoff) sleep_ns(backoff);
+                seen = ld_acquire_sys(flag);
+            }
+        }
+        fence_proxy_async_global();
+        return true;
+    }
+};
+
+// ---- communication role (CTAs compute_ctas ..): mkrt.allgather's steps into `gathered` --
+__device__ __noinline__ void communicate(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
+                            int comm, int comm_ctas, u64 comm_all, bool muted) {
+    __shared__ unsigned char* targets[MAX_NODE_RANKS];
+    const u64 nbytes = (u64)a.rows * a.k * sizeof(T);
+    const int mine = a.node * a.G + a.me;
+    const u64 worker = (u64)comm * blockDim.x + threadIdx.x;
+    const u64 workers = (u64)comm_ctas * blockDim.x;
+    unsigned char* gathered = (unsigned char*)a.gathered;
+
+    // 1. arrive: node peers may now write into our buffer (our previous GEMM has read it);
+    // rank `me` of every other node may send into it.
+    if (comm == 0 && threadIdx.x < a.G) {
+        st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
+    }
+    if (a.N > 1 && comm == 0 && threadIdx.x == blockDim.x - 1) {
+        const Queue q = *a.queue;
+        for (int step = 1; step < a.N; ++step) {
+            const int other = (a.node + step) % a.N;
+            if (post_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.flags_region,
+                            (u64)L.node_arrive(a.node) * 8, epoch, ROLE_INTER, mine) == POST_FAILED) break;
+        }
+    }
+
+    // 2. send (several nodes): our block into our own buffer (the puts read it there),
+    // then one put of it to rank `me` of every other node, once that rank has arrived.
+    if (a.N > 1) {
+        if (!cta_wait_words(a.flags, L.node_arrive(0), 1, a.N, a.node, epoch, ctx, ROLE_INTER,
+                            mine, 0, a.queue))
+            return;
+        copy_span(gathered + (u64)mine * nbytes, a.input, nbytes, worker, workers);
+        if (last_cta_done(a.flags + L.sent(), comm_all) && !muted) {
+            const Queue q = *a.queue;
+            for (int step = 1; step < a.N; ++step) {
+                const int other = (a.node + step) % a.N;
+                if (post_put_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.gathered_region,
+                                    (u64)mine * nbytes, (unsigned)a.gathered_region, (u64)mine * nbytes,
+                                    nbytes, (unsigned)a.flags_region, (u64)L.landed(a.node) * 8, epoch,
+                                    ROLE_INTER, mine) == POST_FAILED) break;
+            }
+        }
+    }
+
+    // 3. push: our block into every node rank's buffer once it has arrived.
+    if (!cta_wait_words(a.flags, L.arrive(0), 1, a.G, -1, epoch, ctx, ROLE_INTRA, a.node * a.G, 1,
+                        nullptr))
+        return;
+    if (threadIdx.x < a.G) {
+        const int p = threadIdx.x;
+        // several nodes: step 2 already wrote our own buffer
+        targets[p] = (p == a.me && a.N > 1) ? nullptr
+                                            : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes;
+    }
+    __syncthreads();
+    if (!muted) scatter_span(targets, a.G, (a.me + 1) % a.G, (const unsigned char*)a.input, nbytes,
+                             worker, workers);
+    if (last_cta_done(a.flags + L.pushed(), comm_all) && !muted) {
+        for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(mine), epoch);
+    }
+
+    // 4. forward: the block of rank `me` of each other node, once it has landed in our
+    // buffer, to every other rank of the node.
+    for (int step = 1; step < a.N; ++step) {
+        const int other = (a.node + a.N - step) % a.N;
+        const int block = other * a.G + a.me;
+        if (!cta_wait_words(a.flags, L.landed(other), 0, 1, -1, epoch, ctx, ROLE_INTER, block, 0,
+                            a.queue))
+            return;
+        __syncthreads();      // targets is rewritten below
+        if (threadIdx.x < a.G) {
+            const int p = threadIdx.x;
+            targets[p] = p == a.me ? nullptr : (unsigned char*)a.peer_gathered[p] + (u64)block * nbytes;
+        }
+        __syncthreads();
+        scatter_span(targets, a.G, (a.me + 1) % a.G, gathered + (u64)block * nbytes, nbytes,
+                     worker, workers);
+        if (last_cta_done(a.flags + L.forwarded(other), comm_all)) {
+            for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(block), epoch);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
+               const __grid_constant__ TmaDescriptor tma_b,
+               const __grid_constant__ Args args, int muted_rank,
+               u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
+    extern __shared__ char dynamic_smem[];
+    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
+    const Args& a = args;
+    const Layout L{a.G, a.N};
+    const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
+    const int comm_ctas = gridDim.x - a.compute_ctas;
+
+    // The previous launch on this stream is complete, so these words are stable.
+    __shared__ u64 epoch_shared, base_shared, comm_base_shared;
+    if (threadIdx.x == 0) {
+        epoch_shared = ld_acquire_gpu(a.flags + L.launches()) + 1;
+        base_shared = ld_acquire_gpu(a.flags + L.ctas_before());
+        comm_base_shared = ld_acquire_gpu(a.flags + L.comm_before());
+    }
+    __syncthreads();
+    const u64 epoch = epoch_shared;
+    const u64 all_ctas = base_shared + gridDim.x;
+    const u64 comm_all = comm_base_shared + comm_ctas;
+
+    if ((int)blockIdx.x < a.compute_ctas) {
+        const int mine = a.node * a.G + a.me;
+        const GatheredWork work{{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, a.compute_ctas},
+                                (mine * a.rows) / BM, a.rows, a.m, a.flags, L, epoch, ctx};
+        const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
+        gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem);
+    } else {
+        communicate(a, L, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, comm_all,
+                    rank == muted_rank);
+    }
+
+    // The last CTA out publishes the epoch (and the communication CTAs' count) for the
+    // next launch.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const u64 done = fetch_add_acq_rel_gpu(a.flags + L.finished(), 1) + 1;
+        if (done == all_ctas) {
+            st_release_gpu(a.flags + L.comm_before(), comm_all);
+            st_release_gpu(a.flags + L.ctas_before(), all_ctas);
+            st_release_gpu(a.flags + L.launches(), epoch);
+        }
+    }
+}
+""", requires=("gemm_tile", "queue", "sync", "copy", "gather"), register=False)
+
+KERNEL_ID = kernel_id("allgather_gemm")
+_CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+BLOCK_M, BLOCK_N = 128, 256
+
+ARGS_DTYPE = np.dtype([
+    ("input", "<u8"), ("out", "<u8"), ("gathered", "<u8"), ("flags", "<u8"),
+    ("peer_flags", "<u8"), ("peer_gathered", "<u8"), ("queue", "<u8"),
+    ("m", "<i4"), ("n", "<i4"), ("k", "<i4"), ("rows", "<i4"),
+    ("group_m", "<i4"), ("me", "<i4"), ("node", "<i4"), ("G", "<i4"), ("N", "<i4"),
+    ("compute_ctas", "<i4"), ("gathered_region", "<i4"), ("flags_region", "<i4"),
+], align=True)
+
+#: kernel parameters, in order (tensor maps 64-byte aligned)
+LAUNCH_PARAMETERS = [("tma_a", 128, 64), ("tma_b", 128, 64), ("args", ARGS_DTYPE, 8),
+                     ("muted_rank", np.int32, 4), ("status", np.uint64, 8),
+                     ("host_flag", np.uint64, 8), ("slot", np.int32, 4), ("rank", np.int32, 4),
+                     ("timeout_ns", np.uint64, 8)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagLayout:
+    """Index of every flag word of a rank (mirrors the template's struct Layout)."""
+
+    G: int
+    N: int
+
+    def arrive(self, p): return p
+    def node_arrive(self, n): return self.G + n
+    def landed(self, n): return self.G + self.N + n
+    def ready(self, b): return self.G + 2 * self.N + b
+    def sent(self): return self.G + 2 * self.N + self.N * self.G
+    def pushed(self): return self.sent() + 1
+    def forwarded(self, n): return self.sent() + 2 + n
+    def comm_before(self): return self.sent() + 2 + self.N
+    def finished(self): return self.comm_before() + 1
+
+    @property
+    def words(self) -> int:
+        return self.finished() + 3
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherGemmSpec(KernelSpec):
+    family = "allgather_gemm"
+    entry_points = ("allgather_gemm",)
+
+    dtype: str = "bf16"
+    b_layout: str = "kn"
+    block_m: int = dataclasses.field(default=BLOCK_M, metadata={"short": "bm"})
+    block_n: int = dataclasses.field(default=BLOCK_N, metadata={"short": "bn"})
+    stages: int = dataclasses.field(default=4, metadata={"short": "s"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.engine                   # the engine's own checks (dtype, layout, tile, smem)
+
+    @property
+    def engine(self) -> gemm_module.GemmSpec:
+        return gemm_module.GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n,
+                                    self.stages, "direct")
+
+    @property
+    def threads(self) -> int:
+        return self.engine.threads
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.engine.smem_bytes
+
+    def template(self):
+        return ALLGATHER_GEMM
+
+    def params(self):
+        return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
+                "MAX_NODE_RANKS": MAX_NODE_RANKS, "KERNEL_ID": f"{KERNEL_ID}ull",
+                "ARGS_CHECKS": f"static_assert(sizeof(Args) == {ARGS_DTYPE.itemsize}, "
+                               "\"Args: see ARGS_DTYPE\");"}
+
+
+def default_specs() -> list[AllGatherGemmSpec]:
+    stages = gemm_module.max_stages(BLOCK_M, BLOCK_N, "direct")
+    return [AllGatherGemmSpec(dtype, layout, BLOCK_M, BLOCK_N, stages)
+            for dtype in ("bf16", "f16") for layout in ("kn", "nk")]
+
+
+# ---- the plan (pure Python) ----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One call: shapes, world, the role split, and the order compute takes tile rows in."""
+
+    m: int
+    n: int
+    k: int
+    rows: int               # m / world size: one block of A
+    nodes: int
+    ranks_per_node: int
+    ctas: int
+    comm_ctas: int
+    fused: bool
+    reason: str
+    dtype: str = "bf16"
+    b_layout: str = "kn"
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
+
+    @property
+    def G(self) -> int:
+        return self.ranks_per_node
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def tiles_m(self) -> int:
+        return -(-self.m // self.block_m)
+
+    @property
+    def compute_ctas(self) -> int:
+        return self.ctas - self.comm_ctas
+
+    def tile_rows(self, rank: int) -> list[int]:
+        """The order rank `rank` computes tile rows in: its own block's first."""
+        shift = rank * self.rows // self.block_m
+        return [(i + shift) % self.tiles_m for i in range(self.tiles_m)]
+
+    def blocks_of(self, tile_row: int) -> list[int]:
+        """Blocks of A whose rows tile row `tile_row` reads (the flags its producer waits for)."""
+        row0 = tile_row * self.block_m
+        row1 = min(row0 + self.block_m, self.m) - 1
+        return list(range(row0 // self.rows, row1 // self.rows + 1))
+
+    def schedule(self):
+        """(workers, depends_on) of one call on every rank, for :func:`find_stall`: the
+        communication role as mkrt.allgather moves data, then each rank's compute role
+        taking tile rows in order, each after the blocks it reads are ready there."""
+        workers, depends = {}, {}
+        G, N = self.G, self.nodes
+        for node in range(N):
+            for local in range(G):
+                rank = node * G + local
+                tasks = [("arrive", rank)]
+                for step in range(1, N):
+                    other = (node + step) % N
+                    send = ("put", rank, other * G + local)
+                    tasks.append(send)
+                    depends[send] = [("arrive", other * G + local)]
+                for p in range(G):
+                    push = ("ready", node * G + p, rank)          # block `rank` at peer p
+                    tasks.append(push)
+                    depends[push] = [("arrive", node * G + p)]
+                for step in range(1, N):
+                    other = (node + N - step) % N
+                    block = other * G + local
+                    for p in range(G):
+                        if node * G + p == rank:
+                            task = ("ready", rank, block)
+                        else:
+                            task = ("ready", node * G + p, block)
+                        tasks.append(task)
+                        depends[task] = [("put", block, rank)] + (
+                            [("arrive", node * G + p)] if node * G + p != rank else [])
+                workers[("comm", rank)] = tasks
+                compute = []
+                for tile_row in self.tile_rows(rank):
+                    task = ("tile_row", rank, tile_row)
+                    compute.append(task)
+                    depends[task] = [("ready", rank, b) for b in self.blocks_of(tile_row)]
+                workers[("compute", rank)] = compute
+        return workers, depends
+
+    def check(self) -> list[str]:
+        """Problems (empty: fine): every block ready exactly once at every rank, each block
+        crossing to each other node once, every tile row computed once, no wait cycle."""
+        problems = []
+        workers, depends = self.schedule()
+        tasks = [t for ts in workers.values() for t in ts]
+        for rank in range(self.world):
+            ready = sorted(t[2] for t in tasks if t[0] == "ready" and t[1] == rank)
+            if ready != list(range(self.world)):
+                problems.append(f"rank {rank}: blocks not ready exactly once: {ready}")
+            rows = sorted(t[2] for t in tasks if t[0] == "tile_row" and t[1] == rank)
+            if rows != list(range(self.tiles_m)):
+                problems.append(f"rank {rank}: tile rows not computed exactly once")
+        for src_node in range(self.nodes):
+            for dst_node in range(self.nodes):
+                if src_node == dst_node:
+                    continue
+                crossing = [t for t in tasks if t[0] == "put" and t[1] // self.G == src_node
+                            and t[2] // self.G == dst_node]
+                if len(crossing) != self.G:         # each block of src_node, once
+                    problems.append(f"node {src_node} -> {dst_node}: {len(crossing)} puts, "
+                                    f"expected {self.G}")
+        try:
+            stall = find_stall(workers, depends)
+        except ValueError as error:
+            problems.append(str(error))
+            return problems
+        if stall:
+            problems.append(f"wait cycle: {len(stall)} workers stuck, e.g. {stall[:3]}")
+        return problems
+
+    def traffic(self) -> dict[str, int]:
+        block = self.rows * self.k * 2
+        return {"network_per_node": block * self.G * (self.nodes - 1),
+                "intra_per_rank": block * self.nodes * (self.G - 1)}
+
+
+def default_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:
+    """CTAs of the communication role: a few (copies are bandwidth-bound and short next to
+    the GEMM), more when there are more peers to store into."""
+    want = 2 + (ranks_per_node > 2) * 2 + (nodes > 1) * 2
+    return max(1, min(want, ctas // 4))
+
+
+def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
+         dtype: str = "bf16", b_layout: str = "kn", comm_ctas: int | None = None,
+         fuse: bool | None = None) -> Plan:
+    """Plan one call. ``m`` is the gathered rows (world size x rows per rank)."""
+    area = "allgather_gemm"
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        checks.integer(value, name, area, low=1, high=2**31 - 1)
+    nodes = checks.integer(nodes, "nodes", area, low=1, high=32)
+    ranks_per_node = checks.integer(ranks_per_node, "ranks_per_node", area, low=1,
+                                    high=MAX_NODE_RANKS)
+    ctas = checks.integer(ctas, "ctas", area, low=2)
+    world = nodes * ranks_per_node
+    if m % world:
+        raise ValueError(f"mkrt.{area}: the gathered rows m={m} must be the world size {world} "
+                         "times the rows per rank")
+    if k % 8:
+        raise ValueError(f"mkrt.{area}: k={k} must be a multiple of 8 (16-byte rows of A and B)")
+    if b_layout == "kn" and n % 8:
+        raise ValueError(f"mkrt.{area}: b_layout='kn' needs n % 8 == 0 (TMA rows of 16 bytes); "
+                         f"got n={n}: pass B as [N, K] (b_layout='nk')")
+    if comm_ctas is None:
+        comm_ctas = default_comm_ctas(ctas, nodes, ranks_per_node)
+    comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, high=ctas - 1)
+    if fuse is None:
+        # Without measurements of this op yet, fuse when the GEMM has more tile rows than
+        # blocks to wait for (enough work to hide the gather under); see the notes.
+        fused = -(-m // BLOCK_M) >= 2 * world
+        reason = ("fused: the GEMM has at least two tile rows per block of A" if fused else
+                  "unfused: too few tile rows per block of A to hide the gather")
+    else:
+        fused, reason = bool(fuse), f"fuse={fuse} requested"
+    return Plan(m, n, k, m // world, nodes, ranks_per_node, ctas, comm_ctas, fused, reason,
+                dtype, b_layout)
+
+
+# ---- reference ---------------------------------------------------------------------------
+
+def reference(a_per_rank, b, *, b_layout: str = "kn", dtype=np.float64):
+    """(all of A) @ b in float64: what a rank holding weight shard `b` should get."""
+    import cupy
+    xp = cupy if isinstance(a_per_rank[0], cupy.ndarray) else np
+    a = xp.concatenate(list(a_per_rank), axis=0)
+    return gemm_module.reference(a, b, b_layout=b_layout, dtype=dtype)
+
+
+# ---- the op ----------------------------------------------------------------------------------
+
+class AllGatherGemm(Op):
+    """``c = op(a, b)``: every rank gets (A gathered over the world) @ b_r.
+
+    a: per rank [R, K] (the rank's rows of A, world rank order; R equal on every rank);
+    b: per rank [K, N_r] (``b_layout="kn"``) or [N_r, K] (``"nk"``); out: per rank
+    [W * R, N_r]. ``gathered_out=``: per rank [W * R, K] arrays that receive A as well.
+    ``ctas`` (default: the rank's SM share) and ``comm_ctas`` (the communication role's
+    share) split the CTAs; ``fuse=None`` lets the plan choose (``op.last_plan.reason``).
+    Launches of one op stay ordered on each rank's stream (as for every mkrt op).
+    """
+
+    name = "allgather_gemm"
+
+    def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
+                 comm_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
+                 timeout_ms: float | None = None, muted_rank: int | None = None):
+        super().__init__(world, timeout_ms=timeout_ms)
+        if b_layout not in gemm_module.B_LAYOUTS:
+            raise ValueError(f"mkrt.allgather_gemm: b_layout={b_layout!r}; expected 'kn' or 'nk'")
+        area = self.name
+        self.ctas = checks.integer(ctas, "ctas", area, low=2, high=checks.MAX_GRID, optional=True)
+        self.comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, optional=True)
+        self.fuse = checks.flag(fuse, "fuse", area, optional=True)
+        self.group_m = checks.integer(group_m, "group_m", area, low=1, high=1 << 16)
+        muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=self.world.size - 1,
+                               optional=True)
+        self.muted_rank = -1 if muted is None else muted
+        sizes = {len(self.world.node_ranks(n)) for n in range(self.world.nodes)}
+        if len(sizes) != 1:
+            raise ValueError(f"mkrt.allgather_gemm: nodes of different sizes ({self.world.layout}) "
+                             "are not supported")
+        if self.world.ranks_per_node > MAX_NODE_RANKS:
+            raise ValueError(f"mkrt.allgather_gemm: at most {MAX_NODE_RANKS} ranks per node")
+        devices = [info for info in self.world.local if info.device is not None]
+        if self.ctas is not None and devices:
+            share = min(self.world.sm_count(info.rank) for info in devices)
+            if self.ctas > share:
+                raise ValueError(f"mkrt.allgather_gemm: ctas={self.ctas} exceeds this rank's "
+                                 f"share of {share} SMs (every CTA must be resident)")
+        self.b_layout = b_layout
+        self.layout = FlagLayout(self.world.ranks_per_node, self.world.nodes)
+        self._flags = None
+        self._gathered: SymmetricBuffer | None = None
+        self._generation = 0
+        self._prepared: dict = {}
+        self._gather_op = None
+        self.last_plan: Plan | None = None
+
+    # -- planning and buffers --
+    def plan_for(self, m: int, n: int, k: int, dtype: str) -> Plan:
+        info = self.world.local[0]
+        ctas = self.ctas or (self.world.sm_count(info.rank) if info.device is not None else 132)
+        return plan(m, n, k, nodes=self.world.nodes, ranks_per_node=self.world.ranks_per_node,
+                    ctas=ctas, dtype=dtype, b_layout=self.b_layout, comm_ctas=self.comm_ctas,
+                    fuse=self.fuse)
+
+    def _ensure_buffers(self, p: Plan) -> None:
+        if self._flags is None:
+            self._flags = flag_buffer(self.world, self.layout.words, name="allgather_gemm.flags")
+        need = p.m * p.k * 2
+        if self._gathered is None or self._gathered.nbytes < need:
+            if self._gathered is not None:
+                self._gathered.close()          # synchronizes first
+            self._gathered = SymmetricBuffer(self.world, need, name="allgather_gemm.gathered",
+                                             zero=False)
+            self._generation += 1
+        if p.nodes > 1:
+            self.world.proxy()
+
+    def _args(self, p: Plan, info) -> np.ndarray:
+        rank = info.rank
+        args = np.zeros((), ARGS_DTYPE)
+        args["gathered"] = self._gathered.local_ptr(rank)
+        args["flags"] = self._flags.local_ptr(rank)
+        args["peer_flags"] = self._flags.peer_table(rank).data.ptr
+        args["peer_gathered"] = self._gathered.peer_table(rank).data.ptr
+        if p.nodes > 1:
+            args["queue"] = self.world.proxy().queue_pointer(rank)
+        args["m"], args["n"], args["k"], args["rows"] = p.m, p.n, p.k, p.rows
+        args["group_m"], args["me"], args["node"] = self.group_m, info.local_rank, info.node
+        args["G"], args["N"], args["compute_ctas"] = p.G, p.nodes, p.compute_ctas
+        args["gathered_region"] = self._gathered.region
+        args["flags_region"] = self._flags.region
+        return args
+
+    # -- the call --
+    def _prepared_call(self, a_list, b_list, outs, gathered_outs) -> "_PreparedCall":
+        key = (a_list[0].shape, a_list[0].dtype, b_list[0].shape, b_list[0].dtype)
+        call = self._prepared.get(key)
+        if call is None:
+            self.per_rank(a_list, "a")
+            self.per_rank(b_list, "b")
+            self.same_everywhere(a_list, "a")
+            self.same_everywhere(b_list, "b")
+            rows, n, k, dtype = gemm_module.check_operands(a_list[0].shape, b_list[0].shape,
+                                                           a_list[0].dtype, b_list[0].dtype,
+                                                           self.b_layout)
+            m = rows * self.world.size
+            p = self.plan_for(m, n, k, dtype)
+            call = _PreparedCall(p, a_list[0].dtype, a_list[0].shape, b_list[0].shape, (m, n))
+            self._prepared[key] = call
+        self.check_arrays(a_list, "a", call.a_shape, call.dtype, aligned=True)
+        self.check_arrays(b_list, "b", call.b_shape, call.dtype, aligned=True)
+        if outs is not None:
+            self.check_arrays(outs, "out", call.out_shape, call.dtype, aligned=True)
+        if gathered_outs is not None:
+            self.check_arrays(gathered_outs, "gathered_out", (call.plan.m, call.plan.k), call.dtype)
+        return call
+
+    def __call__(self, a, b, out=None, *, gathered_out=None):
+        a_list, as_list = self.arrays(a, "a")
+        b_list, _ = self.arrays(b, "b")
+        outs = self.arrays(out, "out")[0] if out is not None else None
+        gathered = self.arrays(gathered_out, "gathered_out")[0] if gathered_out is not None else None
+        call = self._prepared_call(a_list, b_list, outs, gathered)
+        p = self.last_plan = call.plan
+        self.before_launch()
+        if outs is None:
+            outs = self._new(call.out_shape, call.dtype)
+        if self.world.size == 1:
+            gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout)
+            if gathered is not None:
+                gathered[0][...] = a_list[0]
+        elif p.fused:
+            self._run(call, a_list, b_list, outs)
+            if gathered is not None:
+                self._copy_gathered(gathered, p)
+        else:
+            self._unfused(call, a_list, b_list, outs, gathered)
+        self.after_launch()
+        if out is not None:
+            return out
+        return outs if as_list else like_input(outs[0], a)
+
+    def _new(self, shape, dtype) -> list:
+        import cupy
+        outs = []
+        for device in self._local_devices:
+            with self.on_device(device):
+                outs.append(cupy.empty(shape, dtype))
+        return outs
+
+    def _launches(self, call) -> list:
+        p = call.plan
+        self._ensure_buffers(p)
+        if call.launches is not None and call.generation == self._generation:
+            return call.launches
+        spec = spec_for(p)
+        launches = []
+        for info in self.world.local:
+            function = spec.function("allgather_gemm", info.device, spec.smem_bytes)
+            params = Parameters(LAUNCH_PARAMETERS)
+            params.set(args=self._args(p, info), muted_rank=self.muted_rank,
+                       **self.context_params(info.rank))
+            launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
+        call.launches, call.generation = launches, self._generation
+        call.words = [(launch.params.field_view("args", "input"),
+                       launch.params.field_view("args", "out")) for launch in launches]
+        call.b_pointers = {}
+        return launches
+
+    def _run(self, call, a_list, b_list, outs) -> None:
+        launches = self._launches(call)
+        spec = spec_for(call.plan)
+        p = call.plan
+        for i, (info, launch) in enumerate(zip(self.world.local, launches)):
+            pointer = b_list[i].data.ptr
+            if call.b_pointers.get(i) != pointer:
+                # A is read from the rank's gathered buffer, B from the caller's array.
+                tma_a, tma_b = gemm_module.operand_descriptors(
+                    spec.engine, self._gathered.local_ptr(info.rank), pointer, p.m, p.n, p.k)
+                ctypes.memmove(launch.params.address("tma_a"), tma_a.address, 128)
+                ctypes.memmove(launch.params.address("tma_b"), tma_b.address, 128)
+                call.b_pointers[i] = pointer
+            call.words[i][0][()] = a_list[i].data.ptr
+            call.words[i][1][()] = outs[i].data.ptr
+        self.launch(launches)
+
+    def _copy_gathered(self, gathered, p: Plan) -> None:
+        """A, from each rank's gathered buffer, on the caller's stream (after the ranks)."""
+        import cupy
+        for info, device, target in zip(self.world.local, self._local_devices, gathered):
+            with self.on_device(device):
+                source = cupy.ndarray((p.m, p.k), target.dtype, cupy.cuda.MemoryPointer(
+                    cupy.cuda.UnownedMemory(self._gathered.local_ptr(info.rank), p.m * p.k * 2,
+                                            self._gathered), 0))
+                target[...] = source
+
+    def _unfused(self, call, a_list, b_list, outs, gathered) -> None:
+        """mkrt.allgather of A (world-wide), then cuBLAS per rank: the baseline."""
+        import cupy
+        if self._gather_op is None:
+            self._gather_op = allgather_module.AllGather(self.world, timeout_ms=self.timeout_ms)
+        full = gathered
+        if full is None:
+            full = self._scratch_gathered(call)
+        views = [f.reshape(self.world.size, *a_list[0].shape) for f in full]
+        self._gather_op(a_list, out=views)
+        for device, f, b_r, out in zip(self._local_devices, full, b_list, outs):
+            with self.on_device(device):
+                cupy.matmul(f, b_r.T if self.b_layout == "nk" else b_r, out=out)
+
+    def _scratch_gathered(self, call) -> list:
+        kept = getattr(self, "_kept_gathered", None)
+        shape = (call.plan.m, call.plan.k)
+        if kept is None or kept[0].shape != shape or kept[0].dtype != call.dtype:
+            kept = self._new(shape, call.dtype)
+            self._kept_gathered = kept
+        return kept
+
+    def unfused(self, a, b, out=None, *, gathered_out=None):
+        """The baseline: mkrt.allgather, then cuBLAS, not overlapped."""
+        a_list, as_list = self.arrays(a, "a")
+        b_list, _ = self.arrays(b, "b")
+        outs = self.arrays(out, "out")[0] if out is not None else None
+        gathered = self.arrays(gathered_out, "gathered_out")[0] if gathered_out is not None else None
+        call = self._prepared_call(a_list, b_list, outs, gathered)
+        self.before_launch()
+        if outs is None:
+            outs = self._new(call.out_shape, call.dtype)
+        self._unfused(call, a_list, b_list, outs, gathered)
+        self.after_launch()
+        return out if out is not None else (outs if as_list else outs[0])
+
+    def close(self) -> None:
+        for buffer in (self._flags, self._gathered):
+            if buffer is not None:
+                buffer.close()
+        self._flags = self._gathered = None
+        if self._gather_op is not None:
+            self._gather_op.close()
+
+
+def spec_for(p: Plan) -> AllGatherGemmSpec:
+    return AllGatherGemmSpec(p.dtype, p.b_layout, p.block_m, p.block_n,
+                             gemm_module.max_stages(p.block_m, p.block_n, "direct"))
+
+
+@dataclasses.dataclass(eq=False)
+class _PreparedCall:
+    plan: Plan
+    dtype: np.dtype
+    a_shape: tuple
+    b_shape: tuple
+    out_shape: tuple
+    launches: list | None = None
+    generation: int = -1
+    words: list | None = None
+    b_pointers: dict = dataclasses.field(default_factory=dict)
+
+
+def allgather_gemm(a, b, *, world=None, out=None, b_layout: str = "kn", **options):
+    """(A gathered over the world) @ b_r on every rank; see :class:`AllGatherGemm`."""
+    return shared_op(AllGatherGemm, world, b_layout=b_layout, **options)(a, b, out=out)
+
+
+def test_cases():
+    """(layout, rows per rank, n, k, b_layout, dtype) the GPU tests run."""
+    return [("1x2", 256, 512, 128, "kn", "bf16"), ("1x2", 150, 520, 64, "nk", "bf16"),
+            ("1x4", 300, 384, 136, "nk", "f16"), ("2x2", 256, 1000, 128, "nk", "bf16"),
+            ("2x3", 100, 512, 200, "kn", "bf16"), ("3x1", 200, 264, 64, "kn", "f16")]

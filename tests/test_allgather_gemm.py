@@ -1,0 +1,92 @@
+"""AllGather+GEMM planning on the CPU (worlds 1x2 to 4x8): every block ready exactly once
+at every rank, each block crossing to each other node once, every tile row computed once
+after the blocks it reads, no wait cycle; options and shapes refused with clear errors;
+the kernel compiles for sm_90a without spills (tests/test_jit.py compiles every default
+spec; here the flag layout and the Args mirror)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mkrt.kernels import allgather_gemm as agg
+
+WORLDS = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 3), (2, 4), (3, 1), (3, 2), (4, 2), (4, 8)]
+
+
+@pytest.mark.parametrize("nodes,per_node", WORLDS)
+@pytest.mark.parametrize("rows", [1, 100, 128, 300, 1024])
+def test_plan_delivers_every_block_once_and_cannot_stall(nodes, per_node, rows):
+    world = nodes * per_node
+    p = agg.plan(rows * world, 512, 64, nodes=nodes, ranks_per_node=per_node, ctas=66)
+    assert p.check() == []
+    assert p.rows == rows and 1 <= p.comm_ctas < p.ctas
+    for rank in range(world):
+        order = p.tile_rows(rank)
+        assert sorted(order) == list(range(p.tiles_m))
+        assert rank in p.blocks_of(order[0])              # own rows first
+    t = p.traffic()
+    assert t["network_per_node"] == rows * 64 * 2 * per_node * (nodes - 1)   # each block once
+
+
+def test_a_plan_that_waits_on_a_block_nobody_sends_is_reported(monkeypatch):
+    p = agg.plan(4 * 256, 512, 64, nodes=2, ranks_per_node=2, ctas=66)
+    monkeypatch.setattr(agg.Plan, "blocks_of", lambda self, tile_row: [self.world])   # no such block
+    assert p.check()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(m=301), "must be the world size 2 times"),
+    (dict(k=60), "multiple of 8"),
+    (dict(n=100), "b_layout='kn' needs n % 8 == 0"),
+    (dict(ctas=1), "ctas must be"),
+    (dict(comm_ctas=66), "comm_ctas must be"),
+    (dict(nodes=0), "nodes must be"),
+])
+def test_plan_refuses_what_the_kernel_cannot_run(kwargs, match):
+    args = dict(m=512, n=512, k=64, nodes=1, ranks_per_node=2, ctas=66)
+    args.update(kwargs)
+    m, n, k = args.pop("m"), args.pop("n"), args.pop("k")
+    with pytest.raises((ValueError, TypeError), match=match):
+        agg.plan(m, n, k, **args)
+
+
+def test_flag_layout_words_do_not_overlap():
+    for G, N in [(1, 2), (2, 2), (4, 3), (8, 4)]:
+        L = agg.FlagLayout(G, N)
+        words = ([L.arrive(p) for p in range(G)] + [L.node_arrive(n) for n in range(N)]
+                 + [L.landed(n) for n in range(N)] + [L.ready(b) for b in range(N * G)]
+                 + [L.sent(), L.pushed()] + [L.forwarded(n) for n in range(N)]
+                 + [L.comm_before(), L.finished(), L.finished() + 1, L.finished() + 2])
+        assert sorted(words) == list(range(L.words))
+
+
+def test_args_mirror_matches_the_c_struct_size_assert():
+    text = agg.AllGatherGemmSpec().render()
+    assert f"static_assert(sizeof(Args) == {agg.ARGS_DTYPE.itemsize}" in text
+    assert agg.ARGS_DTYPE.itemsize % 8 == 0
+
+
+def test_op_options_are_checked_before_anything_runs():
+    import mkrt
+    world = mkrt.init(emulate="1x2")
+    try:
+        with pytest.raises(TypeError, match="mkrt.allgather_gemm: fuse"):
+            mkrt.AllGatherGemm(world, fuse="yes")
+        with pytest.raises(ValueError, match="muted_rank must be"):
+            mkrt.AllGatherGemm(world, muted_rank=2)
+        with pytest.raises(ValueError, match="b_layout"):
+            mkrt.AllGatherGemm(world, b_layout="mk")
+        op = mkrt.AllGatherGemm(world, b_layout="nk")
+        p = op.plan_for(2 * 300, 520, 64, "bf16")
+        assert p.rows == 300 and p.check() == []
+    finally:
+        world.close()
+
+
+def test_reference_is_all_of_a_times_the_shard():
+    rng = np.random.default_rng(0)
+    a = [rng.standard_normal((3, 8)).astype(np.float16) for _ in range(2)]
+    b = rng.standard_normal((8, 5)).astype(np.float16)
+    expected = np.concatenate(a).astype(np.float64) @ b.astype(np.float64)
+    assert np.allclose(agg.reference(a, b), expected)

@@ -1,0 +1,131 @@
+"""AllGather+GEMM on emulated worlds on one GPU: every rank's C against a float64
+reference (rank-encoded rows of A), the unfused baseline, gathered A returned, 100 calls
+identical, graph replay, bad inputs, a silent rank; two processes under mpiexec."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mkrt
+from mkrt.kernels import allgather_gemm as agg
+
+pytestmark = pytest.mark.gpu
+
+REL_ERROR_BOUND = 1e-2
+
+
+def operands(world, rows, n, k, b_layout, dtype, seed=0):
+    """A's rows carry their rank (an offset of 0.25 * rank), so a block landing in the
+    wrong place shows; B is each rank's own random shard."""
+    import cupy
+
+    from mkrt.arrays import bfloat16
+    np_dtype = bfloat16 if dtype == "bf16" else np.float16
+    rng = cupy.random.default_rng(seed)
+    a = [(rng.standard_normal((rows, k), dtype=np.float32) + 0.25 * info.rank).astype(np_dtype)
+         for info in world.local]
+    shape = (k, n) if b_layout == "kn" else (n, k)
+    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(np_dtype) for _ in world.local]
+    return a, b
+
+
+def worst_error(outs, a, b, b_layout):
+    import cupy
+
+    from mkrt.kernels.gemm import to_float32
+    worst = 0.0
+    for out, b_r in zip(outs, b):
+        expected = agg.reference(a, b_r, b_layout=b_layout)
+        got = to_float32(out).astype(cupy.float64)
+        worst = max(worst, float(cupy.linalg.norm(got - expected) / cupy.linalg.norm(expected)))
+    return worst
+
+
+@pytest.mark.parametrize("case", agg.test_cases(), ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("fuse", [True, False])
+def test_matches_float64_reference(make_world, case, fuse):
+    import cupy
+
+    from mkrt.kernels.gemm import poison
+    layout, rows, n, k, b_layout, dtype = case
+    world = make_world(layout)
+    op = mkrt.AllGatherGemm(world, b_layout=b_layout, fuse=fuse, timeout_ms=10000)
+    a, b = operands(world, rows, n, k, b_layout, dtype, seed=rows + n)
+    m = rows * world.size
+    outs = [poison(cupy.empty((m, n), a[0].dtype)) for _ in world.local]
+    gathered = [poison(cupy.empty((m, k), a[0].dtype)) for _ in world.local]
+    op(a, b, out=outs, gathered_out=gathered)
+    world.synchronize()
+    assert op.last_plan.fused == fuse
+    assert worst_error(outs, a, b, b_layout) < REL_ERROR_BOUND
+    whole = cupy.concatenate(a)
+    for g in gathered:
+        assert cupy.array_equal(g.view(cupy.uint16), whole.view(cupy.uint16))
+
+
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_hundred_calls_without_sync_are_identical(make_world, layout):
+    import cupy
+    world = make_world(layout)
+    op = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=10000)
+    a, b = operands(world, 256, 512, 64, "kn", "bf16", seed=3)
+    results = [op(a, b) for _ in range(100)]
+    world.synchronize()
+    assert worst_error(results[0], a, b, "kn") < REL_ERROR_BOUND
+    for call in results[1:]:
+        for first, again in zip(results[0], call):
+            assert cupy.array_equal(first.view(cupy.uint16), again.view(cupy.uint16))
+
+
+def test_graph_capture_and_replay(make_world):
+    import cupy
+    world = make_world("2x2")
+    op = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=10000)
+    a, b = operands(world, 256, 512, 64, "kn", "bf16", seed=11)
+    outs = [cupy.empty((1024, 512), a[0].dtype) for _ in world.local]
+    op(a, b, out=outs)
+    world.synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        op(a, b, out=outs)
+        graph = stream.end_capture()
+    for replay in range(3):
+        with stream:
+            fresh, _ = operands(world, 256, 512, 64, "kn", "bf16", seed=100 + replay)
+            for x, new in zip(a, fresh):
+                x[...] = new
+            for out in outs:
+                out.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        world.synchronize()
+        assert worst_error(outs, a, b, "kn") < REL_ERROR_BOUND, f"replay {replay}"
+
+
+def test_bad_inputs_raise_before_launch(make_world):
+    import cupy
+    world = make_world("1x2")
+    op = mkrt.AllGatherGemm(world, timeout_ms=2000)
+    a, b = operands(world, 128, 256, 64, "kn", "bf16")
+    with pytest.raises(ValueError, match="out"):
+        op(a, b, out=[cupy.empty((128, 256), a[0].dtype) for _ in world.local])
+    with pytest.raises(ValueError):
+        op([a[0], a[1][:64]], b)                           # ranks disagree on rows
+    with pytest.raises(ValueError, match="n % 8"):
+        op(a, [x[:, :100] for x in b])
+
+
+@pytest.mark.parametrize("layout,muted", [("1x2", 1), ("2x2", 3)])
+def test_a_rank_that_never_signals_raises_comm_timeout(make_world, layout, muted):
+    world = make_world(layout)
+    op = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=300, muted_rank=muted)
+    a, b = operands(world, 256, 256, 64, "kn", "bf16")
+    start = time.perf_counter()
+    with pytest.raises(mkrt.CommTimeout):
+        op(a, b)
+        world.synchronize()
+    assert time.perf_counter() - start < 10
