@@ -94,62 +94,77 @@ def ops(world, args):
 
 
 def run(args) -> None:
-    import cupy
-
     import mkrt
     from mkrt.bench import append_jsonl, record
     world = mkrt.init(emulate=args.layout)
-    stream = cupy.cuda.get_current_stream()
-    for name, (call, outs, check) in ops(world, args).items():
-        if args.only and name not in args.only:
-            continue
-        for mode in ("eager", "graph"):
-            count = args.calls if mode == "eager" else args.replays
-            for out in outs:
-                out.fill(0)
-            call(outs)                          # first call of the shape, then its check
-            world.synchronize()
-            correct = bool(check(outs))
-            if mode == "graph":
-                stream = cupy.cuda.Stream(non_blocking=True)
-                with stream:
-                    stream.begin_capture()
-                    call(outs)
-                    graph = stream.end_capture()
-                graph.upload(stream)
-                stream.synchronize()
-            hasher = Hasher(outs, count // args.every + 1)
-            with stream:
-                # CuPy's pool reuses memory per stream: allocate the temporaries now, not
-                # while the op's kernels wait for the proxy (mkrt/DESIGN.md, "Runtime hazards").
-                hasher.take()
-            stream.synchronize()
-            world.synchronize()
-            hasher.used = 0
-            start = time.perf_counter()
-            with stream:
-                for i in range(count):
-                    if mode == "eager":
-                        call(outs)
-                    else:
-                        graph.launch(stream)
-                    if (i + 1) % args.every == 0:
-                        hasher.take()
-            stream.synchronize()
-            world.synchronize()
-            seconds = time.perf_counter() - start
-            distinct = hasher.distinct()
-            stream = cupy.cuda.get_current_stream()
-            ok = correct and distinct == 1
-            print(f"{args.layout} {name:24s} {mode:5s} {count:6d} calls, {hasher.used:4d} hashes, "
-                  f"{distinct} distinct, first output {'right' if correct else 'WRONG'}, "
-                  f"{seconds:6.2f} s", flush=True)
+    table = ops(world, args)
+    for name in [n for n in list(table) if not args.only or n in args.only]:
+        call, outs, check = table[name]
+        try:
+            run_op(args, world, name, call, outs, check)
+        except mkrt.CommTimeout as error:
+            # Recorded; the next op runs on a fresh world (this one's ops refuse calls now).
+            print(f"{args.layout} {name:24s} TIMEOUT {error}", flush=True)
             append_jsonl(args.out, [record(
-                "determinism", f"{args.layout}_{name}_{mode}", "distinct_hashes", float(distinct),
-                1.0, "count", higher_is_better=False, calls=count, hashes=hasher.used,
-                every=args.every, first_output_correct=correct, identical=ok,
-                shape=list(args.shape), gather_elems=args.gather_elems, seconds=seconds)])
+                "determinism", f"{args.layout}_{name}_eager", "timeout", 1.0, None, "count",
+                identical=False, first_output_correct=None, error=str(error)[:600])])
+            world.close()
+            world = mkrt.init(emulate=args.layout)
+            table = ops(world, args)
     world.close()
+
+
+def run_op(args, world, name, call, outs, check) -> None:
+    """Both modes of one op: eager calls, then replays of one captured call."""
+    import cupy
+
+    from mkrt.bench import append_jsonl, record
+    for mode in ("eager", "graph"):
+        count = args.calls if mode == "eager" else args.replays
+        for out in outs:
+            out.fill(0)
+        call(outs)                          # first call of the shape, then its check
+        world.synchronize()
+        correct = bool(check(outs))
+        stream = cupy.cuda.get_current_stream()
+        if mode == "graph":
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                stream.begin_capture()
+                call(outs)
+                graph = stream.end_capture()
+            graph.upload(stream)
+            stream.synchronize()
+        hasher = Hasher(outs, count // args.every + 1)
+        with stream:
+            # CuPy's pool reuses memory per stream: allocate the temporaries now, not
+            # while the op's kernels wait for the proxy (mkrt/DESIGN.md, "Runtime hazards").
+            hasher.take()
+        stream.synchronize()
+        world.synchronize()
+        hasher.used = 0
+        start = time.perf_counter()
+        with stream:
+            for i in range(count):
+                if mode == "eager":
+                    call(outs)
+                else:
+                    graph.launch(stream)
+                if (i + 1) % args.every == 0:
+                    hasher.take()
+        stream.synchronize()
+        world.synchronize()
+        seconds = time.perf_counter() - start
+        distinct = hasher.distinct()
+        ok = correct and distinct == 1
+        print(f"{args.layout} {name:24s} {mode:5s} {count:6d} calls, {hasher.used:4d} hashes, "
+              f"{distinct} distinct, first output {'right' if correct else 'WRONG'}, "
+              f"{seconds:6.2f} s", flush=True)
+        append_jsonl(args.out, [record(
+            "determinism", f"{args.layout}_{name}_{mode}", "distinct_hashes", float(distinct),
+            1.0, "count", higher_is_better=False, calls=count, hashes=hasher.used,
+            every=args.every, first_output_correct=correct, identical=ok,
+            shape=list(args.shape), gather_elems=args.gather_elems, seconds=seconds)])
 
 
 def main() -> None:

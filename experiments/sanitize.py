@@ -175,12 +175,7 @@ def main() -> None:
         return
     from mkrt.bench import append_jsonl, record
     plain = {name: one(None, name, 300) for name in args.cases}
-    for name, row in plain.items():
-        print(f"{'none':10s} {name:28s} case_ok={row['case_ok']} {row['seconds']:.1f} s", flush=True)
-    jobs = [(tool, name) for tool in args.tools for name in args.cases if plain[name]["case_ok"]]
-    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        rows = list(pool.map(lambda job: one(*job, args.timeout), jobs))
-    for row in [*plain.values(), *rows]:
+    def write(row):
         print(f"{row['tool']:10s} {row['case']:28s} errors={row['errors']} hazards={row['hazards']} "
               f"case_ok={row['case_ok']} timed_out={row['timed_out']} {row['seconds']:.1f} s", flush=True)
         if row["errors"]:
@@ -189,6 +184,15 @@ def main() -> None:
                                        float(row["errors"]) if row["errors"] is not None else None,
                                        0.0, "count", higher_is_better=False, **{
                                            k: v for k, v in row.items() if k not in ("case",)})])
+
+    for row in plain.values():
+        write(row)
+    # Rows are written as each run ends: a caller's time limit keeps what finished.
+    jobs = [(tool, name) for tool in args.tools for name in args.cases if plain[name]["case_ok"]]
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        futures = [pool.submit(one, tool, name, args.timeout) for tool, name in jobs]
+        for future in concurrent.futures.as_completed(futures):
+            write(future.result())
 
 
 if __name__ == "__main__":

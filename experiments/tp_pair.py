@@ -1,16 +1,19 @@
 """The tensor-parallel pair against its unfused baselines, in the same run.
 
 GEMM+ReduceScatter (mkrt.GemmReduceScatter): fused vs cuBLAS + mkrt's reduce-scatter over
-the same transports, and the planner's pick (fuse=None), on emulated worlds of one H200.
-Shapes: the reference's sweep (K = M / 16 per rank, N = M) and Llama-3 70B / Qwen2.5-72B
-row-parallel projections (attention output, MLP down) at the world's TP size with 1024 to
-16384 tokens. Emulated ranks share one GPU's SMs and memory: the ratio measures overlap
+the same transports, and the planner's pick (fuse=None). Shapes: the reference's sweep
+(K = M / 16 per rank, N = M) and Llama-3 70B / Qwen2.5-72B row-parallel projections
+(attention output, MLP down) at the world's TP size, 1024 to 16384 tokens.
+
+AllGather+GEMM (mkrt.AllGatherGemm, ``--ops allgather_gemm``): fused vs mkrt.allgather +
+cuBLAS, and the pick. Shapes: the reference's sweep (M = K, N = M / 16 per rank) and the
+same models' column-parallel projections (QKV, MLP gate+up).
+
+Emulated worlds on one H200: ranks share its SMs and memory, so a ratio measures overlap
 and protocol cost, not NVLink.
 
     PYTHONPATH=$PWD python3 experiments/tp_pair.py --layouts 1x2 2x2 \
         --out experiments/results/tp_pair.jsonl
-
-AllGather+GEMM is not built yet; its rows will join this file.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# (hidden, intermediate, heads x head_dim) of the models
-MODELS = {"llama3_70b": (8192, 28672, 8192), "qwen25_72b": (8192, 29568, 8192)}
+# (hidden, intermediate, heads x head_dim, kv heads x head_dim) of the models
+MODELS = {"llama3_70b": (8192, 28672, 8192, 1024), "qwen25_72b": (8192, 29568, 8192, 1024)}
 
 
 def shapes(world_size: int, nodes: int, quick: bool) -> list[tuple[int, int, int, str]]:
@@ -30,13 +33,71 @@ def shapes(world_size: int, nodes: int, quick: bool) -> list[tuple[int, int, int
     out = []
     for m in ([4096, 8192] if quick else [2048, 4096, 8192, 16384]):
         out.append((m, m, m // 16, "reference_sweep"))
-    for name, (hidden, inter, attn) in MODELS.items():
+    for name, (hidden, inter, attn, _) in MODELS.items():
         for tokens in ([4096] if quick else [1024, 4096, 16384]):
             out.append((tokens, hidden, attn // world_size, f"{name}_o_proj"))
             k = -(-inter // world_size)
             out.append((tokens, hidden, k + (-k) % 8, f"{name}_down_proj"))
     unit = 128 * nodes
     return [(m, n, k, f) for m, n, k, f in out if m % world_size == 0 and m % unit == 0]
+
+
+def gather_shapes(world_size: int, quick: bool) -> list[tuple[int, int, int, str]]:
+    """(m gathered rows, n per rank, k, family) for AllGather+GEMM on a world of `world_size`."""
+    out = []
+    for m in ([4096, 8192] if quick else [2048, 4096, 8192, 16384]):
+        out.append((m, m // 16, m, "reference_sweep"))
+    for name, (hidden, inter, attn, kv) in MODELS.items():
+        for tokens in ([4096] if quick else [1024, 4096, 16384]):
+            qkv = -(-(attn + 2 * kv) // world_size)
+            out.append((tokens, qkv + (-qkv) % 8, hidden, f"{name}_qkv_proj"))
+            up = -(-2 * inter // world_size)
+            out.append((tokens, up + (-up) % 8, hidden, f"{name}_gate_up_proj"))
+    return [(m, n, k, f) for m, n, k, f in out if m % world_size == 0]
+
+
+def run_gather(args) -> None:
+    import cupy
+    import numpy as np
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.bench import append_jsonl, record
+    from mkrt.kernels import allgather_gemm as agg
+    from mkrt.kernels.gemm import to_float32
+    from planner import time_paths
+    for layout in args.layouts:
+        world = mkrt.init(emulate=layout)
+        fused_op = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=20000)
+        auto_op = mkrt.AllGatherGemm(world, b_layout="nk", timeout_ms=20000)
+        for m, n, k, family in gather_shapes(world.size, args.quick):
+            rows = m // world.size
+            rng = cupy.random.default_rng(m + n + k)
+            a = [rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+            b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
+            outs = {name: [cupy.empty((m, n), bfloat16) for _ in world.local]
+                    for name in ("fused", "unfused", "auto")}
+            paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),
+                     "unfused": lambda: fused_op.unfused(a, b, out=outs["unfused"]),
+                     "auto": lambda: auto_op(a, b, out=outs["auto"])}
+            times = time_paths(world, paths, args.rounds, args.batch)
+            expected = agg.reference(a, b[0], b_layout="nk")
+            error = float(cupy.linalg.norm(to_float32(outs["fused"][0]).astype(cupy.float64) - expected)
+                          / cupy.linalg.norm(expected))
+            case = f"{layout}_{m}x{n}x{k}"
+            row = record("tp_pair", case, "allgather_gemm_fused_vs_unfused", times["fused"],
+                         times["unfused"], "us", higher_is_better=False, op="allgather_gemm",
+                         layout=layout, family=family, m=m, n=n, k=k, fused_us=times["fused"],
+                         unfused_us=times["unfused"], auto_us=times["auto"],
+                         auto_fused=auto_op.last_plan.fused, rel_error_rank0=error,
+                         network_bytes_per_node=fused_op.last_plan.traffic()["network_per_node"])
+            print(f"{case:26s} {family:22s} fused {times['fused']:9.1f} unfused {times['unfused']:9.1f}"
+                  f" auto {times['auto']:9.1f} ({'F' if auto_op.last_plan.fused else 'U'}) "
+                  f"unfused/fused {row['ratio']:.3f} err {error:.1e}", flush=True)
+            append_jsonl(args.out, [row])
+            del a, b, outs, paths
+            cupy.get_default_memory_pool().free_all_blocks()
+        world.close()
 
 
 def run(args) -> None:
@@ -90,8 +151,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a few shapes per family")
+    parser.add_argument("--ops", nargs="+", default=["gemm_reducescatter"],
+                        choices=["gemm_reducescatter", "allgather_gemm"])
     parser.add_argument("--out", default="experiments/results/tp_pair.jsonl")
-    run(parser.parse_args())
+    args = parser.parse_args()
+    if "gemm_reducescatter" in args.ops:
+        run(args)
+    if "allgather_gemm" in args.ops:
+        run_gather(args)
 
 
 if __name__ == "__main__":

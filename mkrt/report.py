@@ -337,6 +337,15 @@ def _tp_pair_lines(rows):
     return [dataclasses.replace(line, at_least=0.97) for line in lines]
 
 
+def _allgather_gemm_lines(rows):
+    def family(row):
+        if row.get("op") != "allgather_gemm":
+            return None
+        return f"AllGather+GEMM {row.get('layout')} emulated on one GPU"
+    lines = family_lines(rows, family, against="allgather + cuBLAS (unfused time / fused time)")
+    return [dataclasses.replace(line, at_least=0.97) for line in lines]
+
+
 def _multi_gpu_lines(rows):
     def family(row):
         kind = "allgather" if "_allgather_" in _case(row) else "gemm_allreduce"
@@ -423,7 +432,8 @@ PIECES = [
           "proxy", _proxy_lines),
     Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in a few "
           "communication CTAs, the GEMM engine in the rest, each tile row loaded once its blocks "
-          "of A are in; planned and compiled on the CPU, **not yet run on a GPU**"),
+          "of A are in; planned and compiled on the CPU, **not yet run on a GPU**",
+          "tp_pair", _allgather_gemm_lines),
     Piece("`mkrt.gemm_reducescatter`", "fused (the gemm_allreduce kernel, reduce-scatter build): "
           "true W-way, final rows to their keeper only, node sums only to the node that keeps them; "
           "the planner falls back to unfused where it predicts fusion loses "
