@@ -582,12 +582,17 @@ class AllGatherGemm(Op):
                     fuse=self.fuse)
 
     def _ensure_buffers(self, p: Plan) -> None:
+        need = p.m * p.k * 2
+        grow = self._gathered is None or self._gathered.nbytes < need
+        if grow or self._flags is None:
+            # Allocations wait for the device: never while other calls' kernels may wait
+            # for the proxy (mkrt/DESIGN.md, "Runtime hazards").
+            self.world.synchronize()
         if self._flags is None:
             self._flags = flag_buffer(self.world, self.layout.words, name="allgather_gemm.flags")
-        need = p.m * p.k * 2
-        if self._gathered is None or self._gathered.nbytes < need:
+        if grow:
             if self._gathered is not None:
-                self._gathered.close()          # synchronizes first
+                self._gathered.close()
             self._gathered = SymmetricBuffer(self.world, need, name="allgather_gemm.gathered",
                                              zero=False)
             self._generation += 1
