@@ -213,15 +213,21 @@ GOOD_GAR_OPTIONS = st.fixed_dictionaries({
     "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
     "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
     "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS})
+BAD_COUNTS = st.one_of(st.integers(-3, 0), st.floats(-2, 300), st.sampled_from(["4", True, [2]]),
+                      st.just(2**40))
 BAD_GAR_OPTIONS = {"b_layout": st.one_of(st.text(max_size=3), st.none(), st.just(["kn"])),
-                   "timeout_ms": BAD_TIMEOUTS}     # ctas, reduce_ctas, group_m, fuse: KNOWN_BUGS
+                   "timeout_ms": st.one_of(BAD_TIMEOUTS, st.sampled_from(
+                       [float("nan"), float("inf"), 1e300, "abc", [1]])),
+                   "ctas": BAD_COUNTS, "reduce_ctas": BAD_COUNTS, "group_m": BAD_COUNTS,
+                   "fuse": st.sampled_from(["no", "yes", 2, -1, [True]])}
 
 
 @FAST
-@given(layout=LAYOUTS, config=one_field_spoiled(GOOD_GAR_OPTIONS, BAD_GAR_OPTIONS))
-def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, config):
+@given(layout=LAYOUTS, config=one_field_spoiled(GOOD_GAR_OPTIONS, BAD_GAR_OPTIONS),
+       kind=st.sampled_from(["GemmAllReduce", "GemmReduceScatter"]))
+def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, config, kind):
     with emulated(layout) as world:
-        op = outcome(lambda: mkrt.GemmAllReduce(world, **config))
+        op = outcome(lambda: getattr(mkrt, kind)(world, **config))
         if op is None:
             return
         event("an op")
@@ -529,3 +535,63 @@ def test_fixed_bug_float_spec_fields(make):
 
 def test_fixed_bug_allgather_plan_float():
     outcome(lambda: ag.plan(2.5, 2))
+
+
+GOOD_AGG_OPTIONS = st.fixed_dictionaries({
+    "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
+    "comm_ctas": st.one_of(st.none(), st.integers(1, 8)), "fuse": st.sampled_from([None, True, False]),
+    "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS})
+BAD_AGG_OPTIONS = dict(BAD_GAR_OPTIONS, comm_ctas=BAD_COUNTS)
+del BAD_AGG_OPTIONS["reduce_ctas"]
+
+
+@FAST
+@given(layout=LAYOUTS, config=one_field_spoiled(GOOD_AGG_OPTIONS, BAD_AGG_OPTIONS))
+def test_allgather_gemm_options_build_a_runnable_op_or_a_clean_error(layout, config):
+    with emulated(layout) as world:
+        op = outcome(lambda: mkrt.AllGatherGemm(world, **config))
+        if op is None:
+            return
+        event("an op")
+        assert op.b_layout in ("kn", "nk") and op.fuse in (None, True, False)
+        assert op.ctas is None or (isinstance(op.ctas, int) and 2 <= op.ctas <= MAX_GRID)
+        assert op.comm_ctas is None or (isinstance(op.comm_ctas, int) and op.comm_ctas >= 1)
+        assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31
+        assert_timeout_valid(op)
+
+
+@FAST
+@given(nodes=st.integers(-1, 5), per_node=st.integers(-1, 9), m=SIZES, n=SIZES, k=K_SIZES,
+       ctas=st.integers(-1, 140), comm_ctas=st.one_of(st.none(), st.integers(-1, 20)),
+       b_layout=st.sampled_from(["kn", "nk"]))
+def test_allgather_gemm_plan_is_runnable_or_refused(nodes, per_node, m, n, k, ctas, comm_ctas,
+                                                    b_layout):
+    from mkrt.kernels import allgather_gemm as agg
+    p = outcome(lambda: agg.plan(m, n, k, nodes=nodes, ranks_per_node=per_node, ctas=ctas,
+                                 comm_ctas=comm_ctas, b_layout=b_layout))
+    if p is None:
+        return
+    event("a plan")
+    assert p.world * p.rows == p.m and p.rows >= 1 and p.k % 8 == 0
+    assert 1 <= p.comm_ctas < p.ctas and (b_layout == "nk" or p.n % 8 == 0)
+    if p.world <= 16 and p.tiles_m <= 64:
+        assert p.check() == []
+
+
+@FAST
+@given(nodes=st.integers(1, 4), per_node=st.integers(1, 8), m=SIZES, n=st.integers(1, 5000),
+       k=st.integers(1, 512).map(lambda x: 8 * x), reduce_ctas=st.integers(1, 30),
+       fuse=st.sampled_from([None, True, False]))
+def test_reducescatter_plan_is_runnable_or_refused(nodes, per_node, m, n, k, reduce_ctas, fuse):
+    p = outcome(lambda: gar_plan.plan(m, n, k, nodes=nodes, ranks_per_node=per_node, ctas=32,
+                                      reduce_ctas=reduce_ctas, fuse=fuse,
+                                      collective="reducescatter"))
+    if p is None:
+        return
+    event("a plan")
+    world = nodes * per_node
+    assert p.m % world == 0 and p.kept_rows * world == p.m
+    if p.fused and world > 1:
+        assert p.whole_node_tiles
+        if p.tiles <= 2000:
+            assert p.check() == []
