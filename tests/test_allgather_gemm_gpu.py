@@ -129,3 +129,20 @@ def test_a_rank_that_never_signals_raises_comm_timeout(make_world, layout, muted
         op(a, b)
         world.synchronize()
     assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("ranks_per_node,layout", [(0, "1x2"), (1, "2x1")])
+def test_across_processes(ranks_per_node, layout):
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from mkrt.launch import child_env, mpiexec_command
+    script = str(Path(__file__).with_name("mpi_allgather_gemm.py"))
+    env = child_env(MKRT_WORLD_RANKS_PER_NODE=str(ranks_per_node))
+    result = subprocess.run(mpiexec_command(2, script), env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    match = re.search(rf"MPI_ALLGATHER_GEMM ranks=2 layout={layout} worst_error=(\S+) "
+                      r"gathered_exact=1", result.stdout)
+    assert match and float(match.group(1)) < 1e-2, result.stdout[-2000:]
