@@ -14,6 +14,8 @@ first output must match a float64 (or exact) reference. Rows go to
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import tempfile
 import time
 
 
@@ -100,17 +102,28 @@ def run(args) -> None:
     table = ops(world, args)
     for name in [n for n in list(table) if not args.only or n in args.only]:
         call, outs, check = table[name]
+        # A watchdog dumps every thread's Python stack if the op runs past half its bound
+        # without finishing a snapshot: what the host was doing while the kernels waited.
+        dump = tempfile.TemporaryFile("w+")
+        if args.watchdog_s > 0:
+            faulthandler.dump_traceback_later(args.watchdog_s, repeat=True, file=dump)
         try:
             run_op(args, world, name, call, outs, check)
         except mkrt.CommTimeout as error:
             # Recorded; the next op runs on a fresh world (this one's ops refuse calls now).
-            print(f"{args.layout} {name:24s} TIMEOUT {error}", flush=True)
+            faulthandler.cancel_dump_traceback_later()
+            dump.seek(0)
+            stacks = dump.read()[-6000:]
+            print(f"{args.layout} {name:24s} TIMEOUT {error}\n{stacks}", flush=True)
             append_jsonl(args.out, [record(
                 "determinism", f"{args.layout}_{name}_eager", "timeout", 1.0, None, "count",
-                identical=False, first_output_correct=None, error=str(error)[:600])])
+                identical=False, first_output_correct=None, error=str(error)[:600],
+                stacks=stacks)])
             world.close()
             world = mkrt.init(emulate=args.layout)
             table = ops(world, args)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     world.close()
 
 
@@ -176,6 +189,9 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=3, default=[640, 896, 1152], metavar=("M", "N", "K"))
     parser.add_argument("--gather-elems", type=int, default=65536)
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--watchdog-s", type=float, default=0.0,
+                        help="dump every thread's stack every this many seconds an op runs, "
+                             "kept in the row when the op ends in a timeout (0: off)")
     parser.add_argument("--out", default="experiments/results/determinism.jsonl")
     run(parser.parse_args())
 
