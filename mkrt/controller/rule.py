@@ -1,0 +1,150 @@
+"""The SM-partition controller's rule: how many CTAs the reduce (communication) role gets,
+decided again at every control step from signals the tasks already produce.
+
+This is the rule in Python, exact and small, so that it can be tested on recorded or
+simulated signal traces on any machine; the device controller (mkrt/controller, not built
+yet) runs the same arithmetic in one thread of the persistent kernel at task boundaries,
+with integers only (every quantity here is an int or a ratio of ints).
+
+Signals per control step (what the running kernel counts without extra work): tiles the
+compute role finished, tiles the reduce role finished, the share of the reduce CTAs'
+time spent waiting for flags, compute tiles not started, and the backlog of tiles ready to
+reduce that no reduce CTA has taken (:class:`Signals`). The rule (:class:`SplitController`)
+balances the two roles' measured rates, damped; a role never drops below one CTA while it
+has work, and the split a call ends with is remembered per op and shape
+(:class:`SplitMemory`), so the next call starts from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Signals:
+    """What the kernel counted during one control step."""
+
+    computed: int              # tiles the compute role finished in the step
+    reduced: int               # tiles the reduce role finished in the step
+    reduce_wait_permille: int  # share of the reduce CTAs' time spent waiting (0-1000)
+    compute_left: int          # compute tiles not started yet
+    backlog: int               # tiles ready to reduce that no reduce CTA has taken
+    reduce_left: int = 1       # tiles not reduced yet (0: the reduce role is done)
+
+
+@dataclasses.dataclass
+class SplitController:
+    """One call's controller: ``ctas`` in all, ``reduce`` of them in the reduce role.
+
+    Signals are summed over control steps until ``min_tiles`` tiles were computed (a rate
+    measured on fewer is noise). Then it estimates the two roles' rates per CTA (tiles
+    per step: the compute role's from what it finished, the reduce role's from what it
+    finished while not waiting) and aims at the split where they balance,
+    ``ctas * c / (c + r)`` reduce CTAs (a backlog left there drains at the end of the
+call, when every CTA reduces); before any rate is known, a backlog that is large and
+growing adds one reduce CTA; a
+    reduce role that waits almost all the time (``idle_permille``) gives half its CTAs
+    back at once. Each decision moves half the way to its aim (at least one CTA); a move
+    against the previous one is a reversal, and after ``settle`` reversals of one CTA the
+    split is frozen. With no compute work left, every CTA may reduce."""
+
+    ctas: int
+    reduce: int
+    min_tiles: int = 4         # tiles computed before a rate is trusted
+    backlog_high: int = 2      # tiles waiting per reduce CTA before it is "behind"
+    idle_permille: int = 900   # a reduce role waiting more than this has too many CTAs
+    settle: int = 2            # one-CTA reversals before the split is frozen
+    min_reduce: int = 1
+    last_move: int = 0         # +1: towards reduce, -1: towards compute, 0: none yet
+    reversals: int = 0
+    frozen: bool = False
+    moves: int = 0
+    steady: int = 0            # the split while compute work remained: what to remember
+    last_backlog: int = 0
+    _sum: list = dataclasses.field(default_factory=lambda: [0, 0, 0, 0])   # computed, reduced, wait, steps
+
+    def __post_init__(self):
+        if self.ctas < 2:
+            raise ValueError(f"mkrt.controller: a split needs at least 2 CTAs, got {self.ctas}")
+        if not self.min_reduce <= self.reduce <= self.ctas - 1:
+            raise ValueError(f"mkrt.controller: reduce={self.reduce} must be in "
+                             f"[{self.min_reduce}, {self.ctas - 1}]")
+        self.steady = self.reduce
+
+    @property
+    def compute(self) -> int:
+        return self.ctas - self.reduce
+
+    def update(self, s: Signals) -> int:
+        """The reduce role's CTAs for the next step."""
+        if s.compute_left == 0:                              # nothing to compute: all reduce
+            return self._set(self._clamp(self.ctas, s), steady=False)
+        total = self._sum
+        total[0] += s.computed
+        total[1] += s.reduced
+        total[2] += s.reduce_wait_permille
+        total[3] += 1
+        wait = total[2] // total[3]
+        # behind: a backlog that is large and still growing (one left from before a
+        # correction drains by itself)
+        behind = s.backlog > self.backlog_high * self.reduce and s.backlog > self.last_backlog
+        self.last_backlog = s.backlog
+        idle = wait > self.idle_permille and not behind
+        if self.frozen or (total[0] < self.min_tiles and not idle and not behind):
+            return self._set(self._clamp(self.reduce, s))
+        goal = self._aim(total[0], total[1], wait, behind, idle)
+        self._sum = [0, 0, 0, 0]
+        if goal == self.reduce:
+            return self._set(self._clamp(self.reduce, s))
+        direction = 1 if goal > self.reduce else -1
+        move = direction * max(1, abs(goal - self.reduce) // 2)
+        if self.last_move and direction != self.last_move and abs(move) == 1:
+            self.reversals += 1
+            if self.reversals >= self.settle:
+                self.frozen = True
+                return self._set(self._clamp(self.reduce, s))
+        self.last_move = direction
+        return self._set(self._clamp(self.reduce + move, s))
+
+    def _aim(self, computed: int, reduced: int, wait: int, behind: bool, idle: bool) -> int:
+        if idle:
+            return max(self.min_reduce, self.reduce // 2)
+        busy = 1000 - wait
+        if computed <= 0 or reduced <= 0 or busy <= 0:
+            return self.reduce + 1 if behind else self.reduce
+        # per-CTA rates, scaled to stay in integers (the device does the same)
+        c = computed * 1000 * 1000 // self.compute
+        r = max(1, reduced * 1000 * 1000 // (self.reduce * busy) * 1000)
+        # the balance point lies between two splits: take the one whose slower role is faster
+        low = self.ctas * c // (c + r)
+        aim = max((k for k in (low, low + 1) if 1 <= k <= self.ctas - 1),
+                  key=lambda k: min((self.ctas - k) * c, k * r), default=self.reduce)
+        # A backlog left at the balance point is fine: it drains at the end of the call,
+        # when every CTA reduces.
+        return aim
+
+    def _set(self, reduce: int, *, steady: bool = True) -> int:
+        if reduce != self.reduce:
+            self.moves += 1
+        self.reduce = reduce
+        if steady:
+            self.steady = reduce
+        return reduce
+
+    def _clamp(self, reduce: int, s: Signals) -> int:
+        low = max(self.min_reduce, 1 if s.reduce_left > 0 else 0)
+        high = self.ctas - (1 if s.compute_left > 0 else 0)
+        return max(low, min(high, reduce))
+
+
+@dataclasses.dataclass
+class SplitMemory:
+    """The last split each key (op and shape) ended with; a call starts from it."""
+
+    splits: dict = dataclasses.field(default_factory=dict)
+
+    def start(self, key, default: int) -> int:
+        return self.splits.get(key, default)
+
+    def remember(self, key, reduce: int) -> None:
+        self.splits[key] = reduce
