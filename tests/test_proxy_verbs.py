@@ -146,7 +146,7 @@ def test_pyverbs_api_surface_when_installed():
     assert wrs[1].send_flags == e.IBV_SEND_INLINE | e.IBV_SEND_SIGNALED and wrs[1].local_address == 0x5000 + 16
 
 
-MPI_SCRIPT = r'''"""Run by tests/test_proxy_verbs.py under `mpiexec -n 2 python -m mpi4py`: connection data
+MPI_SCRIPT = r'''"""Run by tests/test_proxy_verbs.py under `mpiexec -n N python -m mpi4py`: connection data
 of the verbs transport exchanged with alltoall (fake backend; no RDMA device)."""
 
 import sys
@@ -184,27 +184,30 @@ for p in range(size):
             raise SystemExit(f"rank {rank}: region ({p}, {i}) = {t.regions[p, i]}, expected {regions[p][i]}")
         if int(t.rkeys[p, i]) != rkeys[p][i]:
             raise SystemExit(f"rank {rank}: rkey ({p}, {i}) = {t.rkeys[p, i]}, expected {rkeys[p][i]}")
-if int(t.regions[1 - rank, 2, 0]) != 64 or int(t.regions[1 - rank, 1, 3]) != 0:
-    raise SystemExit(f"rank {rank}: dma-buf region must be addressed by iova 64; got {t.regions[1 - rank]}")
+for p in range(size):
+    if p != rank and (int(t.regions[p, 2, 0]) != 64 or int(t.regions[p, 1, 3]) != 0):
+        raise SystemExit(f"rank {rank}: dma-buf region of {p} must be addressed by iova 64; got {t.regions[p]}")
 print(f"rank {rank} connected {len(backend.connects)}", flush=True)
 t.close()
 '''
 
 
-def test_connection_data_exchange_over_mpiexec(tmp_path):
-    """mpiexec -n 2: alltoall of connection data with the fake backend; each rank checks
-    that its QPs point at the peer's QPs and its region table holds the peer's regions."""
+@pytest.mark.parametrize("processes", [2, 4])
+def test_connection_data_exchange_over_mpiexec(tmp_path, processes):
+    """mpiexec -n 2 and 4: alltoall of connection data with the fake backend; each rank
+    checks that its QPs point at the peers' QPs and its region table holds their regions."""
     import subprocess
     from pathlib import Path
     from mkrt import launch
     try:
         script = tmp_path / "proxy_verbs_mpi.py"
         script.write_text(MPI_SCRIPT)
-        command = launch.mpiexec_command(2, str(script), str(Path(__file__).parent))
+        command = launch.mpiexec_command(processes, str(script), str(Path(__file__).parent))
     except Exception as error:
         pytest.skip(f"no mpiexec: {error}")
     proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=launch.child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import re
     lines = sorted(re.findall(r"rank \d connected \d", proc.stdout))   # ranks' output may share a line
-    assert lines == ["rank 0 connected 2", "rank 1 connected 2"], proc.stdout + proc.stderr
+    assert lines == [f"rank {r} connected {processes}" for r in range(processes)], \
+        proc.stdout + proc.stderr
