@@ -571,6 +571,7 @@ class AllGatherGemm(Op):
         self._generation = 0
         self._prepared: dict = {}
         self._gather_op = None
+        self._kept_gathered: list | None = None    # the unfused path's gathered A, per rank
         self.last_plan: Plan | None = None
 
     # -- planning and buffers --
@@ -733,7 +734,8 @@ class AllGatherGemm(Op):
                 cupy.matmul(f, b_r.T if self.b_layout == "nk" else b_r, out=out)
 
     def _scratch_gathered(self, call) -> list:
-        kept = getattr(self, "_kept_gathered", None)
+        """Kept between calls of one shape (no allocation while kernels may be waiting)."""
+        kept = self._kept_gathered
         shape = (call.plan.m, call.plan.k)
         if kept is None or kept[0].shape != shape or kept[0].dtype != call.dtype:
             kept = self._new(shape, call.dtype)
