@@ -33,7 +33,7 @@ def flag(value, name: str, area: str, *, optional: bool = False):
     """True, False (or None when `optional`): a string such as "no" is refused, not truthy."""
     if value is None and optional:
         return None
-    if not isinstance(value, (bool,)) and not (isinstance(value, numbers.Integral) and value in (0, 1)):
+    if not isinstance(value, numbers.Integral) or value not in (0, 1):     # bools included
         raise TypeError(f"mkrt.{area}: {name} must be True, False{' or None' if optional else ''}, "
                         f"got {value!r}")
     return bool(value)

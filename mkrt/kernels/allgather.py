@@ -47,7 +47,7 @@ from mkrt import checks
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels.launcher import KernelLaunch, Parameters
-from mkrt.kernels.op import Op, shared_op
+from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
 from mkrt.memory import SymmetricBuffer, flags
 from mkrt.status import kernel_id
 
@@ -498,7 +498,6 @@ class AllGather(Op):
         return launches
 
     def __call__(self, x, out=None):
-        import cupy
         inputs, as_list = self.arrays(x, "x")
         outputs = self.arrays(out, "out")[0] if out is not None else None
         call = self._prepared.get((inputs[0].shape, inputs[0].dtype))
@@ -514,10 +513,7 @@ class AllGather(Op):
                     raise ValueError(f"mkrt.allgather: out[{i}] overlaps x[{i}]")
         self.before_launch()
         if outputs is None:
-            outputs = []
-            for device in self._local_devices:
-                with self.on_device(device):
-                    outputs.append(cupy.empty(call.out_shape, call.dtype))
+            outputs = self.new_outputs(call.out_shape, call.dtype)
         if call.nbytes == 0:
             return outputs if as_list else outputs[0]
         launches = self._launches(call)
@@ -541,9 +537,7 @@ class AllGather(Op):
 LAUNCH_PARAMETERS = [(name, np.uint64, 8) for name in (
     "input", "output", "nbytes", "flags", "peer_flags", "peer_receive", "receive", "queue")] + [
     (name, np.int32, 4) for name in (
-        "me", "node", "G", "N", "receive_region", "flags_region", "muted_rank")] + [
-    ("status", np.uint64, 8), ("host_flag", np.uint64, 8), ("slot", np.int32, 4),
-    ("rank", np.int32, 4), ("timeout_ns", np.uint64, 8)]
+        "me", "node", "G", "N", "receive_region", "flags_region", "muted_rank")] + CONTEXT_PARAMETERS
 
 
 @dataclasses.dataclass(eq=False)

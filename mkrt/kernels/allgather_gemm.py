@@ -38,8 +38,8 @@ from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
 from mkrt.kernels import gemm as gemm_module
-from mkrt.kernels.launcher import KernelLaunch, Parameters
-from mkrt.kernels.op import Op, shared_op
+from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
+from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
 from mkrt.kernels.schedule import find_stall
 from mkrt.memory import SymmetricBuffer, flags as flag_buffer
 from mkrt.status import kernel_id
@@ -275,9 +275,7 @@ ARGS_DTYPE = np.dtype([
 
 #: kernel parameters, in order (tensor maps 64-byte aligned)
 LAUNCH_PARAMETERS = [("tma_a", 128, 64), ("tma_b", 128, 64), ("args", ARGS_DTYPE, 8),
-                     ("muted_rank", np.int32, 4), ("status", np.uint64, 8),
-                     ("host_flag", np.uint64, 8), ("slot", np.int32, 4), ("rank", np.int32, 4),
-                     ("timeout_ns", np.uint64, 8)]
+                     ("muted_rank", np.int32, 4), *CONTEXT_PARAMETERS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,8 +335,7 @@ class AllGatherGemmSpec(KernelSpec):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
                 "MAX_NODE_RANKS": MAX_NODE_RANKS, "KERNEL_ID": f"{KERNEL_ID}ull",
-                "ARGS_CHECKS": f"static_assert(sizeof(Args) == {ARGS_DTYPE.itemsize}, "
-                               "\"Args: see ARGS_DTYPE\");"}
+                "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
 
 def default_specs() -> list[AllGatherGemmSpec]:
@@ -571,7 +568,6 @@ class AllGatherGemm(Op):
         self._generation = 0
         self._prepared: dict = {}
         self._gather_op = None
-        self._kept_gathered: list | None = None    # the unfused path's gathered A, per rank
         self.last_plan: Plan | None = None
 
     # -- planning and buffers --
@@ -640,16 +636,22 @@ class AllGatherGemm(Op):
             self.check_arrays(gathered_outs, "gathered_out", (call.plan.m, call.plan.k), call.dtype)
         return call
 
-    def __call__(self, a, b, out=None, *, gathered_out=None):
+    def _begin(self, a, b, out, gathered_out):
+        """The arguments as per-rank lists, checked, and the call's prepared state; the
+        outputs made when not given. Both the op and its baseline start here."""
         a_list, as_list = self.arrays(a, "a")
         b_list, _ = self.arrays(b, "b")
         outs = self.arrays(out, "out")[0] if out is not None else None
         gathered = self.arrays(gathered_out, "gathered_out")[0] if gathered_out is not None else None
         call = self._prepared_call(a_list, b_list, outs, gathered)
-        p = self.last_plan = call.plan
         self.before_launch()
         if outs is None:
-            outs = self._new(call.out_shape, call.dtype)
+            outs = self.new_outputs(call.out_shape, call.dtype)
+        return call, a_list, as_list, b_list, outs, gathered
+
+    def __call__(self, a, b, out=None, *, gathered_out=None):
+        call, a_list, as_list, b_list, outs, gathered = self._begin(a, b, out, gathered_out)
+        p = self.last_plan = call.plan
         if self.world.size == 1:
             gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout)
             if gathered is not None:
@@ -665,19 +667,11 @@ class AllGatherGemm(Op):
             return out
         return outs if as_list else like_input(outs[0], a)
 
-    def _new(self, shape, dtype) -> list:
-        import cupy
-        outs = []
-        for device in self._local_devices:
-            with self.on_device(device):
-                outs.append(cupy.empty(shape, dtype))
-        return outs
-
     def _launches(self, call) -> list:
-        p = call.plan
-        self._ensure_buffers(p)
         if call.launches is not None and call.generation == self._generation:
             return call.launches
+        p = call.plan
+        self._ensure_buffers(p)       # a new generation when it (re)allocates the buffer
         spec = spec_for(p)
         launches = []
         for info in self.world.local:
@@ -711,13 +705,9 @@ class AllGatherGemm(Op):
 
     def _copy_gathered(self, gathered, p: Plan) -> None:
         """A, from each rank's gathered buffer, on the caller's stream (after the ranks)."""
-        import cupy
         for info, device, target in zip(self.world.local, self._local_devices, gathered):
             with self.on_device(device):
-                source = cupy.ndarray((p.m, p.k), target.dtype, cupy.cuda.MemoryPointer(
-                    cupy.cuda.UnownedMemory(self._gathered.local_ptr(info.rank), p.m * p.k * 2,
-                                            self._gathered), 0))
-                target[...] = source
+                target[...] = self._gathered.view(info.rank, target.dtype, (p.m, p.k))
 
     def _unfused(self, call, a_list, b_list, outs, gathered) -> None:
         """mkrt.allgather of A (world-wide), then cuBLAS per rank: the baseline."""
@@ -726,32 +716,16 @@ class AllGatherGemm(Op):
             self._gather_op = allgather_module.AllGather(self.world, timeout_ms=self.timeout_ms)
         full = gathered
         if full is None:
-            full = self._scratch_gathered(call)
+            full = self.kept_buffers("gathered", (call.plan.m, call.plan.k), call.dtype)
         views = [f.reshape(self.world.size, *a_list[0].shape) for f in full]
         self._gather_op(a_list, out=views)
         for device, f, b_r, out in zip(self._local_devices, full, b_list, outs):
             with self.on_device(device):
                 cupy.matmul(f, b_r.T if self.b_layout == "nk" else b_r, out=out)
 
-    def _scratch_gathered(self, call) -> list:
-        """Kept between calls of one shape (no allocation while kernels may be waiting)."""
-        kept = self._kept_gathered
-        shape = (call.plan.m, call.plan.k)
-        if kept is None or kept[0].shape != shape or kept[0].dtype != call.dtype:
-            kept = self._new(shape, call.dtype)
-            self._kept_gathered = kept
-        return kept
-
     def unfused(self, a, b, out=None, *, gathered_out=None):
         """The baseline: mkrt.allgather, then cuBLAS, not overlapped."""
-        a_list, as_list = self.arrays(a, "a")
-        b_list, _ = self.arrays(b, "b")
-        outs = self.arrays(out, "out")[0] if out is not None else None
-        gathered = self.arrays(gathered_out, "gathered_out")[0] if gathered_out is not None else None
-        call = self._prepared_call(a_list, b_list, outs, gathered)
-        self.before_launch()
-        if outs is None:
-            outs = self._new(call.out_shape, call.dtype)
+        call, a_list, as_list, b_list, outs, gathered = self._begin(a, b, out, gathered_out)
         self._unfused(call, a_list, b_list, outs, gathered)
         self.after_launch()
         return out if out is not None else (outs if as_list else outs[0])

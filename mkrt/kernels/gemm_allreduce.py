@@ -41,8 +41,8 @@ from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels.gemm_allreduce_plan import Ceilings, FlagLayout, Plan, plan  # noqa: F401
-from mkrt.kernels.launcher import KernelLaunch, Parameters
-from mkrt.kernels.op import Op, shared_op
+from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
+from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
 from mkrt.memory import SymmetricBuffer
 from mkrt.status import kernel_id
 
@@ -242,6 +242,18 @@ __device__ __forceinline__ int owner_node(const Args& a, const Layout& L, int sl
     return ((t / tiles_n) * BM) / (a.rows_per_rank * a.G);
 }
 
+// Owned slots [run, end) of a group [run, last) that go to one node as one put: the whole
+// group (all-reduce), or the slots kept by one node (SCATTER; tile rows grow with the
+// slot, so a node's slots are consecutive). Passes 1 and 2 split groups alike.
+__device__ __forceinline__ int run_end(const Args& a, const Layout& L, int run, int last,
+                                       int tiles_n) {
+    if constexpr (!SCATTER) return last;
+    const int keeper = owner_node(a, L, run, tiles_n);
+    int end = run + 1;
+    while (end < last && owner_node(a, L, end, tiles_n) == keeper) ++end;
+    return end;
+}
+
 __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
                             int cta, int ctas) {
     __shared__ T* targets[32];
@@ -316,14 +328,12 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         // the flag of the group's first slot says the whole group arrived.
         __syncthreads();
         if (SCATTER && threadIdx.x == 0) {
-            // Only the node that keeps a tile's rows gets its node sum. Tile rows grow with
-            // the slot, so the group splits into runs of one owner node: one put per run.
+            // Only the node that keeps a tile's rows gets its node sum: one put per run.
             __threadfence_system();
             const u64 tile_bytes = (u64)TILE * sizeof(T);
             for (int run = first; run < last;) {
                 const int dest = owner_node(a, L, run, tiles_n);
-                int end = run + 1;
-                while (end < last && owner_node(a, L, end, tiles_n) == dest) ++end;
+                const int end = run_end(a, L, run, last, tiles_n);
                 if (dest != a.node) {
                     if (!proxy_wait_at_least(a.flags + L.node_arrive(dest), epoch, ctx, *a.queue,
                                              ROLE_INTER, run * L.G + a.me, L.node_arrive(dest))) {
@@ -362,49 +372,42 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
     // Pass 2: add the nodes' sums in node order (the same bits on every node), deliver
     // inside the node.
     for (int first = cta * batch; first < owned; first += ctas * batch) {
-      const int group_last = min(first + batch, owned);
-      // A run of the group: all of it (all-reduce), or slots of one owner node (SCATTER,
-      // the runs pass 1 sent: only those this node keeps are summed here).
-      for (int run = first, last; run < group_last; run = last) {
-        last = group_last;
-        if constexpr (SCATTER) {
-            const int keeper = owner_node(a, L, run, tiles_n);
-            last = run + 1;
-            while (last < group_last && owner_node(a, L, last, tiles_n) == keeper) ++last;
-            if (keeper != a.node) continue;
-        }
-        if (threadIdx.x < a.nodes) {
-            wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, run);
-            wait_ids[threadIdx.x] = L.inter(threadIdx.x, run);
-        }
-        __syncthreads();
-        // Our own node's entry is never written: its thread waits for 0.
-        if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx,
-                           run * L.G + a.me, wait_ids, true, a.queue)) return;
-        for (int slot = run; slot < last; ++slot) {
-            const int t = slot * L.G + a.me;
-            const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
-            const int stride = blockDim.x;
-            for (int chunk0 = threadIdx.x; chunk0 < CHUNKS; chunk0 += stride * UNROLL) {
-                float sum[UNROLL][8];
-                sum_chunks(sum, a.nodes, chunk0, stride, [&](int node) {
-                    return node == a.node ? (const T*)a.node_sum + (long long)slot * TILE
-                                          : a.inter_in + (long long)(node * L.slots + slot) * TILE; });
-                #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int chunk = chunk0 + u * stride;
-                    if (chunk >= CHUNKS) break;
-                    deliver_chunk(a, targets, row0, col0, chunk, pack_chunk(sum[u]), aligned);
-                }
+        const int last = min(first + batch, owned);
+        // The runs pass 1 sent (all-reduce: the whole group); SCATTER: only the runs this
+        // node keeps are summed here.
+        for (int run = first, end; run < last; run = end) {
+            end = run_end(a, L, run, last, tiles_n);
+            if (SCATTER && owner_node(a, L, run, tiles_n) != a.node) continue;
+            if (threadIdx.x < a.nodes) {
+                wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, run);
+                wait_ids[threadIdx.x] = L.inter(threadIdx.x, run);
             }
-            publish_final(a, L, t, epoch);
+            __syncthreads();
+            // Our own node's entry is never written: its thread waits for 0.
+            if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx,
+                               run * L.G + a.me, wait_ids, true, a.queue)) return;
+            for (int slot = run; slot < end; ++slot) {
+                const int t = slot * L.G + a.me;
+                const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+                const int stride = blockDim.x;
+                for (int chunk0 = threadIdx.x; chunk0 < CHUNKS; chunk0 += stride * UNROLL) {
+                    float sum[UNROLL][8];
+                    sum_chunks(sum, a.nodes, chunk0, stride, [&](int node) {
+                        return node == a.node ? (const T*)a.node_sum + (long long)slot * TILE
+                                              : a.inter_in + (long long)(node * L.slots + slot) * TILE; });
+                    #pragma unroll
+                    for (int u = 0; u < UNROLL; ++u) {
+                        const int chunk = chunk0 + u * stride;
+                        if (chunk >= CHUNKS) break;
+                        deliver_chunk(a, targets, row0, col0, chunk, pack_chunk(sum[u]), aligned);
+                    }
+                }
+                publish_final(a, L, t, epoch);
+            }
         }
-      }
     }
 }
 
-// Reduce CTA `cta` waits (all its threads at once) until its share of this rank's C,
-// tiles t = cta (mod ctas), is final.
 // The tiles this rank waits for: all of C, or (SCATTER) the tile rows its shard touches.
 __device__ __forceinline__ void own_tiles(const Args& a, int tiles, int& first, int& count) {
     first = 0;
@@ -417,6 +420,8 @@ __device__ __forceinline__ void own_tiles(const Args& a, int tiles, int& first, 
     }
 }
 
+// Reduce CTA `cta` waits (all its threads at once) until its share of this rank's own
+// tiles, i = cta (mod ctas), is final.
 __device__ bool wait_own_result(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
                                 int cta, int ctas) {
     bool ok = true;
@@ -542,9 +547,8 @@ ARGS_DTYPE = np.dtype([
 
 
 def args_layout_checks() -> str:
-    """A static_assert tying the C struct Args to ARGS_DTYPE. Offsets follow from C's
-    alignment rules, which ``align=True`` reproduces; NVRTC 13.0 has no offsetof."""
-    return f"static_assert(sizeof(Args) == {ARGS_DTYPE.itemsize}, \"Args: see ARGS_DTYPE\");"
+    """A static_assert tying the C struct Args to ARGS_DTYPE."""
+    return struct_size_assert("Args", ARGS_DTYPE)
 
 
 
@@ -674,7 +678,6 @@ class GemmAllReduce(Op):
         self._buffers: dict[str, SymmetricBuffer] = {}
         self._layout_key = None
         self._generation = 0         # counts buffer allocations (a layout can come back)
-        self._scratch: dict = {}
         self._prepared: dict = {}
 
     # -- planning and buffers --
@@ -813,7 +816,7 @@ class GemmAllReduce(Op):
         p = self.last_plan = call.plan
         self.before_launch()
         if outs is None:
-            outs = self._new_outputs(call.out_shape, call.dtype)
+            outs = self.new_outputs(call.out_shape, call.dtype)
         if self.world.size == 1:
             gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout,
                              sms=self.ctas)
@@ -829,14 +832,6 @@ class GemmAllReduce(Op):
     def out_shape(self, m: int, n: int) -> tuple:
         """Each rank's C: all of it (subclasses keep a part)."""
         return (m, n)
-
-    def _new_outputs(self, shape, dtype) -> list:
-        import cupy
-        outs = []
-        for device in self._local_devices:
-            with self.on_device(device):
-                outs.append(cupy.empty(shape, dtype))
-        return outs
 
     def _launches(self, call: "_PreparedCall", mode: str) -> list:
         """The prepared launches of `call` in `mode` ("gemm": fused; "copy": the all-reduce
@@ -902,20 +897,9 @@ class GemmAllReduce(Op):
         if use_nccl and not _nccl_ready(self.world):
             raise ValueError("mkrt.gemm_allreduce: allreduce='nccl' needs one process per GPU "
                              "and torch.distributed initialised with the nccl backend")
-        kept = self._scratch.get("partials")
         full = (call.plan.m, call.plan.n)            # each rank's partial C_r is all of C
         partial_needed = not use_nccl or full != call.out_shape
-        if partial_needed and (kept is None or kept[0].shape != full
-                               or kept[0].dtype != call.dtype):
-            # Kept between calls of one shape: an allocation while persistent kernels wait
-            # for the proxy can hold back its copies (mkrt/DESIGN.md, "Runtime hazards").
-            # Memory replaced here is reused stream-ordered: the caller's stream waits for
-            # the all-reduce that read it.
-            kept = []
-            for device in self._local_devices:
-                with self.on_device(device):
-                    kept.append(cupy.empty(full, call.dtype))
-            self._scratch["partials"] = kept
+        kept = self.kept_buffers("partials", full, call.dtype) if partial_needed else None
         partials = []
         for i, (device, a_r, b_r, out) in enumerate(zip(self._local_devices, a_list, b_list, outs)):
             with self.on_device(device):
@@ -939,13 +923,7 @@ class GemmAllReduce(Op):
         # Reduce-scatter whose node shards split a tile: all-reduce into whole-size sums
         # (not in place: a peer may deliver a tile before this rank has copied it out),
         # then each rank keeps its rows (on the caller's stream, after the ranks).
-        sums = self._scratch.get("sums")
-        if sums is None or sums[0].shape != partials[0].shape or sums[0].dtype != partials[0].dtype:
-            sums = []
-            for device in self._local_devices:
-                with self.on_device(device):
-                    sums.append(cupy.empty_like(partials[0]))
-            self._scratch["sums"] = sums
+        sums = self.kept_buffers("sums", full, call.dtype)
         self._run(call, "copy", a_list, b_list, sums, copy_sources=partials)
         rows = call.out_shape[0]
         for info, device, full, out in zip(self.world.local, self._local_devices, sums, outs):
@@ -962,7 +940,7 @@ class GemmAllReduce(Op):
         call = self._prepared_call(a_list, b_list, outs, fuse=False)
         self.before_launch()
         if outs is None:
-            outs = self._new_outputs(call.out_shape, call.dtype)
+            outs = self.new_outputs(call.out_shape, call.dtype)
         if self.world.size == 1:
             outs[0][...] = cupy.matmul(a_list[0], b_list[0].T if self.b_layout == "nk" else b_list[0])
         else:
@@ -1019,9 +997,7 @@ def _descriptors(p: Plan, a, b):
 
 #: kernel parameters of gemm_allreduce, in order (tensor maps 64-byte aligned)
 LAUNCH_PARAMETERS = [("tma_a", 128, 64), ("tma_b", 128, 64), ("args", ARGS_DTYPE, 8),
-                     ("muted_rank", np.int32, 4), ("status", np.uint64, 8),
-                     ("host_flag", np.uint64, 8), ("slot", np.int32, 4), ("rank", np.int32, 4),
-                     ("timeout_ns", np.uint64, 8)]
+                     ("muted_rank", np.int32, 4), *CONTEXT_PARAMETERS]
 
 
 @dataclasses.dataclass(eq=False)

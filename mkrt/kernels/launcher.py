@@ -20,6 +20,12 @@ import functools
 import numpy as np
 
 
+def struct_size_assert(struct: str, dtype: np.dtype) -> str:
+    """A CUDA static_assert tying C struct `struct` to its numpy mirror `dtype` (built with
+    ``align=True``, which reproduces C's alignment; NVRTC 13.0 has no offsetof)."""
+    return f"static_assert(sizeof({struct}) == {dtype.itemsize}, \"{struct}: see its numpy mirror\");"
+
+
 @functools.cache
 def _driver():
     lib = ctypes.CDLL("libcuda.so.1")

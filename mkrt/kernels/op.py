@@ -19,6 +19,10 @@ from mkrt.proxy import world as _proxy_service  # noqa: F401  (provides world.pr
 from mkrt import status as _status_service  # noqa: F401  (provides world.status())
 from mkrt.world import World, current_world
 
+#: the kernel parameters of mkrt::Context, in order, that :meth:`Op.context_params` fills
+CONTEXT_PARAMETERS = [("status", np.uint64, 8), ("host_flag", np.uint64, 8),
+                      ("slot", np.int32, 4), ("rank", np.int32, 4), ("timeout_ns", np.uint64, 8)]
+
 
 class Op:
     name = "op"
@@ -37,6 +41,27 @@ class Op:
         self._multi_device = len(set(self._local_devices)) > 1
         self._sync_check = envs.get("MKRT_SYNC_CHECK")     # read once per op
         self._timeout_slots = None
+        self._scratch: dict = {}         # kept_buffers: per-rank buffers kept between calls
+
+    # ---- per-rank buffers --------------------------------------------------------
+    def new_outputs(self, shape, dtype) -> list:
+        """One new array per local rank, each on its rank's GPU."""
+        import cupy
+        outs = []
+        for device in self._local_devices:
+            with self.on_device(device):
+                outs.append(cupy.empty(shape, dtype))
+        return outs
+
+    def kept_buffers(self, name: str, shape, dtype) -> list:
+        """Per-rank buffers kept between calls while `shape` and `dtype` stay the same: an
+        allocation while persistent kernels wait for the proxy can hold back its copies
+        (mkrt/DESIGN.md, "Runtime hazards"). Memory replaced here is reused stream-ordered
+        by CuPy's pool: the caller's stream waits for the launches that read it."""
+        kept = self._scratch.get(name)
+        if kept is None or kept[0].shape != tuple(shape) or kept[0].dtype != dtype:
+            kept = self._scratch[name] = self.new_outputs(shape, dtype)
+        return kept
 
     # ---- arguments ---------------------------------------------------------------
     def per_rank(self, value, name: str) -> tuple[list, bool]:
