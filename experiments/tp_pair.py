@@ -56,85 +56,63 @@ def gather_shapes(world_size: int, quick: bool) -> list[tuple[int, int, int, str
     return [(m, n, k, f) for m, n, k, f in out if m % world_size == 0]
 
 
-def run_gather(args) -> None:
+# op -> (op class, its shapes on a world (size, nodes, quick), rows of A per rank, rows of
+# the output per rank, the float64 reference of rank 0's output)
+def _reducescatter_reference(a, b):
+    from mkrt.kernels import gemm_reducescatter
+    return gemm_reducescatter.reference(a, b, 0, b_layout="nk")
+
+
+def _allgather_gemm_reference(a, b):
+    from mkrt.kernels import allgather_gemm
+    return allgather_gemm.reference(a, b[0], b_layout="nk")
+
+
+OPS = {
+    "gemm_reducescatter": ("GemmReduceScatter", shapes, lambda m, w: m, lambda m, w: m // w,
+                           _reducescatter_reference),
+    "allgather_gemm": ("AllGatherGemm", lambda size, nodes, quick: gather_shapes(size, quick),
+                       lambda m, w: m // w, lambda m, w: m, _allgather_gemm_reference),
+}
+
+
+def run(args, op: str) -> None:
+    """Fused vs unfused vs the planner's pick of `op`, interleaved in the same run."""
     import cupy
     import numpy as np
 
     import mkrt
     from mkrt.arrays import bfloat16
     from mkrt.bench import append_jsonl, record
-    from mkrt.kernels import allgather_gemm as agg
     from mkrt.kernels.gemm import to_float32
     from planner import time_paths
+    class_name, shapes_of, a_rows, out_rows, reference = OPS[op]
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
-        fused_op = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=20000)
-        auto_op = mkrt.AllGatherGemm(world, b_layout="nk", timeout_ms=20000)
-        for m, n, k, family in gather_shapes(world.size, args.quick):
-            rows = m // world.size
+        op_class = getattr(mkrt, class_name)
+        fused_op = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000)
+        auto_op = op_class(world, b_layout="nk", timeout_ms=20000)
+        for m, n, k, family in shapes_of(world.size, world.nodes, args.quick):
             rng = cupy.random.default_rng(m + n + k)
-            a = [rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+            a = [rng.standard_normal((a_rows(m, world.size), k), dtype=np.float32).astype(bfloat16)
+                 for _ in world.local]
             b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
-            outs = {name: [cupy.empty((m, n), bfloat16) for _ in world.local]
+            outs = {name: [cupy.empty((out_rows(m, world.size), n), bfloat16) for _ in world.local]
                     for name in ("fused", "unfused", "auto")}
             paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),
                      "unfused": lambda: fused_op.unfused(a, b, out=outs["unfused"]),
                      "auto": lambda: auto_op(a, b, out=outs["auto"])}
             times = time_paths(world, paths, args.rounds, args.batch)
-            expected = agg.reference(a, b[0], b_layout="nk")
+            expected = reference(a, b)
             error = float(cupy.linalg.norm(to_float32(outs["fused"][0]).astype(cupy.float64) - expected)
                           / cupy.linalg.norm(expected))
             case = f"{layout}_{m}x{n}x{k}"
-            row = record("tp_pair", case, "allgather_gemm_fused_vs_unfused", times["fused"],
-                         times["unfused"], "us", higher_is_better=False, op="allgather_gemm",
-                         layout=layout, family=family, m=m, n=n, k=k, fused_us=times["fused"],
-                         unfused_us=times["unfused"], auto_us=times["auto"],
-                         auto_fused=auto_op.last_plan.fused, rel_error_rank0=error,
-                         network_bytes_per_node=fused_op.last_plan.traffic()["network_per_node"])
-            print(f"{case:26s} {family:22s} fused {times['fused']:9.1f} unfused {times['unfused']:9.1f}"
-                  f" auto {times['auto']:9.1f} ({'F' if auto_op.last_plan.fused else 'U'}) "
-                  f"unfused/fused {row['ratio']:.3f} err {error:.1e}", flush=True)
-            append_jsonl(args.out, [row])
-            del a, b, outs, paths
-            cupy.get_default_memory_pool().free_all_blocks()
-        world.close()
-
-
-def run(args) -> None:
-    import cupy
-    import numpy as np
-
-    import mkrt
-    from mkrt.arrays import bfloat16
-    from mkrt.bench import append_jsonl, record
-    from mkrt.kernels import gemm_reducescatter as grs
-    from mkrt.kernels.gemm import to_float32
-    from planner import time_paths
-    for layout in args.layouts:
-        world = mkrt.init(emulate=layout)
-        fused_op = mkrt.GemmReduceScatter(world, fuse=True, b_layout="nk", timeout_ms=20000)
-        auto_op = mkrt.GemmReduceScatter(world, b_layout="nk", timeout_ms=20000)
-        for m, n, k, family in shapes(world.size, world.nodes, args.quick):
-            rng = cupy.random.default_rng(m + n + k)
-            a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-            b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
-            outs = {name: [cupy.empty((m // world.size, n), bfloat16) for _ in world.local]
-                    for name in ("fused", "unfused", "auto")}
-            paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),
-                     "unfused": lambda: fused_op.unfused(a, b, out=outs["unfused"]),
-                     "auto": lambda: auto_op(a, b, out=outs["auto"])}
-            times = time_paths(world, paths, args.rounds, args.batch)
-            expected = grs.reference(a, b, 0, b_layout="nk")
-            error = float(cupy.linalg.norm(to_float32(outs["fused"][0]).astype(cupy.float64) - expected)
-                          / cupy.linalg.norm(expected))
-            flops = 2.0 * m * n * k * world.size
-            case = f"{layout}_{m}x{n}x{k}"
-            row = record("tp_pair", case, "gemm_reducescatter_fused_vs_unfused", times["fused"],
-                         times["unfused"], "us", higher_is_better=False, op="gemm_reducescatter",
-                         layout=layout, family=family, m=m, n=n, k=k, fused_us=times["fused"],
-                         unfused_us=times["unfused"], auto_us=times["auto"],
-                         auto_fused=auto_op.last_plan.fused, rel_error_rank0=error,
-                         fused_tflops_all_ranks=flops / times["fused"] / 1e6,
+            row = record("tp_pair", case, f"{op}_fused_vs_unfused", times["fused"], times["unfused"],
+                         "us", higher_is_better=False, op=op, layout=layout, family=family, m=m,
+                         n=n, k=k, fused_us=times["fused"], unfused_us=times["unfused"],
+                         auto_us=times["auto"], auto_fused=auto_op.last_plan.fused,
+                         rel_error_rank0=error,
+                         fused_tflops_all_ranks=2.0 * m * n * k * world.size / times["fused"] / 1e6,
                          network_bytes_per_node=fused_op.last_plan.traffic()["network_per_node"])
             print(f"{case:26s} {family:22s} fused {times['fused']:9.1f} unfused {times['unfused']:9.1f}"
                   f" auto {times['auto']:9.1f} ({'F' if auto_op.last_plan.fused else 'U'}) "
@@ -155,10 +133,8 @@ def main() -> None:
                         choices=["gemm_reducescatter", "allgather_gemm"])
     parser.add_argument("--out", default="experiments/results/tp_pair.jsonl")
     args = parser.parse_args()
-    if "gemm_reducescatter" in args.ops:
-        run(args)
-    if "allgather_gemm" in args.ops:
-        run_gather(args)
+    for op in args.ops:
+        run(args, op)
 
 
 if __name__ == "__main__":

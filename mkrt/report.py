@@ -328,22 +328,14 @@ def _planner_lines(rows):
             for line in lines]
 
 
-def _tp_pair_lines(rows):
-    def family(row):
-        if row.get("op") != "gemm_reducescatter":
-            return None
-        return f"GEMM+ReduceScatter {row.get('layout')} emulated on one GPU"
-    lines = family_lines(rows, family, against="cuBLAS + reduce-scatter (unfused time / fused time)")
-    return [dataclasses.replace(line, at_least=0.97) for line in lines]
-
-
-def _allgather_gemm_lines(rows):
-    def family(row):
-        if row.get("op") != "allgather_gemm":
-            return None
-        return f"AllGather+GEMM {row.get('layout')} emulated on one GPU"
-    lines = family_lines(rows, family, against="allgather + cuBLAS (unfused time / fused time)")
-    return [dataclasses.replace(line, at_least=0.97) for line in lines]
+def _tp_pair_lines(op: str, name: str, baseline: str):
+    """The lines of one op of experiments/tp_pair.py, one per world layout."""
+    def lines(rows):
+        def family(row):
+            return f"{name} {row.get('layout')} emulated on one GPU" if row.get("op") == op else None
+        return [dataclasses.replace(line, at_least=0.97) for line in family_lines(
+            rows, family, against=f"{baseline} (unfused time / fused time)")]
+    return lines
 
 
 def _multi_gpu_lines(rows):
@@ -433,11 +425,12 @@ PIECES = [
     Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in a few "
           "communication CTAs, the GEMM engine in the rest, each tile row loaded once its blocks "
           "of A are in; planned and compiled on the CPU, **not yet run on a GPU**",
-          "tp_pair", _allgather_gemm_lines),
+          "tp_pair", _tp_pair_lines("allgather_gemm", "AllGather+GEMM", "allgather + cuBLAS")),
     Piece("`mkrt.gemm_reducescatter`", "fused (the gemm_allreduce kernel, reduce-scatter build): "
           "true W-way, final rows to their keeper only, node sums only to the node that keeps them; "
           "the planner falls back to unfused where it predicts fusion loses "
-          "(`experiments/tp_pair.py`)", "tp_pair", _tp_pair_lines),
+          "(`experiments/tp_pair.py`)", "tp_pair",
+          _tp_pair_lines("gemm_reducescatter", "GEMM+ReduceScatter", "cuBLAS + reduce-scatter")),
     Piece("reliability: faults", "a stalled rank, a proxy killed mid-run, a full queue with a "
           "stalled proxy, commands the transport refuses, NaN/Inf inputs, a timeout shorter than a "
           "tile (`experiments/faults.py`, also `tests/test_faults_gpu.py` with a rank process that "
