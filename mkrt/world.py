@@ -16,7 +16,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
-from mkrt import envs
+from mkrt import checks, envs
 from mkrt.cuda import device_sm_count
 from mkrt.errors import CommTimeout
 
@@ -313,14 +313,9 @@ def parse_layout(text: str) -> tuple[int, int]:
 
 
 def _gpus_option(gpus) -> int:
-    """``gpus=``: how many GPUs the world spreads its ranks over (0: none, planning only)."""
-    if isinstance(gpus, bool) or not isinstance(gpus, int):
-        raise TypeError(f"mkrt.world: gpus= must be an int, got {gpus!r}")
-    visible = visible_gpus()
-    if gpus < 0 or (visible and gpus > visible):
-        raise ValueError(f"mkrt.world: gpus={gpus}; expected 0 to the {visible} visible GPUs"
-                         if visible else f"mkrt.world: gpus={gpus}; expected >= 0")
-    return gpus
+    """``gpus=``: how many GPUs the world spreads its ranks over (0: none, planning only;
+    at most the visible ones where there are any)."""
+    return checks.integer(gpus, "gpus", "world", low=0, high=visible_gpus() or None)
 
 
 def visible_gpus() -> int:
