@@ -374,20 +374,19 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
                 // The operands never came (a bounded wait gave up): release the stage
                 // unloaded so the consumers drain; the host raises the timeout.
                 mbarrier_arrive(&pipe.full[stage]);
-                if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
-                continue;
-            }
-            mbarrier_arrive_expect_tx(&pipe.full[stage], Cfg::STAGE_BYTES);
-            const int k = kb * Cfg::BK;
-            tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.m * Cfg::BM, &pipe.full[stage]);
-            if (Cfg::B_K_MAJOR) {
-                tma_load_2d(pipe.b_stage(stage), tma_b, k, tile.n * Cfg::BN, &pipe.full[stage]);
             } else {
-                // [K, N] storage: boxes of 64 n x 64 k, one per 64-column chunk.
-                #pragma unroll
-                for (int chunk = 0; chunk < Cfg::BN / 64; ++chunk)
-                    tma_load_2d(pipe.b_stage(stage) + chunk * 64 * Cfg::BK * 2, tma_b,
-                                tile.n * Cfg::BN + chunk * 64, k, &pipe.full[stage]);
+                mbarrier_arrive_expect_tx(&pipe.full[stage], Cfg::STAGE_BYTES);
+                const int k = kb * Cfg::BK;
+                tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.m * Cfg::BM, &pipe.full[stage]);
+                if (Cfg::B_K_MAJOR) {
+                    tma_load_2d(pipe.b_stage(stage), tma_b, k, tile.n * Cfg::BN, &pipe.full[stage]);
+                } else {
+                    // [K, N] storage: boxes of 64 n x 64 k, one per 64-column chunk.
+                    #pragma unroll
+                    for (int chunk = 0; chunk < Cfg::BN / 64; ++chunk)
+                        tma_load_2d(pipe.b_stage(stage) + chunk * 64 * Cfg::BK * 2, tma_b,
+                                    tile.n * Cfg::BN + chunk * 64, k, &pipe.full[stage]);
+                }
             }
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
         }
