@@ -784,7 +784,11 @@ class VerbsTransport:
         if not self.efa or not (opcode in (Q.OP_PUT_SIGNAL, Q.OP_SIGNAL, Q.OP_BARRIER)
                                 or (opcode == Q.OP_FENCE and v[P.V_SIGNAL])):
             return 0, 0
-        region, offset, value = int(v[P.V_GREGION]), int(v[P.V_GOFFSET]), int(v[P.V_VALUE])
+        return self._efa_flag_refusal(int(v[P.V_GREGION]), int(v[P.V_GOFFSET]), int(v[P.V_VALUE]))
+
+    def _efa_flag_refusal(self, region: int, offset: int, value: int) -> tuple[int, int]:
+        """(error code, detail) when write-with-immediate cannot carry this flag, else (0, 0):
+        flags live in region ``efa_flag_region`` at index < 4096 with value < 2**20."""
         if region != self.efa_flag_region:
             return Q.E_REGION, region
         if offset // 8 >= 1 << 12 or value >= 1 << 20:
@@ -797,7 +801,7 @@ class VerbsTransport:
                               int(self.rkeys[peer, region]))
         index = 0
         if self.efa:
-            if region != self.efa_flag_region or offset // 8 >= 1 << 12 or value >= 1 << 20:
+            if self._efa_flag_refusal(region, offset, value)[0]:
                 raise ValueError(f"mkrt.proxy: EFA flags live in region {self.efa_flag_region} at "
                                  f"index < 4096 with value < 2**20; got {region=}, {offset=}, {value=}")
             index = offset // 8
