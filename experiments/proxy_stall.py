@@ -17,16 +17,23 @@ is 5 s): the stack says which host call was in progress while the kernels waited
 Rows: $OUT/gar_timeout.jsonl (or /tmp); the committed experiments/results/proxy_stall.jsonl
 holds those of a0a45db in the results format.
 """
-import faulthandler, json, os, sys, time, tempfile
+import faulthandler
+import json
+import os
+import sys
+import tempfile
+import time
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cupy, numpy as np
-import mkrt
-from mkrt.arrays import bfloat16
-from planner import proxy_state, time_paths
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mkrt  # noqa: E402
+from mkrt.arrays import bfloat16  # noqa: E402
+from planner import proxy_state, time_paths  # noqa: E402
 
 SHAPES = [(16384, 4096, 1024), (16384, 8192, 2048), (896, 8704, 9664), (8320, 3840, 3648),
           (2304, 7936, 4160), (1792, 7424, 9920), (7168, 3584, 12544), (2944, 12544, 4352)]
-out = open(os.path.join(os.environ.get("OUT", "/tmp"), "gar_timeout.jsonl"), "a")
 
 
 def new_ops(world):
@@ -34,7 +41,7 @@ def new_ops(world):
             mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=5000))
 
 
-def run(mode, passes):
+def run(mode, passes, out):
     world = mkrt.init(emulate="2x2")
     fused_op, auto_op = new_ops(world)
     dump = tempfile.TemporaryFile("w+")
@@ -49,44 +56,51 @@ def run(mode, passes):
             if mode != "fused_only":
                 paths["unfused"] = lambda: fused_op.unfused(a, b, out=outs["u"])
                 paths["auto"] = lambda: auto_op(a, b, out=outs["a"])
-            dump.seek(0); dump.truncate()
+            dump.seek(0)
+            dump.truncate()
             faulthandler.dump_traceback_later(2.5, repeat=False, file=dump)
             t0 = time.perf_counter()
             try:
                 if mode == "synced_warmup":
                     for call in paths.values():
-                        call(); world.synchronize()
+                        call()
+                        world.synchronize()
                 else:
                     # planner.py's warm-up before f209c40 (time_paths has synchronized after
                     # each path since; the rows of a0a45db ran inside it unsynchronized)
                     for call in paths.values():
-                        call(); call()
+                        call()
+                        call()
                 time_paths(world, paths, 3, 3)
                 status = "ok"
                 err = None
             except mkrt.CommTimeout as e:
-                status = "timeout"; fails += 1
+                status = "timeout"
+                fails += 1
                 err = {"error": str(e), "records": [str(r) for r in e.records],
                        "proxy": proxy_state(world)}
             faulthandler.cancel_dump_traceback_later()
-            dump.seek(0); stacks = dump.read()
+            dump.seek(0)
+            stacks = dump.read()
             row = {"mode": mode, "pass": p, "shape": f"{m}x{n}x{k}", "status": status,
                    "seconds": round(time.perf_counter() - t0, 3), "err": err,
                    "stacks": stacks[-6000:] if stacks else None}
             print(json.dumps({k2: v for k2, v in row.items() if k2 != "stacks"}), flush=True)
             if stacks:
                 print(stacks[-4000:], flush=True)
-            out.write(json.dumps(row) + "\n"); out.flush()
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            del a, b, outs, paths
             if status == "timeout":
-                del a, b, outs, paths
-                world.close(); world = mkrt.init(emulate="2x2"); fused_op, auto_op = new_ops(world)
-            else:
-                del a, b, outs, paths
+                world.close()
+                world = mkrt.init(emulate="2x2")
+                fused_op, auto_op = new_ops(world)
             cupy.get_default_memory_pool().free_all_blocks()
     world.close()
     return fails
 
 
 if __name__ == "__main__":
-    for mode in sys.argv[1].split(","):
-        print("MODE", mode, "fails", run(mode, int(sys.argv[2])), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "gar_timeout.jsonl"), "a") as rows:
+        for mode in sys.argv[1].split(","):
+            print("MODE", mode, "fails", run(mode, int(sys.argv[2]), rows), flush=True)
