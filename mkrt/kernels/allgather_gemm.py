@@ -301,7 +301,7 @@ class FlagLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class AllGatherGemmSpec(KernelSpec):
+class AllGatherGemmSpec(gemm_module.OnEngine, KernelSpec):
     family = "allgather_gemm"
     entry_points = ("allgather_gemm",)
 
@@ -314,19 +314,6 @@ class AllGatherGemmSpec(KernelSpec):
     def __post_init__(self):
         super().__post_init__()
         self.engine                   # the engine's own checks (dtype, layout, tile, smem)
-
-    @property
-    def engine(self) -> gemm_module.GemmSpec:
-        return gemm_module.GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n,
-                                    self.stages, "direct")
-
-    @property
-    def threads(self) -> int:
-        return self.engine.threads
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.engine.smem_bytes
 
     def template(self):
         return ALLGATHER_GEMM

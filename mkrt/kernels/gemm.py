@@ -131,6 +131,24 @@ class GemmSpec(KernelSpec):
                 "TMA_STORE": self.epilogue == "tma"}
 
 
+class OnEngine:
+    """For the spec of a fused kernel whose compute role is this engine: with fields
+    ``dtype``, ``b_layout``, ``block_m``, ``block_n``, ``stages``, it gets the engine's spec
+    (and so its checks), threads and shared memory (direct-store epilogue)."""
+
+    @property
+    def engine(self) -> GemmSpec:
+        return GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n, self.stages, "direct")
+
+    @property
+    def threads(self) -> int:
+        return self.engine.threads
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.engine.smem_bytes
+
+
 def default_specs() -> list[GemmSpec]:
     """The configurations ``mkrt.gemm`` uses (compiled ahead by ``python -m mkrt compile --all``)."""
     return [GemmSpec(dtype, layout, 128, 256, max_stages(128, 256, epilogue), epilogue)

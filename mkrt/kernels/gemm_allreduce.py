@@ -327,6 +327,8 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         // every other node, once that node's launch has begun (its inter buffer is free);
         // the flag of the group's first slot says the whole group arrived.
         __syncthreads();
+        // (The two send loops stay apart: merged into one, the fused all-reduce kernel
+        // spills registers.)
         if (SCATTER && threadIdx.x == 0) {
             // Only the node that keeps a tile's rows gets its node sum: one put per run.
             __threadfence_system();
@@ -553,7 +555,7 @@ def args_layout_checks() -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmAllReduceSpec(KernelSpec):
+class GemmAllReduceSpec(gemm_module.OnEngine, KernelSpec):
     family = "gemm_allreduce"
     entry_points = ("gemm_allreduce",)
 
@@ -567,23 +569,12 @@ class GemmAllReduceSpec(KernelSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        # The engine's own checks (dtype, layout, tile, shared memory) apply unchanged.
-        gemm_module.GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n,
-                             self.stages, "direct")
+        self.engine        # the engine's own checks (dtype, layout, tile, shared memory)
         if self.mode not in ("gemm", "copy"):
             raise ValueError(f"mkrt.gemm_allreduce: mode={self.mode!r}; expected 'gemm' or 'copy'")
         if self.collective not in COLLECTIVES:
             raise ValueError(f"mkrt.gemm_allreduce: collective={self.collective!r}; expected one "
                              f"of {COLLECTIVES}")
-
-    @property
-    def engine(self) -> gemm_module.GemmSpec:
-        return gemm_module.GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n,
-                                    self.stages, "direct")
-
-    @property
-    def threads(self) -> int:
-        return self.engine.threads
 
     @property
     def smem_bytes(self) -> int:
