@@ -54,7 +54,9 @@ def ops(world, args):
 
     import mkrt
     from mkrt.arrays import bfloat16
+    from mkrt.kernels import allgather_gemm as agg
     from mkrt.kernels import gemm_allreduce as gar
+    from mkrt.kernels import gemm_reducescatter as grs
     from mkrt.kernels.gemm import to_float32
     rng = cupy.random.default_rng(11)
     m, n, k = args.shape
@@ -65,6 +67,20 @@ def ops(world, args):
     def gar_check(outs):
         return max(float(cupy.linalg.norm(to_float32(o).astype(cupy.float64) - reference)
                          / cupy.linalg.norm(reference)) for o in outs) < 2e-2
+
+    def close_to(outs, references):
+        return max(float(cupy.linalg.norm(to_float32(o).astype(cupy.float64) - r)
+                         / cupy.linalg.norm(r)) for o, r in zip(outs, references)) < 2e-2
+
+    # The tensor-parallel pair on the same B: m rounded up so every node's rows are whole
+    # 128-row tiles (the fused reduce-scatter's rule across nodes); all-gather+GEMM with
+    # those rows split over the ranks.
+    m_tp = -(-m // (128 * world.nodes)) * 128 * world.nodes
+    a_tp = [rng.standard_normal((m_tp, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    ranks = [info.rank for info in world.local]
+    rs_references = [grs.reference(a_tp, b, r, b_layout="nk") for r in ranks]
+    a_rows = [x[:m_tp // world.size] for x in a_tp]
+    ag_references = [agg.reference(a_rows, w, b_layout="nk") for w in b]
 
     x = [rng.standard_normal(args.gather_elems, dtype=np.float32) for _ in world.local]
     x_host = np.stack([v.get() for v in x])
@@ -80,11 +96,29 @@ def ops(world, args):
     auto = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=20000)
     gather = mkrt.AllGather(world, timeout_ms=20000)
     node = mkrt.AllGather(world, group="node", timeout_ms=20000)
+    scatter = mkrt.GemmReduceScatter(world, fuse=True, b_layout="nk", timeout_ms=20000)
+    gather_gemm = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=20000)
     gar_outs = lambda: [cupy.empty((m, n), bfloat16) for _ in world.local]          # noqa: E731
     table = {
         "gemm_allreduce_fused": (lambda out: fused(a, b, out=out), gar_outs(), gar_check),
         "gemm_allreduce_unfused": (lambda out: fused.unfused(a, b, out=out), gar_outs(), gar_check),
         "gemm_allreduce_planner": (lambda out: auto(a, b, out=out), gar_outs(), gar_check),
+        "gemm_reducescatter_fused": (
+            lambda out: scatter(a_tp, b, out=out),
+            [cupy.empty((m_tp // world.size, n), bfloat16) for _ in world.local],
+            lambda outs: close_to(outs, rs_references)),
+        "gemm_reducescatter_unfused": (
+            lambda out: scatter.unfused(a_tp, b, out=out),
+            [cupy.empty((m_tp // world.size, n), bfloat16) for _ in world.local],
+            lambda outs: close_to(outs, rs_references)),
+        "allgather_gemm_fused": (
+            lambda out: gather_gemm(a_rows, b, out=out),
+            [cupy.empty((m_tp, n), bfloat16) for _ in world.local],
+            lambda outs: close_to(outs, ag_references)),
+        "allgather_gemm_unfused": (
+            lambda out: gather_gemm.unfused(a_rows, b, out=out),
+            [cupy.empty((m_tp, n), bfloat16) for _ in world.local],
+            lambda outs: close_to(outs, ag_references)),
         "allgather_world": (lambda out: gather(x, out=out),
                             [cupy.empty((world.size, args.gather_elems), np.float32)
                              for _ in world.local], gather_check),
@@ -92,14 +126,31 @@ def ops(world, args):
                            [cupy.empty((world.ranks_per_node, args.gather_elems), np.float32)
                             for _ in world.local], node_check),
     }
-    return table
+    return table, {"gemm_allreduce": fused, "gemm_reducescatter": scatter}
+
+
+def flag_words(world, table_ops) -> dict:
+    """After a timeout: every rank's nonzero flag words of the gemm_allreduce kernels (epoch
+    values; who is behind), read once the aborted launches have left."""
+    import numpy as np
+    world.synchronize()
+    found = {}
+    for op_name, op in table_ops.items():
+        flags = getattr(op, "_buffers", {}).get("flags")
+        if flags is None:
+            continue
+        for info in world.local:
+            words = flags.view(info.rank, np.uint64, (flags.nbytes // 8,)).get()
+            found[f"{op_name} rank {info.rank}"] = {
+                int(i): int(words[i]) for i in np.flatnonzero(words)}
+    return found
 
 
 def run(args) -> None:
     import mkrt
     from mkrt.bench import append_jsonl, record
     world = mkrt.init(emulate=args.layout)
-    table = ops(world, args)
+    table, table_ops = ops(world, args)
     for name in [n for n in list(table) if not args.only or n in args.only]:
         call, outs, check = table[name]
         # A watchdog dumps every thread's Python stack if the op runs past half its bound
@@ -115,13 +166,15 @@ def run(args) -> None:
             dump.seek(0)
             stacks = dump.read()[-6000:]
             print(f"{args.layout} {name:24s} TIMEOUT {error}\n{stacks}", flush=True)
+            flags = flag_words(world, table_ops)
+            print("records:", *error.records, "flags:", flags, sep="\n  ", flush=True)
             append_jsonl(args.out, [record(
                 "determinism", f"{args.layout}_{name}_eager", "timeout", 1.0, None, "count",
                 identical=False, first_output_correct=None, error=str(error)[:600],
-                stacks=stacks)])
+                records=[str(r) for r in error.records], flags=flags, stacks=stacks)])
             world.close()
             world = mkrt.init(emulate=args.layout)
-            table = ops(world, args)
+            table, table_ops = ops(world, args)
         finally:
             faulthandler.cancel_dump_traceback_later()
     world.close()
