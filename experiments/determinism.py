@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import tempfile
 import time
 
@@ -92,23 +93,23 @@ def ops(world, args):
         return all(np.array_equal(o.get(), x_host[world.node_ranks(info.node)])
                    for o, info in zip(outs, world.local))
 
-    fused = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=20000)
-    auto = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=20000)
-    gather = mkrt.AllGather(world, timeout_ms=20000)
-    node = mkrt.AllGather(world, group="node", timeout_ms=20000)
-    scatter = mkrt.GemmReduceScatter(world, fuse=True, b_layout="nk", timeout_ms=20000)
-    gather_gemm = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=20000)
+    fused = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
+    auto = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=args.timeout_ms)
+    gather = mkrt.AllGather(world, timeout_ms=args.timeout_ms)
+    node = mkrt.AllGather(world, group="node", timeout_ms=args.timeout_ms)
+    scatter = mkrt.GemmReduceScatter(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
+    gather_gemm = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     gar_outs = lambda: [cupy.empty((m, n), bfloat16) for _ in world.local]          # noqa: E731
     table = {
         "gemm_allreduce_fused": (lambda out: fused(a, b, out=out), gar_outs(), gar_check),
-        "gemm_allreduce_unfused": (lambda out: fused.unfused(a, b, out=out), gar_outs(), gar_check),
+        "gemm_allreduce_unfused": (lambda out: fused.unfused(a, b, out=out, gemm=args.unfused_gemm), gar_outs(), gar_check),
         "gemm_allreduce_planner": (lambda out: auto(a, b, out=out), gar_outs(), gar_check),
         "gemm_reducescatter_fused": (
             lambda out: scatter(a_tp, b, out=out),
             [cupy.empty((m_tp // world.size, n), bfloat16) for _ in world.local],
             lambda outs: close_to(outs, rs_references)),
         "gemm_reducescatter_unfused": (
-            lambda out: scatter.unfused(a_tp, b, out=out),
+            lambda out: scatter.unfused(a_tp, b, out=out, gemm=args.unfused_gemm),
             [cupy.empty((m_tp // world.size, n), bfloat16) for _ in world.local],
             lambda outs: close_to(outs, rs_references)),
         "allgather_gemm_fused": (
@@ -127,6 +128,33 @@ def ops(world, args):
                             for _ in world.local], node_check),
     }
     return table, {"gemm_allreduce": fused, "gemm_reducescatter": scatter}
+
+
+class NativeStacks:
+    """Once an op has run `seconds`, every thread's native stack, taken by attaching
+    cuda-gdb (the device machine has no gdb): where the driver calls wait."""
+
+    def __init__(self, seconds: float):
+        import threading
+        self.text = ""
+        self._timer = threading.Timer(seconds, self._take) if seconds > 0 else None
+        if self._timer:
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _take(self) -> None:
+        import subprocess
+        try:
+            done = subprocess.run(["cuda-gdb", "-p", str(os.getpid()), "-batch", "-ex",
+                                   "thread apply all bt 30"], capture_output=True, text=True,
+                                  timeout=90)
+            self.text = done.stdout + done.stderr
+        except (OSError, subprocess.SubprocessError) as error:
+            self.text = f"cuda-gdb failed: {error}"
+
+    def cancel(self) -> None:
+        if self._timer:
+            self._timer.cancel()
 
 
 def flag_words(world, table_ops) -> dict:
@@ -156,6 +184,7 @@ def run(args) -> None:
         # A watchdog dumps every thread's Python stack if the op runs past half its bound
         # without finishing a snapshot: what the host was doing while the kernels waited.
         dump = tempfile.TemporaryFile("w+")
+        native = NativeStacks(args.native_stacks_s)
         if args.watchdog_s > 0:
             faulthandler.dump_traceback_later(args.watchdog_s, repeat=True, file=dump)
         try:
@@ -166,16 +195,21 @@ def run(args) -> None:
             dump.seek(0)
             stacks = dump.read()[-6000:]
             print(f"{args.layout} {name:24s} TIMEOUT {error}\n{stacks}", flush=True)
+            native.cancel()
             flags = flag_words(world, table_ops)
             print("records:", *error.records, "flags:", flags, sep="\n  ", flush=True)
             append_jsonl(args.out, [record(
                 "determinism", f"{args.layout}_{name}_eager", "timeout", 1.0, None, "count",
                 identical=False, first_output_correct=None, error=str(error)[:600],
-                records=[str(r) for r in error.records], flags=flags, stacks=stacks)])
+                records=[str(r) for r in error.records], flags=flags, stacks=stacks,
+                native_stacks=native.text[-12000:],
+                unfused_gemm=args.unfused_gemm, sync_every=args.sync_every,
+                max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))])
             world.close()
             world = mkrt.init(emulate=args.layout)
             table, table_ops = ops(world, args)
         finally:
+            native.cancel()
             faulthandler.cancel_dump_traceback_later()
     world.close()
 
@@ -186,6 +220,9 @@ def run_op(args, world, name, call, outs, check) -> None:
 
     from mkrt.bench import append_jsonl, record
     for mode in ("eager", "graph"):
+        if mode == "graph" and name.endswith("unfused") and args.unfused_gemm == "cublas":
+            print(f"{args.layout} {name:24s} graph: skipped (CuPy cannot capture cuBLAS)")
+            continue
         count = args.calls if mode == "eager" else args.replays
         for out in outs:
             out.fill(0)
@@ -218,6 +255,8 @@ def run_op(args, world, name, call, outs, check) -> None:
                     graph.launch(stream)
                 if (i + 1) % args.every == 0:
                     hasher.take()
+                if args.sync_every and (i + 1) % args.sync_every == 0:
+                    stream.synchronize()
         stream.synchronize()
         world.synchronize()
         seconds = time.perf_counter() - start
@@ -230,7 +269,9 @@ def run_op(args, world, name, call, outs, check) -> None:
             "determinism", f"{args.layout}_{name}_{mode}", "distinct_hashes", float(distinct),
             1.0, "count", higher_is_better=False, calls=count, hashes=hasher.used,
             every=args.every, first_output_correct=correct, identical=ok,
-            shape=list(args.shape), gather_elems=args.gather_elems, seconds=seconds)])
+            shape=list(args.shape), gather_elems=args.gather_elems, seconds=seconds,
+            unfused_gemm=args.unfused_gemm, sync_every=args.sync_every,
+            max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))])
 
 
 def main() -> None:
@@ -245,6 +286,15 @@ def main() -> None:
     parser.add_argument("--watchdog-s", type=float, default=0.0,
                         help="dump every thread's stack every this many seconds an op runs, "
                              "kept in the row when the op ends in a timeout (0: off)")
+    parser.add_argument("--native-stacks-s", type=float, default=0.0,
+                        help="attach cuda-gdb for native stacks once an op runs this long "
+                             "(0: off)")
+    parser.add_argument("--timeout-ms", type=float, default=20000.0)
+    parser.add_argument("--unfused-gemm", choices=("cublas", "mkrt"), default="cublas",
+                        help="the GEMM of the unfused paths (cuBLAS cannot be captured in a "
+                             "CUDA graph through CuPy: graph mode is skipped for it)")
+    parser.add_argument("--sync-every", type=int, default=0,
+                        help="synchronize the host every this many calls (0: never)")
     parser.add_argument("--out", default="experiments/results/determinism.jsonl")
     run(parser.parse_args())
 

@@ -16,6 +16,12 @@ for step in $STEPS; do
     tp) timeout ${TP_TIMEOUT:-200} python3 experiments/tp_pair.py ${TP_ARGS} --out $OUT/tp_pair.jsonl 2>&1 | tail -30 ;;
     faults) timeout 200 python3 experiments/faults.py --out $OUT/faults.jsonl 2>&1 | tail -14 ;;
     tests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TESTS:-tests/test_faults_gpu.py tests/test_fuzz_gpu.py tests/test_gemm_allreduce_gpu.py tests/test_allgather_gpu.py} -p no:cacheprovider -p timeout --timeout=150 2>&1 | tee $OUT/pytest_gpu.log | tail -25 ;;
+    unfused_stall)   # which condition the unfused gemm_allreduce's stall needs (one process each)
+      base="--only gemm_allreduce_unfused --calls 3000 --replays 500 --timeout-ms 10000 --watchdog-s 3 --native-stacks-s 4 --out $OUT/unfused_stall.jsonl"
+      timeout 150 python3 experiments/determinism.py $base 2>&1 | grep -v "^  " | tail -5
+      CUDA_DEVICE_MAX_CONNECTIONS=32 timeout 150 python3 experiments/determinism.py $base 2>&1 | grep -v "^  " | tail -3
+      timeout 150 python3 experiments/determinism.py $base --unfused-gemm mkrt 2>&1 | grep -v "^  " | tail -3
+      timeout 150 python3 experiments/determinism.py $base --sync-every 50 2>&1 | grep -v "^  " | tail -3 ;;
     determinism) timeout 200 python3 experiments/determinism.py ${DETERMINISM_ARGS} --out $OUT/determinism.jsonl 2>&1 | tail -12 ;;
     sanitize) left=$(( ${DEADLINE:-100000} - SECONDS )); [ $left -lt 60 ] && { echo "no time left for the sanitizers"; continue; }
       timeout $(( left < ${SANITIZE_TIMEOUT:-400} ? left : ${SANITIZE_TIMEOUT:-400} )) python3 experiments/sanitize.py ${SANITIZE_ARGS} --out $OUT/sanitize.jsonl 2>&1 | tee $OUT/sanitize.log | grep -E "^(none|memcheck|racecheck|synccheck|initcheck) " ;;
