@@ -90,6 +90,69 @@ def _gemm(m=300, n=520, k=64, b_layout="kn"):
     return case
 
 
+def _tp_pair(op_name, layout, m=256, n=384, k=128):
+    """GEMM+ReduceScatter (A: [m, k] per rank) or AllGather+GEMM (A: [m / W, k] per rank)."""
+    def case():
+        import cupy
+        import numpy as np
+
+        import mkrt
+        from mkrt.arrays import bfloat16
+        from mkrt.kernels import allgather_gemm, gemm_reducescatter
+        from mkrt.kernels.gemm import to_float32
+        world = mkrt.init(emulate=layout)
+        rng = np.random.default_rng(3)
+        rows = m if op_name == "gemm_reducescatter" else m // world.size
+        a = [cupy.asarray(rng.standard_normal((rows, k), dtype=np.float32)).astype(bfloat16)
+             for _ in world.local]
+        b = [cupy.asarray(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+             for _ in world.local]
+        if op_name == "gemm_reducescatter":
+            op = mkrt.GemmReduceScatter(world, fuse=True, timeout_ms=TIMEOUT_MS)
+            refs = [gemm_reducescatter.reference(a, b, info.rank) for info in world.local]
+        else:
+            op = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=TIMEOUT_MS)
+            refs = [allgather_gemm.reference(a, w) for w in b]
+        op(a, b)
+        outs = op(a, b)                                       # a second epoch
+        world.synchronize()
+        error = max(float(cupy.linalg.norm(to_float32(o) - r) / cupy.linalg.norm(r))
+                    for o, r in zip(outs, refs))
+        world.close()
+        return error < 2e-2
+    return case
+
+
+def _probe_timeout():
+    """The bounded wait giving up (the error path every kernel shares), then a released wait."""
+    def case():
+        import cupy
+        import numpy as np
+
+        import mkrt
+        from mkrt.kernels.probe import ProbeSpec, wait_for_flag
+        world = mkrt.init(emulate="1x1")
+        block = world.status(0)
+        flag = cupy.zeros(1, np.uint64)
+        seen = wait_for_flag(flag, 5, world_status=block.device_ptr,
+                             host_flag=block.host_flag_ptr, flag_id=7, timeout_ms=50, ctas=2)
+        try:
+            world.synchronize()
+            timed_out = False
+        except mkrt.CommTimeout:
+            timed_out = True
+        world.close()
+        world = mkrt.init(emulate="1x1")
+        block = world.status(0)
+        ProbeSpec().function("set_flag", 0)((1,), (32,), (flag, np.uint64(9)))
+        released = wait_for_flag(flag, 9, world_status=block.device_ptr,
+                                 host_flag=block.host_flag_ptr, flag_id=7, timeout_ms=TIMEOUT_MS)
+        world.synchronize()
+        world.close()
+        return timed_out and list(seen.get()) == [2**64 - 1] * 2 and int(released.get()[0]) == 9
+    return case
+
+
 def _proxy_ce():
     """Proxy test kernels post puts and signals through the `ce` transport."""
     def case():
@@ -130,6 +193,13 @@ CASES = {
     "gemm_allreduce_fused_1x2": _gar("1x2", True),
     "gemm_allreduce_fused_2x2": _gar("2x2", True),
     "gemm_allreduce_unfused_1x2": _gar("1x2", False),
+    "gemm_allreduce_unfused_2x2": _gar("2x2", False, m=256),
+    "gemm_reducescatter_fused_1x2": _tp_pair("gemm_reducescatter", "1x2"),
+    "gemm_reducescatter_fused_2x2": _tp_pair("gemm_reducescatter", "2x2"),
+    "allgather_gemm_fused_1x2": _tp_pair("allgather_gemm", "1x2"),
+    "allgather_gemm_fused_2x2": _tp_pair("allgather_gemm", "2x2"),
+    "allgather_node_2x2": _allgather("2x2", group="node"),
+    "probe_wait_timeout": _probe_timeout(),
     "proxy_ce_puts": _proxy_ce(),
 }
 
