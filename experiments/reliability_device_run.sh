@@ -9,8 +9,8 @@ for step in $STEPS; do
   echo "== $step"
   case $step in
     ab) for i in 1 2; do
-          MKRT_JIT_CACHE_DIR=/tmp/mkrt-cache-old PYTHONPATH=$PWD/.bench_old timeout 60 python3 .bench_old/experiments/runtime.py --layouts 1x1 1x2 --label ab_4b97680 --out $OUT/runtime_ab.jsonl 2>&1 | grep -v "^ "
-          timeout 60 python3 experiments/runtime.py --layouts 1x1 1x2 --label ab_now --out $OUT/runtime_ab.jsonl 2>&1 | grep -v "^ "
+          MKRT_JIT_CACHE_DIR=/tmp/mkrt-cache-old PYTHONPATH=$PWD/.bench_old timeout 60 python3 .bench_old/experiments/runtime.py --layouts ${AB_LAYOUTS:-1x1 1x2} --label ab_${AB_OLD:-4b97680} --out $OUT/runtime_ab.jsonl 2>&1 | grep -v "^ "
+          timeout 60 python3 experiments/runtime.py --layouts ${AB_LAYOUTS:-1x1 1x2} --label ab_now --out $OUT/runtime_ab.jsonl 2>&1 | grep -v "^ "
         done ;;
     stall) timeout ${STALL_TIMEOUT:-150} python3 experiments/proxy_stall.py ${STALL_MODES:-planner,synced_warmup,fused_only} 1 > $OUT/proxy_stall.log 2>&1; echo "rc $?"; grep -v "^ " $OUT/proxy_stall.log | tail -20 ;;
     tp) timeout ${TP_TIMEOUT:-200} python3 experiments/tp_pair.py ${TP_ARGS} --out $OUT/tp_pair.jsonl 2>&1 | tail -30 ;;

@@ -17,6 +17,7 @@ from mkrt.arrays import as_cupy, dtype_name
 from mkrt.errors import MkrtError
 from mkrt.proxy import world as _proxy_service  # noqa: F401  (provides world.proxy())
 from mkrt import status as _status_service  # noqa: F401  (provides world.status())
+from mkrt import pacing as _pacing_service  # noqa: F401  (provides world.service("pacer"))
 from mkrt.world import World, current_world
 
 #: the kernel parameters of mkrt::Context, in order, that :meth:`Op.context_params` fills
@@ -41,6 +42,7 @@ class Op:
         self._multi_device = len(set(self._local_devices)) > 1
         self._sync_check = envs.get("MKRT_SYNC_CHECK")     # read once per op
         self._timeout_slots = None
+        self._pacers = None              # (device, HostPacer) where the proxy's traffic is GPU work
         self._scratch: dict = {}         # kept_buffers: per-rank buffers kept between calls
 
     # ---- per-rank buffers --------------------------------------------------------
@@ -253,6 +255,13 @@ class Op:
                                    for info in self.world.local]
         for table, rank in self._timeout_slots:    # what a CommTimeout reports as the bound
             table[rank] = self.timeout_ms
+        if self._pacers is None:
+            # Bounded run-ahead where the proxy sends by GPU copies (mkrt/pacing.py).
+            devices = sorted({info.device for info in self.world.local
+                              if self.world.copies_need_sms(info.rank)})
+            self._pacers = tuple((d, self.world.service("pacer", d)) for d in devices)
+        for device, pacer in self._pacers:
+            pacer.after_call(_current_stream(device).ptr)
         if self._sync_check:
             self.synchronize()
 
