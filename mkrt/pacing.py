@@ -7,7 +7,7 @@ next submission wait for queue space, and the proxy's submissions wait too, whil
 queued kernels wait for the proxy: nothing moves until their bounded waits give up
 (measured on the emulated 2x2 world: the unfused ``gemm_allreduce``, back to back without
 synchronisation, stalled after 118 to 545 calls; with the host waiting every 50 calls, it
-did not; experiments/results/determinism.jsonl, rows ``unfused_stall``).
+did not: experiments/results/unfused_stall.jsonl).
 
 So every op on such a world keeps at most :data:`IN_FLIGHT_CALLS` calls per GPU in flight:
 after each call an event on the caller's stream, and before it the host waits for the
@@ -46,6 +46,10 @@ class HostPacer:
             _runtime.eventSynchronize(self._pointers[slot])    # returns at once when done
         _runtime.eventRecord(self._pointers[slot], stream_ptr)
         self.calls += 1
+
+    def close(self) -> None:
+        """Called by ``world.close()`` (every world service has one)."""
+        self._events, self._pointers = [], []
 
 
 register_service("pacer", lambda world, device: HostPacer(device))

@@ -285,8 +285,9 @@ _SERVICE_MODULES = {"status": "mkrt.status", "proxy": "mkrt.proxy.world"}
 
 
 def register_service(name: str, factory) -> None:
-    """Let worlds make `name` services with `factory(world, key)` (called by mkrt.status
-    and mkrt.proxy.world when they are imported)."""
+    """Let worlds make `name` services with `factory(world, key)` (called by mkrt.status,
+    mkrt.pacing and mkrt.proxy.world when they are imported). A service must have
+    ``close()``: ``world.close()`` calls it."""
     _SERVICE_FACTORIES[name] = factory
 
 

@@ -1,4 +1,4 @@
-"""The import graph runs one way: top -> kernels -> proxy/memory/status -> world ->
+"""The import graph runs one way: top -> kernels -> proxy/memory/status/pacing -> world ->
 device code -> jit -> base. A module may import its own layer or lower ones, never higher,
 at module level or inside a function (a lazy import is still a dependency)."""
 
@@ -16,11 +16,11 @@ LAYERS = [
     ("mkrt.jit", 1),
     ("mkrt.kernels.device", 2), ("mkrt.proxy.layout", 2),   # CUDA vocabulary + wire format
     ("mkrt.world", 3),
-    ("mkrt.memory", 4), ("mkrt.status", 4), ("mkrt.proxy", 4),
+    ("mkrt.memory", 4), ("mkrt.status", 4), ("mkrt.pacing", 4), ("mkrt.proxy", 4),
     ("mkrt.kernels", 5), ("mkrt.controller", 5),
     ("mkrt.report", 6), ("mkrt.__main__", 6), ("mkrt", 6),
 ]
-NAMES = ["base", "jit", "device code", "world", "proxy/memory/status", "kernels/controller", "top"]
+NAMES = ["base", "jit", "device code", "world", "proxy/memory/status/pacing", "kernels/controller", "top"]
 
 
 def layer(module: str) -> int:
