@@ -31,8 +31,9 @@ PROXY_STALL_HINT = (
     "; the proxy had issued every command posted to it, so if this flag is one the proxy "
     "writes, its GPU work (copy, flag write on the proxy's stream) did not run in time: "
     "where nodes share a host, a CUDA call of this process that waits for the device (a "
-    "first cuBLAS call of a new shape, a memory allocation or free) while a fused call is "
-    "in flight holds that work back; call world.synchronize() before such calls")
+    "first cuBLAS call of a new shape, a memory allocation or free), or many CUDA graph "
+    "replays queued ahead of the GPU, while a fused call is in flight hold that work back; "
+    "call world.synchronize() before such calls and every few dozen replays")
 
 @dataclass(frozen=True)
 class RankInfo:
