@@ -204,14 +204,27 @@ CASES = {
 }
 
 
-def inner(name: str) -> None:
+def use_ce_copy_method(method: str) -> None:
+    """Make every `ce` transport of this process copy with `method` ("kernel": mkrt's batch
+    copy kernel, the default; "each": one cuMemcpyAsync per put). Under the sanitizer the
+    proxy's copy kernel did not run while instrumented kernels waited for it."""
+    import functools
+
+    from mkrt.proxy.transports import ce
+    ce.CopyEngineTransport.__init__ = functools.partialmethod(ce.CopyEngineTransport.__init__,
+                                                              copy_method=method)
+
+
+def inner(name: str, copy_method: str) -> None:
+    use_ce_copy_method(copy_method)
     ok = CASES[name]()
     print(f"SANITIZE_CASE {name} ok={ok}", flush=True)
     sys.exit(0 if ok else 3)
 
 
-def one(tool: str | None, name: str, timeout_s: float) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--inner", name]
+def one(tool: str | None, name: str, timeout_s: float, copy_method: str = "kernel") -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--inner", name,
+               "--ce-copy-method", copy_method]
     if tool is not None:
         command = [shutil.which("compute-sanitizer") or "compute-sanitizer", "--tool", tool,
                    "--print-limit", "20", *(["--racecheck-report", "all"] if tool == "racecheck" else []),
@@ -225,7 +238,8 @@ def one(tool: str | None, name: str, timeout_s: float) -> dict:
         code, timed_out = None, True
     summary = re.search(r"ERROR SUMMARY: (\d+) error", output)
     races = re.search(r"RACECHECK SUMMARY: (\d+) hazard", output)
-    return {"tool": tool or "none", "case": name, "seconds": time.perf_counter() - start,
+    return {"tool": tool or "none", "case": name, "ce_copy_method": copy_method,
+            "seconds": time.perf_counter() - start,
             "returncode": code, "timed_out": timed_out,
             "errors": int(summary.group(1)) if summary else None,
             "hazards": int(races.group(1)) if races else None,
@@ -240,19 +254,22 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--ce-copy-method", choices=("kernel", "each"), default="kernel",
+                        help="how the proxy's `ce` transport copies (multi-node cases)")
     parser.add_argument("--out", default="experiments/results/sanitize.jsonl")
     args = parser.parse_args()
     if args.inner:
-        inner(args.inner)
+        inner(args.inner, args.ce_copy_method)
         return
     from mkrt.bench import append_jsonl, record
-    plain = {name: one(None, name, 300) for name in args.cases}
+    plain = {name: one(None, name, 300, args.ce_copy_method) for name in args.cases}
     def write(row):
         print(f"{row['tool']:10s} {row['case']:28s} errors={row['errors']} hazards={row['hazards']} "
               f"case_ok={row['case_ok']} timed_out={row['timed_out']} {row['seconds']:.1f} s", flush=True)
         if row["errors"]:
             print(row["tail"][-2500:], flush=True)
-        append_jsonl(args.out, [record("sanitize", f"{row['tool']}_{row['case']}", "errors",
+        suffix = "" if row["ce_copy_method"] == "kernel" else f"_ce_{row['ce_copy_method']}"
+        append_jsonl(args.out, [record("sanitize", f"{row['tool']}_{row['case']}{suffix}", "errors",
                                        float(row["errors"]) if row["errors"] is not None else None,
                                        0.0, "count", higher_is_better=False, **{
                                            k: v for k, v in row.items() if k not in ("case",)})])
@@ -262,7 +279,8 @@ def main() -> None:
     # Rows are written as each run ends: a caller's time limit keeps what finished.
     jobs = [(tool, name) for tool in args.tools for name in args.cases if plain[name]["case_ok"]]
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        futures = [pool.submit(one, tool, name, args.timeout) for tool, name in jobs]
+        futures = [pool.submit(one, tool, name, args.timeout, args.ce_copy_method)
+                   for tool, name in jobs]
         for future in concurrent.futures.as_completed(futures):
             write(future.result())
 
