@@ -1,6 +1,8 @@
 #!/bin/bash
-# One device call for the reliability issue; each step bounded, results under $OUT.
-#   STEPS="stall faults tests determinism sanitize ab" bash experiments/reliability_device_run.sh
+# One device call, each step bounded, results under $OUT (named for the issue it began with;
+# it now serves every experiment that runs in one call):
+#   STEPS="tests determinism unfused_stall sanitize ab tp gemm_tune controller faults stall" \
+#     bash experiments/reliability_device_run.sh
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEPS=${STEPS:-"stall faults tests determinism"}
@@ -22,6 +24,8 @@ for step in $STEPS; do
       CUDA_DEVICE_MAX_CONNECTIONS=32 timeout 150 python3 experiments/determinism.py $base 2>&1 | grep -v "^  " | tail -3
       timeout 150 python3 experiments/determinism.py $base --unfused-gemm mkrt 2>&1 | grep -v "^  " | tail -3
       timeout 150 python3 experiments/determinism.py $base --sync-every 50 2>&1 | grep -v "^  " | tail -3 ;;
+    gemm_tune) timeout ${TUNE_TIMEOUT:-300} python3 experiments/gemm_tune.py ${TUNE_ARGS} --out $OUT/gemm_tune.jsonl 2>&1 | grep -E "best|WRONG|Error" | tail -40 ;;
+    controller) timeout ${CONTROLLER_TIMEOUT:-240} python3 experiments/controller.py ${CONTROLLER_ARGS} --out $OUT/controller.jsonl 2>&1 | tail -20 ;;
     determinism) timeout 200 python3 experiments/determinism.py ${DETERMINISM_ARGS} --out $OUT/determinism.jsonl 2>&1 | tail -12 ;;
     sanitize) left=$(( ${DEADLINE:-100000} - SECONDS )); [ $left -lt 60 ] && { echo "no time left for the sanitizers"; continue; }
       timeout $(( left < ${SANITIZE_TIMEOUT:-400} ? left : ${SANITIZE_TIMEOUT:-400} )) python3 experiments/sanitize.py ${SANITIZE_ARGS} --out $OUT/sanitize.jsonl 2>&1 | tee $OUT/sanitize.log | grep -E "^(none|memcheck|racecheck|synccheck|initcheck) " ;;

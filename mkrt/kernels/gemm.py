@@ -313,12 +313,14 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 # ---- launcher ------------------------------------------------------------------------
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
-         block_n: int = 256, stages: int | None = None, epilogue: str = "auto", stream=None):
+         block_m: int = 128, block_n: int = 256, stages: int | None = None,
+         epilogue: str = "auto", stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
     out: optional [M, N] of the same dtype (written in place and returned). ``sms`` caps the
     grid (default: every SM), ``group_m`` is the raster group (tile rows walked together),
+    ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256),
     ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
     depth (default: as many as fit).
     Returns out in the type of ``a`` (torch in, torch out).
@@ -335,11 +337,11 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     device = a_view.data.device_id
     key = (a_view.shape, a_view.dtype, b_view.shape, b_view.dtype,
            None if out_view is None else (out_view.shape, out_view.dtype),
-           b_layout, sms, group_m, block_n, stages, epilogue, device)
+           b_layout, sms, group_m, block_m, block_n, stages, epilogue, device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, a_view, b_view, out_view):
         p = _gemm_plan(a_view, b_view, out_view, b_layout=b_layout, sms=sms, group_m=group_m,
-                       block_n=block_n, stages=stages, epilogue=epilogue)
+                       block_m=block_m, block_n=block_n, stages=stages, epilogue=epilogue)
         if p.spec.b_layout == "kn" and p.pad_n != p.n:
             return _gemm_padded(a, a_view, b_view, out_view, p, stream)
         call = _prepared_gemm(key, p, device)
@@ -418,12 +420,14 @@ def _full_checks(a_view, b_view, out_view, b_layout):
     return m, n, k, dtype, device
 
 
-def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_n, stages, epilogue):
+def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
+               epilogue):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
-             block_n=block_n, stages=stages, group_m=group_m, epilogue=epilogue)
+             block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
+             epilogue=epilogue)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
     return p

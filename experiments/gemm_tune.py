@@ -1,0 +1,169 @@
+"""The GEMM engine's tile configurations on a 30-shape suite, against torch.matmul in the
+same run: the data a tile-selection rule is fitted on (FIT) and judged on (HELD_OUT).
+
+The two sets never mix: a rule's parameters come from FIT rows only; HELD_OUT rows say
+how the rule does on shapes it was not fitted on (every configuration is timed on every
+shape, so any rule's pick can be scored from the same run). Each (shape, configuration)
+is checked against a float32 result on fresh random data (output poisoned first), then
+timed with CUDA events after warm-up (median of --repeats batches of --iterations
+launches); torch.matmul (cuBLASLt) is timed on the same operands in the same run.
+
+    MKRT_JIT_CACHE_DIR=/tmp/mkrt-cache PYTHONPATH=$PWD python3 experiments/gemm_tune.py \\
+        --out experiments/results/gemm_tune.jsonl [--table]
+
+``--table`` also writes the fastest configuration per shape to ``gemm_table.json`` in the
+JIT cache folder (``MKRT_JIT_CACHE_DIR``). ``--compile-only`` builds every configuration
+for sm_90a (no GPU needed) and prints registers, spills and shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+
+#: shapes (M, N, K) the rule is fitted on: the issue's measured shapes and LLM projections
+FIT = [(8192, 8192, 8192), (6144, 6144, 6144), (4096, 14336, 4096), (2048, 2048, 2048),
+       (3000, 5000, 7000), (512, 16384, 16384), (32768, 1024, 4096), (1024, 8192, 28672),
+       (12288, 12288, 1536), (16384, 4096, 14336), (128, 4096, 4096), (64, 14336, 4096),
+       (8192, 1024, 8192), (1000, 1000, 1000), (4096, 4096, 512)]
+#: shapes the rule is judged on and never fitted on
+HELD_OUT = [(4096, 4096, 4096), (2048, 8192, 8192), (8000, 7936, 4096), (16, 8192, 8192),
+            (96, 28672, 8192), (256, 4096, 14336), (1536, 1536, 1536), (5000, 3000, 2000),
+            (3072, 12288, 3072), (24576, 8192, 1024), (8192, 28672, 8192), (640, 896, 1152),
+            (2504, 2500, 2504), (7168, 7168, 7168), (4096, 1024, 1024)]
+#: (block_m, block_n) tiles of the engine (one or two consumer warpgroups of 64 rows)
+CONFIGS = [(128, 256), (128, 192), (128, 128), (64, 256), (64, 128)]
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", nargs="+", default=["fit", "held_out"],
+                        choices=("fit", "held_out"))
+    parser.add_argument("--shapes", nargs="*", help="MxNxK ... instead of the sets")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
+    parser.add_argument("--b-layout", default="nk", choices=("nk", "kn"))
+    parser.add_argument("--sms", type=int, default=None, help="grid cap (default: every SM)")
+    parser.add_argument("--group-m", type=int, nargs="+", default=[8])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--table", action="store_true",
+                        help="write the fastest configuration per shape to the JIT cache folder")
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--out", default="experiments/results/gemm_tune.jsonl")
+    return parser.parse_args()
+
+
+def shapes_of(args) -> list[tuple[str, tuple[int, int, int]]]:
+    if args.shapes:
+        return [("given", tuple(int(x) for x in s.split("x"))) for s in args.shapes]
+    sets = {"fit": FIT, "held_out": HELD_OUT}
+    return [(name, shape) for name in args.sets for shape in sets[name]]
+
+
+def compile_only(args) -> None:
+    from mkrt.kernels import gemm as G
+    for epilogue in ("tma", "direct"):
+        for block_m, block_n in CONFIGS:
+            spec = G.plan(256, 256, 256, dtype=args.dtype, b_layout=args.b_layout,
+                          block_m=block_m, block_n=block_n, epilogue=epilogue).spec
+            build = spec.build(check_spills=True)
+            print(f"{spec.uri:48s} stages={spec.stages} smem={spec.smem_bytes} "
+                  f"{build.resources.get('gemm')}", flush=True)
+
+
+def time_ms(fn, iterations, repeats, warmup) -> float:
+    import cupy
+    for _ in range(warmup):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(iterations):
+            fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
+    return float(np.median(samples))
+
+
+def sweep(args) -> None:
+    import cupy
+    import torch
+
+    from mkrt import envs
+    from mkrt.bench import append_jsonl, record
+    from mkrt.kernels import gemm as G
+    torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    sms = args.sms or cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    best = {}
+    for set_name, (m, n, k) in shapes_of(args):
+        b_shape = (k, n) if args.b_layout == "kn" else (n, k)
+        a = cupy.from_dlpack(torch.randn((m, k), dtype=torch_dtype, device="cuda"))
+        b = cupy.from_dlpack(torch.randn(b_shape, dtype=torch_dtype, device="cuda") / 8)
+        out = cupy.empty((m, n), dtype=a.dtype)
+        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+        tb = tb if args.b_layout == "kn" else tb.t()
+        torch_out = torch.empty((m, n), dtype=torch_dtype, device="cuda")
+        torch_us = 1e3 * time_ms(lambda: torch.matmul(ta, tb, out=torch_out), args.iterations,
+                                 args.repeats, args.warmup)
+        reference = G.reference(a, b, b_layout=args.b_layout, dtype=np.float32)
+        case = f"{m}x{n}x{k}"
+        times = {}
+        for (block_m, block_n) in CONFIGS:
+            for group_m in args.group_m:
+                config = f"{block_m}x{block_n}_g{group_m}"
+                call = lambda: G.gemm(a, b, out, b_layout=args.b_layout, sms=args.sms,  # noqa: E731
+                                      group_m=group_m, block_m=block_m, block_n=block_n)
+                G.poison(out)
+                call()
+                error = float(cupy.linalg.norm(G.to_float32(out) - reference)
+                              / cupy.linalg.norm(reference))
+                if not math.isfinite(error) or error > 1e-2:
+                    print(f"{set_name:8s} {case:18s} {config:12s} WRONG (error {error:.2e})",
+                          flush=True)
+                    append_jsonl(args.out, [record(
+                        "gemm_tune", case, "wrong", 1.0, None, "count", set=set_name,
+                        config=config, block_m=block_m, block_n=block_n, group_m=group_m,
+                        error=error)])
+                    continue
+                us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
+                times[config] = us
+                flops = 2.0 * m * n * k
+                print(f"{set_name:8s} {case:18s} {config:12s} {us:9.1f} us "
+                      f"{flops / us / 1e6:6.1f} TFLOP/s  x torch {torch_us / us:5.3f}", flush=True)
+                append_jsonl(args.out, [record(
+                    "gemm_tune", case, "us", us, torch_us, "us", higher_is_better=False,
+                    set=set_name, config=config, block_m=block_m, block_n=block_n,
+                    group_m=group_m, sms=sms, dtype=args.dtype, b_layout=args.b_layout,
+                    tflops=flops / us / 1e6, error=error, baseline_name="torch.matmul")])
+        if times:
+            winner = min(times, key=times.get)
+            best[f"{case}:{args.dtype}:{args.b_layout}:{sms}"] = winner
+            print(f"{set_name:8s} {case:18s} best {winner} x torch "
+                  f"{torch_us / times[winner]:.3f}", flush=True)
+        del a, b, out, ta, tb, torch_out, reference
+        cupy.get_default_memory_pool().free_all_blocks()
+    if args.table:
+        path = envs.get("MKRT_JIT_CACHE_DIR") / "gemm_table.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table.update(best)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True))
+        print(f"wrote {len(best)} entries to {path}")
+
+
+def main() -> None:
+    args = parse()
+    if args.compile_only:
+        compile_only(args)
+    else:
+        sweep(args)
+
+
+if __name__ == "__main__":
+    main()
