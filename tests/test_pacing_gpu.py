@@ -8,7 +8,7 @@ import pytest
 
 import mkrt
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.gpu
 
 
 def _operands(world, m, n, k):

@@ -1,0 +1,379 @@
+"""A loopback stand-in for an RDMA NIC, behind the real libibverbs ABI.
+
+No machine here has an RDMA device, so the compiled verbs path is proven against this:
+an ``ibv_context`` whose ops table holds ``post_send`` and ``poll_cq`` compiled with
+Numba (C-callable), ``ibv_qp`` and ``ibv_cq`` structs with the real leading fields, and a
+completion ring behind each CQ. The poster cannot tell it from a provider: it reads the
+function pointers from the context and calls them on real ``ibv_send_wr`` chains
+(:mod:`mkrt.proxy.transports.verbs_abi`).
+
+What the stand-in does, as an RC queue pair does:
+
+* an RDMA WRITE copies ``sge.length`` bytes from ``sge.addr`` to ``remote_addr`` at post
+  time (inline or not: the data is read when posted), in chain order, so a flag written
+  after data lands after it; WRITE-with-immediate then adds a receive completion (opcode
+  ``IBV_WC_RECV_RDMA_WITH_IMM``, the immediate in network order) to the peer's CQ;
+* addresses go through the fabric's memory registrations as on a NIC: the remote range
+  must lie in a registration with the WR's rkey (else ``IBV_WC_REM_ACCESS_ERR``), the
+  local one in a registration with the SGE's lkey (else ``IBV_WC_LOC_PROT_ERR``; inline
+  data is read from its plain address), each translated from the registration's base
+  (the iova of a dma-buf registration) to where the memory is mapped;
+* a signalled WR adds a send completion to the QP's send CQ; send-queue slots come back
+  when a signalled completion is polled (every WR up to it), and ``post_send`` refuses a
+  WR beyond ``depth`` outstanding (ENOMEM, ``*bad_wr`` set) as a provider does;
+* fault injection: ``fail_after=n`` makes the n-th WR complete with
+  ``IBV_WC_REM_ACCESS_ERR`` without writing anything; the QP is then in error and every
+  later WR completes with ``IBV_WC_WR_FLUSH_ERR`` (signalled or not).
+
+Copies use memmove on host addresses; ``copy_function`` (the address of a C function
+``int copy(void *dst, const void *src, size_t n)``) replaces it, e.g. a device copy for
+GPU memory. Everything runs on the posting thread (synchronously), so a completion exists
+as soon as ``post_send`` returns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import cfunc, njit, types
+from numba.extending import intrinsic
+
+from mkrt.proxy.atomics import copy_bytes, load_acquire_at, store_release_at
+from mkrt.proxy.transports import verbs_abi as A
+
+IBV_WC_SUCCESS = 0
+IBV_WC_LOC_PROT_ERR = 4
+IBV_WC_WR_FLUSH_ERR = 5
+IBV_WC_REM_ACCESS_ERR = 10
+IBV_WC_RDMA_WRITE = 1
+IBV_WC_RECV_RDMA_WITH_IMM = 129
+IBV_WR_RDMA_WRITE_WITH_IMM = 1
+IBV_SEND_SIGNALED = 2
+IBV_SEND_INLINE = 8
+ENOMEM = 12
+
+# the stand-in's state of one QP (what ibv_qp.qp_context points at), u64 words
+Q_DEPTH, Q_POSTED, Q_FREED, Q_FAIL_AFTER, Q_ERROR, Q_PEER_CQ, Q_COPY, Q_QPN, Q_MRS = range(9)
+QP_STATE_WORDS = 10
+# the fabric's registrations: word 0 the count, then rows of (key, base, address, size)
+MR_WORDS = 4
+# a CQ's ring (what ibv_cq.cq_context points at): header words, then entries
+R_CAPACITY, R_HEAD, R_TAIL, R_OVERFLOW = range(4)
+RING_HEADER_WORDS = 4
+# entry words past the ibv_wc ones: which QP state to credit, and up to which WR
+E_QP_STATE, E_SEQUENCE = A.WC_WORDS, A.WC_WORDS + 1
+ENTRY_WORDS = A.WC_WORDS + 2
+
+_I8P = ir.IntType(8).as_pointer()
+
+
+@intrinsic
+def _call_copy(typingctx, function, dst, src, nbytes):
+    """``((int (*)(void *, const void *, size_t))function)(dst, src, nbytes)``."""
+    def codegen(context, builder, sig, args):
+        d = builder.inttoptr(context.cast(builder, args[1], sig.args[1], types.uint64), _I8P)
+        s = builder.inttoptr(context.cast(builder, args[2], sig.args[2], types.uint64), _I8P)
+        n = context.cast(builder, args[3], sig.args[3], types.uint64)
+        fnty = ir.FunctionType(ir.IntType(32), [_I8P, _I8P, ir.IntType(64)])
+        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
+                                  fnty.as_pointer())
+        return builder.call(target, [d, s, n])
+    return types.int32(function, dst, src, nbytes), codegen
+
+
+@njit(nogil=True, cache=False)
+def _word(address, index):
+    return load_acquire_at(address + np.uint64(8 * index))
+
+
+@njit(nogil=True, cache=False)
+def _set(address, index, value):
+    store_release_at(address + np.uint64(8 * index), np.uint64(value))
+
+
+@njit(nogil=True, cache=False)
+def _push(cq, wr_id, status, opcode, byte_len, imm_network, qp_state, sequence):
+    """Append a completion to the ring of the ibv_cq at `cq`; False when it is full."""
+    ring = _word(cq, 2)                                    # ibv_cq.cq_context
+    capacity, head = _word(ring, R_CAPACITY), _word(ring, R_HEAD)
+    if head - _word(ring, R_TAIL) >= capacity:
+        _set(ring, R_OVERFLOW, _word(ring, R_OVERFLOW) + np.uint64(1))
+        return False
+    entry = ring + np.uint64(8 * RING_HEADER_WORDS) + (head % capacity) * np.uint64(8 * ENTRY_WORDS)
+    _set(entry, A.C_ID, wr_id)
+    _set(entry, A.C_STATUS_OPCODE, np.uint64(status) | (np.uint64(opcode) << np.uint64(32)))
+    _set(entry, A.C_VENDOR_LENGTH, np.uint64(byte_len) << np.uint64(32))
+    _set(entry, A.C_IMM_QPN, imm_network)
+    _set(entry, A.C_SRC_FLAGS, 0)
+    _set(entry, A.C_PKEY_SLID_SL, 0)
+    _set(entry, E_QP_STATE, qp_state)
+    _set(entry, E_SEQUENCE, sequence)
+    _set(ring, R_HEAD, head + np.uint64(1))
+    return True
+
+
+@njit(nogil=True, cache=False)
+def _translate(mrs, key, address, length):
+    """Where [address, address + length) of registration `key` is mapped; 0 if outside."""
+    count = _word(mrs, 0)
+    for i in range(count):
+        row = mrs + np.uint64(8) + np.uint64(i * MR_WORDS * 8)
+        if _word(row, 0) == key:
+            base, size = _word(row, 1), _word(row, 3)
+            if address >= base and address - base + length <= size:
+                return _word(row, 2) + (address - base)
+    return np.uint64(0)
+
+
+@cfunc(types.int32(types.uint64, types.uint64, types.uint64), nogil=True)
+def loopback_post_send(qp, wr, bad_wr):
+    state = _word(qp, 1)                                   # ibv_qp.qp_context
+    send_cq = _word(qp, 3)                                 # ibv_qp.send_cq
+    while wr != np.uint64(0):
+        if _word(state, Q_POSTED) - _word(state, Q_FREED) >= _word(state, Q_DEPTH):
+            store_release_at(bad_wr, wr)
+            return ENOMEM
+        sequence = _word(state, Q_POSTED) + np.uint64(1)
+        _set(state, Q_POSTED, sequence)
+        wr_id = _word(wr, A.W_ID)
+        num_opcode = _word(wr, A.W_NUM_SGE_OPCODE)
+        num_sge = num_opcode & np.uint64(0xFFFFFFFF)
+        opcode = num_opcode >> np.uint64(32)
+        flags_imm = _word(wr, A.W_FLAGS_IMM)
+        flags = flags_imm & np.uint64(0xFFFFFFFF)
+        status = IBV_WC_SUCCESS
+        length = np.uint64(0)
+        if _word(state, Q_ERROR) != np.uint64(0):
+            status = IBV_WC_WR_FLUSH_ERR
+        elif _word(state, Q_FAIL_AFTER) == sequence:
+            status = IBV_WC_REM_ACCESS_ERR
+            _set(state, Q_ERROR, 1)
+        else:
+            if num_sge != np.uint64(0):
+                sge = _word(wr, A.W_SG_LIST)
+                length = _word(sge, A.G_LENGTH_LKEY) & np.uint64(0xFFFFFFFF)
+                lkey = _word(sge, A.G_LENGTH_LKEY) >> np.uint64(32)
+                mrs = _word(state, Q_MRS)
+                source = _word(sge, A.G_ADDR)
+                if (flags & np.uint64(IBV_SEND_INLINE)) == np.uint64(0):
+                    source = _translate(mrs, lkey, source, length)
+                target = _translate(mrs, _word(wr, A.W_RKEY) & np.uint64(0xFFFFFFFF),
+                                    _word(wr, A.W_REMOTE_ADDR), length)
+                if source == np.uint64(0):
+                    status = IBV_WC_LOC_PROT_ERR
+                elif target == np.uint64(0):
+                    status = IBV_WC_REM_ACCESS_ERR
+                else:
+                    copy = _word(state, Q_COPY)
+                    if copy != np.uint64(0):
+                        if _call_copy(copy, target, source, length) != 0:
+                            status = IBV_WC_REM_ACCESS_ERR
+                    else:
+                        copy_bytes(target, source, length)
+                if status != IBV_WC_SUCCESS:
+                    _set(state, Q_ERROR, 1)
+            if status == IBV_WC_SUCCESS and opcode == np.uint64(IBV_WR_RDMA_WRITE_WITH_IMM):
+                _push(_word(state, Q_PEER_CQ), 0, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM,
+                      length, flags_imm >> np.uint64(32), np.uint64(0), np.uint64(0))
+        if status != IBV_WC_SUCCESS or (flags & np.uint64(IBV_SEND_SIGNALED)) != np.uint64(0):
+            _push(send_cq, wr_id, status, IBV_WC_RDMA_WRITE, length, 0, state, sequence)
+        wr = _word(wr, A.W_NEXT)
+    return 0
+
+
+@cfunc(types.int32(types.uint64, types.int32, types.uint64), nogil=True)
+def loopback_poll_cq(cq, count, wc):
+    ring = _word(cq, 2)
+    capacity = _word(ring, R_CAPACITY)
+    taken = 0
+    while taken < count:
+        tail = _word(ring, R_TAIL)
+        if tail == _word(ring, R_HEAD):
+            break
+        entry = ring + np.uint64(8 * RING_HEADER_WORDS) + (tail % capacity) * np.uint64(8 * ENTRY_WORDS)
+        out = wc + np.uint64(taken * A.WC_WORDS * 8)
+        for w in range(A.WC_WORDS):
+            _set(out, w, _word(entry, w))
+        qp_state = _word(entry, E_QP_STATE)
+        if qp_state != np.uint64(0):                       # send slots up to it are free
+            _set(qp_state, Q_FREED, _word(entry, E_SEQUENCE))
+        _set(ring, R_TAIL, tail + np.uint64(1))
+        taken += 1
+    return taken
+
+
+class LoopbackFabric:
+    """The NICs of one process and the memory registrations they all see (rkeys are
+    fabric-wide here, as (rank, rkey) pairs are on a real network)."""
+
+    def __init__(self, *, max_registrations: int = 256):
+        self.mrs = np.zeros(1 + max_registrations * MR_WORDS, dtype=np.uint64)
+        self.next_key = 0x100
+
+    def register(self, address: int, size: int, base: int | None = None) -> int:
+        """A registration of [address, address + size), addressed in WRs from `base`
+        (default: `address`); returns its key (lkey = rkey)."""
+        count = int(self.mrs[0])
+        if 1 + (count + 1) * MR_WORDS > self.mrs.size:
+            raise ValueError(f"mkrt.proxy: loopback fabric holds {count} registrations at most")
+        key = self.next_key
+        self.next_key += 1
+        row = 1 + count * MR_WORDS
+        self.mrs[row:row + MR_WORDS] = (key, address if base is None else base, address, size)
+        self.mrs[0] = count + 1
+        return key
+
+
+class LoopbackNic:
+    """One device context of the stand-in: a CQ and queue pairs, as raw structs in numpy
+    memory this object keeps alive. ``qp_address(i)`` / ``cq_address`` are what pyverbs'
+    ``QP.qp`` / ``CQ.cq`` give on a real device."""
+
+    def __init__(self, fabric: LoopbackFabric | None = None, *, cq_entries: int = 4096):
+        self.fabric = fabric if fabric is not None else LoopbackFabric()
+        self.context = np.zeros(32, dtype=np.uint64)         # device, then the ops table
+        self.context[A.CONTEXT_POLL_CQ // 8] = loopback_poll_cq.address
+        self.context[A.CONTEXT_POST_SEND // 8] = loopback_post_send.address
+        self.ring = np.zeros(RING_HEADER_WORDS + cq_entries * ENTRY_WORDS, dtype=np.uint64)
+        self.ring[R_CAPACITY] = cq_entries
+        self.cq = np.zeros(8, dtype=np.uint64)
+        self.cq[0] = self.context.ctypes.data
+        self.cq[A.CQ_USER_CONTEXT // 8] = self.ring.ctypes.data
+        self.qps: list[tuple[np.ndarray, np.ndarray]] = []    # (ibv_qp words, state)
+
+    @property
+    def cq_address(self) -> int:
+        return self.cq.ctypes.data
+
+    def create_qp(self, depth: int, *, qp_num: int | None = None) -> int:
+        """A queue pair with `depth` send slots; returns its index."""
+        if depth < 1:
+            raise ValueError(f"mkrt.proxy: loopback QP depth must be >= 1; got {depth}")
+        qp = np.zeros(16, dtype=np.uint64)
+        state = np.zeros(QP_STATE_WORDS, dtype=np.uint64)
+        state[Q_DEPTH] = depth
+        state[Q_QPN] = len(self.qps) + 1 if qp_num is None else qp_num
+        state[Q_MRS] = self.fabric.mrs.ctypes.data
+        qp[0] = self.context.ctypes.data
+        qp[A.QP_USER_CONTEXT // 8] = state.ctypes.data
+        qp[3] = qp[4] = self.cq_address                        # send_cq, recv_cq
+        qp[6] = int(state[Q_QPN]) << 32                        # handle, qp_num
+        self.qps.append((qp, state))
+        return len(self.qps) - 1
+
+    def qp_address(self, index: int) -> int:
+        return self.qps[index][0].ctypes.data
+
+    def connect(self, index: int, peer_nic: "LoopbackNic") -> None:
+        """Receive completions of writes-with-immediate from QP `index` go to `peer_nic`."""
+        self.qps[index][1][Q_PEER_CQ] = peer_nic.cq_address
+
+    def fail_after(self, index: int, wrs: int) -> None:
+        """The `wrs`-th WR posted on QP `index` (counting from 1, over its life) fails."""
+        self.qps[index][1][Q_FAIL_AFTER] = wrs
+
+    def use_copy(self, index: int, function_address: int) -> None:
+        self.qps[index][1][Q_COPY] = function_address
+
+    def outstanding(self, index: int) -> int:
+        state = self.qps[index][1]
+        return int(state[Q_POSTED] - state[Q_FREED])
+
+    @property
+    def overflows(self) -> int:
+        return int(self.ring[R_OVERFLOW])
+
+
+class _LoopbackCQ:
+    """The transport's CQ object: ``address`` for the compiled loop, ``poll`` for Python."""
+
+    def __init__(self, nic: LoopbackNic):
+        import ctypes
+        self.nic, self.address = nic, nic.cq_address
+        self._wcs = A.new_completions(64)
+        self._poll = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
+                                      ctypes.c_uint64)(loopback_poll_cq.address)
+
+    def poll(self, count: int):
+        from mkrt.proxy.transports.verbs import Completion
+        got = self._poll(self.address, min(count, self._wcs.shape[0]), self._wcs.ctypes.data)
+        out = []
+        for i in range(got):
+            wr_id, status, opcode, imm = A.completion(self._wcs, i)
+            out.append(Completion(int(wr_id), int(status), int(opcode), int(imm), 0))
+        return out
+
+
+class _LoopbackQP:
+    def __init__(self, nic: LoopbackNic, index: int):
+        self.nic, self.index = nic, index
+        self.address = nic.qp_address(index)
+        self.qp_num = int(nic.qps[index][1][Q_QPN])
+
+
+class LoopbackBackend:
+    """The verbs transport's backend (same methods as ``PyverbsBackend``) over the
+    loopback stand-in: ranks of one process share a :class:`LoopbackFabric`. RC only."""
+
+    def __init__(self, fabric: LoopbackFabric, rank: int, *, max_inline: int = 64):
+        self.fabric, self.rank, self.max_inline = fabric, rank, max_inline
+        self.nic: LoopbackNic | None = None
+        if not hasattr(fabric, "nics"):
+            fabric.nics = {}
+        self._post = None
+        self._wrs, self._sges = A.new_send_wrs(256)
+        self._bad = np.zeros(1, dtype=np.uint64)
+
+    def open(self, device_name):
+        from mkrt.proxy.transports.verbs import DeviceInfo
+        return DeviceInfo("loopback", False, self.rank + 1, bytes([self.rank % 256]) * 16, 5,
+                          self.max_inline)
+
+    def create_cq(self, cqe):
+        self.nic = LoopbackNic(self.fabric, cq_entries=max(64, int(cqe)))
+        self.fabric.nics[self.rank] = self.nic
+        return _LoopbackCQ(self.nic)
+
+    def create_qp(self, cq, sq_depth, recv_depth, max_inline, efa):
+        if efa:
+            raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
+        return _LoopbackQP(cq.nic, cq.nic.create_qp(sq_depth))
+
+    def connect(self, qp, local, remote):
+        qp.nic.connect(qp.index, self.fabric.nics[remote.rank])
+
+    def connect_srd(self, qp):
+        raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
+
+    def address(self, remote):
+        raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
+
+    def register(self, address, size, dmabuf_fd=None, dmabuf_offset=0):
+        from mkrt.proxy.transports.verbs import Registration
+        base = dmabuf_offset if dmabuf_fd is not None else address     # dma-buf: iova = offset
+        key = self.fabric.register(address, size, base)
+        return Registration(("loopback-mr", key), key, key, base)
+
+    def post_send(self, qp, wrs, ah=None, remote=None):
+        """The Python transport's post: the same chain the compiled loop would write."""
+        import ctypes
+        if len(wrs) > self._wrs.shape[0]:
+            raise ValueError(f"mkrt.proxy: loopback chain of {len(wrs)} WRs; at most "
+                             f"{self._wrs.shape[0]}")
+        if self._post is None:
+            self._post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                          ctypes.c_uint64)(loopback_post_send.address)
+        for i, w in enumerate(wrs):
+            A.write_send_wr(self._wrs, self._sges, i, w.wr_id, w.opcode, w.local_address,
+                            w.length, w.lkey, w.remote_address, w.rkey, w.send_flags,
+                            0 if w.imm_data is None else w.imm_data, w.imm_data is not None)
+        head = A.link(self._wrs, 0, len(wrs))
+        rc = self._post(qp.address, int(head), self._bad.ctypes.data)
+        if rc != 0:
+            raise RuntimeError(f"loopback post_send returned {rc}")
+
+    def post_recv(self, qp, wr_ids):
+        """RC writes need no receives."""
+
+    def close(self):
+        self.nic = None

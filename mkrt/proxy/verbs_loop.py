@@ -1,0 +1,510 @@
+"""The compiled verbs proxy: RC queue pairs posted from a Numba loop, without the GIL.
+
+One proxy thread runs one ``@njit(nogil=True)`` loop for every queue of a rank. Per batch
+of commands it does what :class:`mkrt.proxy.verbs_proxy.VerbsProxy` does in Python, with
+no Python per command:
+
+* takes and validates commands exactly as every proxy does
+  (:func:`mkrt.proxy.proxy.validate_command`), so the same commands fail the same way;
+* groups puts and signals by destination (each destination's order kept) and writes one
+  ``ibv_send_wr`` chain per destination into preallocated arrays: a put is an RDMA WRITE,
+  its flag an 8-byte RDMA WRITE after it (inline when the device takes inline data, else
+  from a registered host staging slot), RC delivering them in order;
+* posts each chain through the provider's ``post_send`` and reaps completions through
+  ``poll_cq``, both called through the function pointers of the device context
+  (:mod:`mkrt.proxy.transports.verbs_abi`); a WR is signalled every ``signal_every`` WRs
+  and at the end of each chain, and a destination's send-queue credits come back with
+  its signalled completions (waiting for credits is bounded by ``timeout``);
+* a queue's ``done`` word advances once every WR posted for its commands has completed;
+  fence and barrier wait for everything posted first, then write their flags.
+
+A failed completion or post fails every queue of the rank with ``E_TRANSPORT`` (the GPU's
+waits see it) and the proxy's error names the rank, the destination, the work request and
+the completion status. RC only: EFA's SRD endpoints post through the extended QP API
+(``ibv_wr_*``), which this loop does not call yet; they use the Python VerbsProxy.
+
+State is u64 numpy arrays (``P_*``, ``CF_*`` word names), built by
+:class:`CompiledVerbsProxy` from a connected :class:`~mkrt.proxy.transports.verbs.VerbsTransport`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+from numba import njit
+
+from mkrt.errors import MkrtError
+from mkrt.proxy import proxy as P
+from mkrt.proxy import queue as Q
+from mkrt.proxy.atomics import load_acquire, spin_pause, store_release
+from mkrt.proxy.transports import verbs_abi as A
+from mkrt.proxy.transports.verbs import (IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_RDMA_WRITE,
+                                         PEER_SHIFT)
+
+_HW = Q.HEADER_WORDS
+_SEQUENCE_MASK = np.uint64((1 << PEER_SHIFT) - 1)
+
+# per destination (peers[p, ...])
+P_QP, P_POST, P_OUTSTANDING, P_UNSIGNALLED, P_NEXT, P_SIG_HEAD, P_SIG_TAIL = range(7)
+PEER_WORDS = 8
+# configuration and error record (config[...])
+CF_DEPTH, CF_SIGNAL_EVERY, CF_INLINE, CF_STAGING_LKEY, CF_CQ, CF_POLL, CF_TIMEOUT_NS, \
+    CF_ERR_PEER, CF_ERR_WR, CF_ERR_STATUS, CF_ERR_KIND = range(11)
+CONFIG_WORDS = 12
+# what failed (config[CF_ERR_KIND])
+ERR_COMPLETION, ERR_POST, ERR_CREDITS, ERR_ORDER = 1, 2, 3, 4
+ERR_KIND_NAMES = {ERR_COMPLETION: "completion failed", ERR_POST: "post_send refused",
+                  ERR_CREDITS: "no send completion in time", ERR_ORDER: "completion out of order"}
+
+MAX_CHAIN = 64          # WRs per post_send call
+MARKS = 64              # batches per queue whose completion is still awaited
+
+_libc = ctypes.CDLL(None)
+_clock_gettime = _libc.clock_gettime
+_clock_gettime.restype = ctypes.c_int
+_clock_gettime.argtypes = [ctypes.c_int, ctypes.c_uint64]
+_CLOCK_MONOTONIC = 1
+
+
+@njit(nogil=True, cache=False)
+def _now_ns(timespec):
+    _clock_gettime(_CLOCK_MONOTONIC, timespec.ctypes.data)
+    return np.uint64(timespec[0]) * np.uint64(1_000_000_000) + np.uint64(timespec[1])
+
+
+@njit(nogil=True, cache=False)
+def _fail(config, kind, peer, wr_id, status):
+    if config[CF_ERR_KIND] == np.uint64(0):
+        config[CF_ERR_KIND] = np.uint64(kind)
+        config[CF_ERR_PEER] = np.uint64(peer)
+        config[CF_ERR_WR] = np.uint64(wr_id)
+        config[CF_ERR_STATUS] = np.uint64(status)
+    return -1
+
+
+@njit(nogil=True, cache=False)
+def _take_credit(peers, signalled, config, p, force):
+    """Account one WR to destination `p`: (its wr_id, whether it is signalled)."""
+    depth = config[CF_DEPTH]
+    sequence = peers[p, P_NEXT]
+    peers[p, P_NEXT] = sequence + np.uint64(1)
+    peers[p, P_OUTSTANDING] += np.uint64(1)
+    peers[p, P_UNSIGNALLED] += np.uint64(1)
+    every = config[CF_SIGNAL_EVERY]
+    # signal every N WRs, and before the queue could fill with unsignalled WRs
+    if force or peers[p, P_UNSIGNALLED] >= every or depth - peers[p, P_OUTSTANDING] < every:
+        slot = peers[p, P_SIG_HEAD] % depth
+        signalled[p, slot, 0] = sequence
+        signalled[p, slot, 1] = peers[p, P_UNSIGNALLED]
+        peers[p, P_SIG_HEAD] += np.uint64(1)
+        peers[p, P_UNSIGNALLED] = np.uint64(0)
+        return (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence, True
+    return (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence, False
+
+
+@njit(nogil=True, cache=False)
+def poll(peers, signalled, config, wcs):
+    """Reap completions; credits go back to their destination. Returns how many, or -1
+    after recording a failure in `config`."""
+    n = A.call_poll_cq(config[CF_POLL], config[CF_CQ], wcs.shape[0], wcs.ctypes.data)
+    if n < 0:
+        return _fail(config, ERR_COMPLETION, 0, 0, -n)
+    depth = config[CF_DEPTH]
+    for i in range(n):
+        wr_id, status, opcode, imm = A.completion(wcs, i)
+        p = wr_id >> np.uint64(PEER_SHIFT)
+        if status != np.uint64(0):
+            return _fail(config, ERR_COMPLETION, p, wr_id, status)
+        if p >= np.uint64(peers.shape[0]) or peers[p, P_SIG_TAIL] == peers[p, P_SIG_HEAD]:
+            return _fail(config, ERR_ORDER, p, wr_id, 0)
+        slot = peers[p, P_SIG_TAIL] % depth
+        if signalled[p, slot, 0] != (wr_id & _SEQUENCE_MASK):     # RC completes in order
+            return _fail(config, ERR_ORDER, p, wr_id, signalled[p, slot, 0])
+        peers[p, P_OUTSTANDING] -= signalled[p, slot, 1]
+        peers[p, P_SIG_TAIL] += np.uint64(1)
+    return n
+
+
+@njit(nogil=True, cache=False)
+def _wait_credits(peers, signalled, config, wcs, p, need, timespec):
+    """Poll until destination `p` has `need` free send slots (bounded); 0 or -1."""
+    deadline = _now_ns(timespec) + config[CF_TIMEOUT_NS]
+    while config[CF_DEPTH] - peers[p, P_OUTSTANDING] < np.uint64(need):
+        got = poll(peers, signalled, config, wcs)
+        if got < 0:
+            return -1
+        if got == 0:
+            if _now_ns(timespec) > deadline:
+                return _fail(config, ERR_CREDITS, p, 0, peers[p, P_OUTSTANDING])
+            spin_pause()
+    return 0
+
+
+@njit(nogil=True, cache=False)
+def quiesce(peers, signalled, config, wcs, timespec):
+    """Poll until every WR posted has completed (bounded); 0 or -1."""
+    deadline = _now_ns(timespec) + config[CF_TIMEOUT_NS]
+    while True:
+        busy = False
+        for p in range(peers.shape[0]):
+            if peers[p, P_OUTSTANDING] != np.uint64(0):
+                busy = True
+        if not busy:
+            return 0
+        got = poll(peers, signalled, config, wcs)
+        if got < 0:
+            return -1
+        if got == 0:
+            if _now_ns(timespec) > deadline:
+                return _fail(config, ERR_CREDITS, 0, 0, 0)
+            spin_pause()
+
+
+@njit(nogil=True, cache=False)
+def _post(peers, config, wrs, count, p, bad):
+    if count == 0:
+        return 0
+    head = A.link(wrs, 0, count)
+    rc = A.call_post_send(peers[p, P_POST], peers[p, P_QP], head, bad.ctypes.data)
+    if rc != 0:
+        return _fail(config, ERR_POST, p, wrs[0, A.W_ID], rc)
+    return 0
+
+
+@njit(nogil=True, cache=False)
+def _flag_wr(peers, signalled, config, staging, rkeys, wrs, sges, k, p, v, force):
+    """The 8-byte flag write of command `v` as WR `k` of the chain."""
+    wr_id, signal = _take_credit(peers, signalled, config, p, force)
+    depth = config[CF_DEPTH]
+    slot = np.uint64(p) * depth + (wr_id & _SEQUENCE_MASK) % depth
+    staging[slot] = v[P.V_VALUE]          # inline: copied at post; else read by the NIC
+    flags = np.uint64(IBV_SEND_SIGNALED) if signal else np.uint64(0)
+    if config[CF_INLINE] != np.uint64(0):
+        flags |= np.uint64(IBV_SEND_INLINE)
+    A.write_send_wr(wrs, sges, k, wr_id, IBV_WR_RDMA_WRITE,
+                    np.uint64(staging.ctypes.data) + np.uint64(8) * slot, 8,
+                    config[CF_STAGING_LKEY], v[P.V_FLAG], rkeys[p, v[P.V_GREGION]], flags, 0,
+                    False)
+
+
+@njit(nogil=True, cache=False)
+def post_to(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad, timespec,
+            decoded, picks, count, p):
+    """Post commands decoded[picks[0..count)] (puts and signals, in order) to destination
+    `p` as chains; returns WRs posted, or -1 after a failure."""
+    k = 0
+    posted = 0
+    for i in range(count):
+        v = decoded[picks[i]]
+        opcode = v[P.V_OPCODE]
+        has_data = (opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL)) \
+            and v[P.V_BYTES] != np.uint64(0)
+        has_flag = v[P.V_SIGNAL] != np.uint64(0)
+        need = (1 if has_data else 0) + (1 if has_flag else 0)
+        if need == 0:
+            continue
+        if config[CF_DEPTH] - peers[p, P_OUTSTANDING] < np.uint64(need) or k + need > MAX_CHAIN:
+            if _post(peers, config, wrs, k, p, bad) < 0:
+                return -1
+            posted += k
+            k = 0
+            if _wait_credits(peers, signalled, config, wcs, p, need, timespec) < 0:
+                return -1
+        last = i == count - 1
+        if has_data:
+            wr_id, signal = _take_credit(peers, signalled, config, p, last and not has_flag)
+            A.write_send_wr(wrs, sges, k, wr_id, IBV_WR_RDMA_WRITE, v[P.V_SRC], v[P.V_BYTES],
+                            lkeys[v[P.V_SREGION]], v[P.V_DST], rkeys[p, v[P.V_DREGION]],
+                            np.uint64(IBV_SEND_SIGNALED) if signal else np.uint64(0), 0, False)
+            k += 1
+        if has_flag:
+            _flag_wr(peers, signalled, config, staging, rkeys, wrs, sges, k, p, v, last)
+            k += 1
+    if _post(peers, config, wrs, k, p, bad) < 0:
+        return -1
+    return posted + k
+
+
+@njit(nogil=True, cache=False)
+def _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad, timespec,
+           decoded, pending, npending, picks, stats):
+    """Post the pending commands, one destination at a time (each one's order kept)."""
+    for p in range(peers.shape[0]):
+        count = 0
+        for i in range(npending):
+            if decoded[pending[i], P.V_RANK] == np.uint64(p):
+                picks[count] = pending[i]
+                count += 1
+        if count > 0:
+            if post_to(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad,
+                       timespec, decoded, picks, count, p) < 0:
+                return -1
+            stats[P.S_TRANSPORT] += np.uint64(1)
+    return 0
+
+
+@njit(nogil=True, cache=False)
+def _completed(peers, signalled, config, mark):
+    """Has every WR posted before `mark` (per destination, the last sequence) completed?"""
+    depth = config[CF_DEPTH]
+    for p in range(peers.shape[0]):
+        if peers[p, P_OUTSTANDING] == np.uint64(0):
+            continue
+        if peers[p, P_SIG_TAIL] == peers[p, P_SIG_HEAD]:
+            return False
+        slot = peers[p, P_SIG_TAIL] % depth
+        first_pending = signalled[p, slot, 0] - signalled[p, slot, 1] + np.uint64(1)
+        if first_pending <= mark[p]:
+            return False
+    return True
+
+
+@njit(nogil=True, cache=False)
+def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, signalled,
+         config, staging, rkeys, lkeys):
+    nq = header.shape[0] // _HW
+    np_ = peers.shape[0]
+    tails = np.zeros(nq, dtype=np.uint64)
+    done = np.zeros(nq, dtype=np.uint64)
+    failed = np.zeros(nq, dtype=np.uint8)
+    marks = np.zeros((nq, MARKS, np_ + 1), dtype=np.uint64)    # (tail, last sequence per peer)
+    mark_head = np.zeros(nq, dtype=np.int64)
+    mark_tail = np.zeros(nq, dtype=np.int64)
+    decoded = np.zeros((batch, P.VALIDATED_WORDS), dtype=np.uint64)
+    pending = np.zeros(batch, dtype=np.int64)
+    picks = np.zeros(batch, dtype=np.int64)
+    wrs = np.zeros((MAX_CHAIN, A.SEND_WR_WORDS), dtype=np.uint64)
+    sges = np.zeros((MAX_CHAIN, A.SGE_WORDS), dtype=np.uint64)
+    wcs = np.zeros((64, A.WC_WORDS), dtype=np.uint64)
+    bad = np.zeros(1, dtype=np.uint64)
+    timespec = np.zeros(2, dtype=np.int64)
+    mask = slots - np.uint64(1)
+    for q in range(nq):
+        tails[q] = load_acquire(header, q * _HW + Q.H_TAIL)
+        done[q] = tails[q]
+    broken = False
+    idle_streak = 0
+    store_release(control, P.C_RUNNING, np.uint64(1))
+    while True:
+        stop = load_acquire(control, P.C_STOP)
+        if stop == np.uint64(P.STOP_NOW):
+            break
+        worked = False
+        for q in range(nq):
+            if mark_head[q] - mark_tail[q] >= MARKS:
+                continue                               # wait for completions first
+            tail = tails[q]
+            n = 0
+            npending = 0
+            while n < batch:
+                base = (np.uint64(q) * slots + ((tail + np.uint64(n)) & mask)) * np.uint64(8)
+                if load_acquire(ring, base) != tail + np.uint64(n) + np.uint64(1):
+                    break
+                ticket = tail + np.uint64(n)
+                v = decoded[n]
+                err, detail = P.validate_command(ring, base, regions, my_rank, v)
+                n += 1
+                if failed[q] != 0 or broken:
+                    stats[P.S_DROPPED] += np.uint64(1)
+                    continue
+                opcode = v[P.V_OPCODE]
+                if opcode == np.uint64(Q.OP_FENCE) or opcode == np.uint64(Q.OP_BARRIER):
+                    if _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs,
+                              bad, timespec, decoded, pending, npending, picks, stats) < 0 \
+                            or quiesce(peers, signalled, config, wcs, timespec) < 0:
+                        broken = True
+                        continue
+                    npending = 0
+                    if opcode == np.uint64(Q.OP_FENCE):
+                        stats[P.S_FENCES] += np.uint64(1)
+                if err != 0:
+                    if _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs,
+                              bad, timespec, decoded, pending, npending, picks, stats) < 0:
+                        broken = True
+                    npending = 0
+                    failed[q] = 1
+                    P._error(header, q, control, stats, err, detail, ticket, q)
+                    continue
+                if opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL):
+                    stats[P.S_PUTS] += np.uint64(1)
+                    stats[P.S_BYTES] += v[P.V_BYTES]
+                    if opcode == np.uint64(Q.OP_PUT_SIGNAL):
+                        stats[P.S_SIGNALS] += np.uint64(1)
+                    pending[npending] = n - 1
+                    npending += 1
+                elif opcode == np.uint64(Q.OP_SIGNAL) or (opcode == np.uint64(Q.OP_FENCE)
+                                                         and v[P.V_SIGNAL] != np.uint64(0)):
+                    stats[P.S_SIGNALS] += np.uint64(1)
+                    pending[npending] = n - 1
+                    npending += 1
+                elif opcode == np.uint64(Q.OP_BARRIER):
+                    # this rank's slot on every rank that registered the flag region
+                    gregion = v[P.V_GREGION]
+                    for r in range(regions.shape[0]):
+                        if regions[r, gregion, 3] != np.uint64(0):
+                            flag, kind, e, d = P._address(regions, np.uint64(r), gregion,
+                                                          v[P.V_GOFFSET], np.uint64(8))
+                            v[P.V_FLAG] = flag
+                            v[P.V_RANK] = np.uint64(r)
+                            picks[0] = n - 1
+                            if post_to(peers, signalled, config, staging, rkeys, lkeys, wrs,
+                                       sges, wcs, bad, timespec, decoded, picks, 1, r) < 0:
+                                broken = True
+                                break
+                    stats[P.S_BARRIERS] += np.uint64(1)
+            if n == 0:
+                continue
+            worked = True
+            if not broken and _flush(peers, signalled, config, staging, rkeys, lkeys, wrs,
+                                     sges, wcs, bad, timespec, decoded, pending, npending,
+                                     picks, stats) < 0:
+                broken = True
+            tails[q] = tail + np.uint64(n)
+            store_release(header, q * _HW + Q.H_TAIL, tails[q])
+            slot = mark_head[q] % MARKS
+            marks[q, slot, 0] = tails[q]
+            for p in range(np_):
+                marks[q, slot, p + 1] = peers[p, P_NEXT] - np.uint64(1)
+            mark_head[q] += 1
+            stats[P.S_COMMANDS] += np.uint64(n)
+            stats[P.S_BATCHES] += np.uint64(1)
+            if np.uint64(n) > stats[P.S_MAX_BATCH]:
+                stats[P.S_MAX_BATCH] = np.uint64(n)
+        if not broken and poll(peers, signalled, config, wcs) < 0:
+            broken = True
+        if broken:
+            for q in range(nq):
+                if failed[q] == 0:
+                    failed[q] = 1
+                    P._error(header, q, control, stats, Q.E_TRANSPORT,
+                             config[CF_ERR_STATUS] & np.uint64(0xFFFFFFFF), tails[q], q)
+                mark_tail[q] = mark_head[q]
+        for q in range(nq):
+            while mark_tail[q] < mark_head[q]:
+                slot = mark_tail[q] % MARKS
+                if not _completed(peers, signalled, config, marks[q, slot, 1:]):
+                    break
+                if marks[q, slot, 0] != done[q]:
+                    done[q] = marks[q, slot, 0]
+                    store_release(header, q * _HW + Q.H_DONE, done[q])
+                mark_tail[q] += 1
+        if not worked:
+            stats[P.S_IDLE] += np.uint64(1)
+            settled = broken
+            if not settled:
+                settled = True
+                for p in range(np_):
+                    if peers[p, P_OUTSTANDING] != np.uint64(0):
+                        settled = False
+            if stop == np.uint64(P.STOP_DRAIN) and settled:
+                break
+            idle_streak += 1
+            if idle_streak > P.HOT_POLLS:
+                spin_pause()
+        else:
+            idle_streak = 0
+    store_release(control, P.C_RUNNING, np.uint64(0))
+    return 0
+
+
+def _raw_address(obj, kind: str) -> int:
+    """The ibv_qp / ibv_cq address behind a backend object: pyverbs' QP.qp / CQ.cq, the
+    transport's CQ wrapper around a pyverbs CQ, or a stand-in's ``address``."""
+    for path in (("address",), ("qp",), ("cq",), ("cq", "cq")):
+        value = obj
+        for name in path:
+            value = getattr(value, name, None)
+        if isinstance(value, (int, np.integer)) and value:
+            return int(value)
+    raise MkrtError(f"mkrt.proxy: cannot find the raw ibv_{kind} address of {obj!r} "
+                    "(pyverbs QP.qp / CQ.cq)")
+
+
+class CompiledVerbsProxy(P.Proxy):
+    """One compiled proxy thread serving every queue of `queue_set` through a connected RC
+    :class:`~mkrt.proxy.transports.verbs.VerbsTransport` (``regions``: the transport's
+    table). The transport's pyverbs objects (or the loopback stand-in's) made the device,
+    queue pairs, CQ and registrations; from then on only the compiled loop touches them,
+    so the transport's Python posting methods must not be used while this runs."""
+
+    def __init__(self, queue_set: Q.QueueSet, regions: np.ndarray, transport, *,
+                 batch: int = 64, start: bool = True):
+        if not getattr(transport, "connected", False):
+            raise MkrtError("mkrt.proxy: CompiledVerbsProxy needs a connected verbs transport "
+                            "(transport.connect(comm) first)")
+        if transport.efa:
+            raise MkrtError("mkrt.proxy: the compiled verbs loop posts to RC queue pairs; EFA "
+                            "SRD endpoints use mkrt.proxy.verbs_proxy.VerbsProxy")
+        if not (queue_set.ranks == transport.rank).all():
+            raise ValueError(f"mkrt.proxy: every queue of a verbs proxy must belong to rank "
+                             f"{transport.rank}; got ranks {queue_set.ranks.tolist()}")
+        if batch > 1024:
+            raise ValueError(f"mkrt.proxy: batch must be <= 1024; got {batch}")
+        ranks, depth = transport.ranks, transport.sq_depth
+        self.peers = np.zeros((ranks, PEER_WORDS), dtype=np.uint64)
+        for p in range(ranks):
+            qp = _raw_address(transport.qps[p], "qp")
+            self.peers[p, P_QP] = qp
+            self.peers[p, P_POST] = A.context_functions(qp)[0]
+            self.peers[p, P_NEXT] = 1
+        cq = _raw_address(transport.cq, "cq")
+        self.signalled = np.zeros((ranks, depth, 2), dtype=np.uint64)
+        self.config = np.zeros(CONFIG_WORDS, dtype=np.uint64)
+        self.config[CF_DEPTH] = depth
+        self.config[CF_SIGNAL_EVERY] = transport.signal_every
+        self.config[CF_INLINE] = int(transport.info.max_inline >= 8)
+        self.config[CF_STAGING_LKEY] = transport._staging_reg.lkey
+        self.config[CF_CQ] = cq
+        self.config[CF_POLL] = A.context_functions(cq)[1]
+        self.config[CF_TIMEOUT_NS] = int(transport.timeout * 1e9)
+        self.staging = transport._staging            # registered: [ranks * depth] u64
+        self.rkeys = transport.rkeys
+        self.lkeys = np.zeros(transport.regions.shape[1], dtype=np.uint64)
+        for region, (local, _, _) in transport.local.items():
+            self.lkeys[region] = local.lkey
+        super().__init__(queue_set, regions, transport, threads=1, batch=batch, start=start)
+
+    def _arguments(self, control, stats):
+        qs = self.queue_set
+        return (qs.ring, qs.header, self.regions, np.int64(self.transport.rank),
+                np.uint64(qs.slots), np.int64(self.batch), control, stats, self.peers,
+                self.signalled, self.config, self.staging, self.rkeys, self.lkeys)
+
+    def start(self):
+        if self.closed:
+            raise MkrtError("mkrt.proxy: start() after close()")
+        if self._threads:
+            raise MkrtError("mkrt.proxy: already started")
+        warm = np.zeros(P.CONTROL_WORDS, dtype=np.uint64)
+        warm[P.C_STOP] = P.STOP_NOW                    # compile here, not in the thread
+        loop(*self._arguments(warm, np.zeros(P.STATS_WORDS, np.uint64)))
+        self.controls[:] = 0
+        thread = threading.Thread(target=self._run_compiled, name="mkrt-proxy-verbs-compiled",
+                                  daemon=True)
+        self._threads.append(thread)
+        thread.start()
+        return self
+
+    def _run_compiled(self):
+        try:
+            loop(*self._arguments(self.controls[0], self.stats_by_thread[0]))
+        except BaseException as error:   # reported by check()/close()
+            self._failures.append(error)
+
+    def error(self):
+        error = super().error()
+        kind = int(self.config[CF_ERR_KIND])
+        if error is None or not kind:
+            return error
+        wr_id = int(self.config[CF_ERR_WR])
+        detail = (f"; rank {self.transport.rank} -> rank {int(self.config[CF_ERR_PEER])}: "
+                  f"{ERR_KIND_NAMES.get(kind, kind)}, work request {wr_id:#x} (sequence "
+                  f"{wr_id & int(_SEQUENCE_MASK)}), status {int(self.config[CF_ERR_STATUS])}")
+        return P.ProxyError(str(error) + detail, code=error.code, detail=error.detail,
+                            queue=error.queue, ticket=error.ticket)
+
+    @property
+    def idle(self) -> bool:
+        return not self.peers[:, P_OUTSTANDING].any()

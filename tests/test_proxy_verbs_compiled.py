@@ -1,0 +1,356 @@
+"""The compiled verbs proxy (mkrt/proxy/verbs_loop.py) over the loopback stand-in for a
+NIC (mkrt/proxy/transports/loopback_nic.py), with the host-side producer in place of the
+GPU: the ibv structs it writes, what lands where, credits, errors, and agreement with the
+Python VerbsProxy on the same commands."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from mkrt.proxy import OP_BARRIER, OP_FENCE, OP_PUT, OP_PUT_SIGNAL, OP_SIGNAL, REGION_HOST, QueueSet
+from mkrt.proxy import ProxyError
+from mkrt.proxy import producer as PR
+from mkrt.proxy import queue as Q
+from mkrt.proxy.transports import loopback_nic as L
+from mkrt.proxy.transports import verbs as V
+from mkrt.proxy.transports import verbs_abi as A
+from mkrt.proxy.verbs_loop import CompiledVerbsProxy
+from mkrt.proxy.verbs_proxy import VerbsProxy
+
+SPINS = np.int64(2_000_000_000)
+DATA = 1 << 16
+
+
+# ---- the ABI, checked against ctypes mirrors of verbs.h -----------------------------------
+
+class IbvSge(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_uint64), ("length", ctypes.c_uint32), ("lkey", ctypes.c_uint32)]
+
+
+class _Rdma(ctypes.Structure):
+    _fields_ = [("remote_addr", ctypes.c_uint64), ("rkey", ctypes.c_uint32)]
+
+
+class _Atomic(ctypes.Structure):
+    _fields_ = [("remote_addr", ctypes.c_uint64), ("compare_add", ctypes.c_uint64),
+                ("swap", ctypes.c_uint64), ("rkey", ctypes.c_uint32)]
+
+
+class _Wr(ctypes.Union):
+    _fields_ = [("rdma", _Rdma), ("atomic", _Atomic)]
+
+
+class _BindInfo(ctypes.Structure):
+    _fields_ = [("mr", ctypes.c_void_p), ("addr", ctypes.c_uint64), ("length", ctypes.c_uint64),
+                ("mw_access_flags", ctypes.c_uint)]
+
+
+class _BindMw(ctypes.Structure):
+    _fields_ = [("mw", ctypes.c_void_p), ("rkey", ctypes.c_uint32), ("bind_info", _BindInfo)]
+
+
+class IbvSendWr(ctypes.Structure):
+    _fields_ = [("wr_id", ctypes.c_uint64), ("next", ctypes.c_void_p), ("sg_list", ctypes.c_void_p),
+                ("num_sge", ctypes.c_int), ("opcode", ctypes.c_int), ("send_flags", ctypes.c_uint),
+                ("imm_data", ctypes.c_uint32), ("wr", _Wr), ("remote_srqn", ctypes.c_uint32),
+                ("bind_mw", _BindMw)]
+
+
+class IbvWc(ctypes.Structure):
+    _fields_ = [("wr_id", ctypes.c_uint64), ("status", ctypes.c_int), ("opcode", ctypes.c_int),
+                ("vendor_err", ctypes.c_uint32), ("byte_len", ctypes.c_uint32),
+                ("imm_data", ctypes.c_uint32), ("qp_num", ctypes.c_uint32),
+                ("src_qp", ctypes.c_uint32), ("wc_flags", ctypes.c_uint),
+                ("pkey_index", ctypes.c_uint16), ("slid", ctypes.c_uint16), ("sl", ctypes.c_uint8),
+                ("dlid_path_bits", ctypes.c_uint8)]
+
+
+def test_struct_sizes_match_verbs_h():
+    assert ctypes.sizeof(IbvSendWr) == A.SEND_WR_WORDS * 8 == 128
+    assert ctypes.sizeof(IbvSge) == A.SGE_WORDS * 8 == 16
+    assert ctypes.sizeof(IbvWc) == A.WC_WORDS * 8 == 48
+
+
+def test_send_wr_fields_read_back_through_ctypes():
+    wrs, sges = A.new_send_wrs(2)
+    A.write_send_wr(wrs, sges, 0, 0xAB, 0, 0x1000, 4096, 7, 0x2000, 9, 2, 0, False)
+    A.write_send_wr(wrs, sges, 1, 0xCD, 1, 0x3000, 0, 7, 0x4000, 11, 0, 0x12345678, True)
+    head = A.link(wrs, 0, 2)
+    first = IbvSendWr.from_address(int(head))
+    assert (first.wr_id, first.num_sge, first.opcode, first.send_flags) == (0xAB, 1, 0, 2)
+    assert (first.wr.rdma.remote_addr, first.wr.rdma.rkey) == (0x2000, 9)
+    sge = IbvSge.from_address(first.sg_list)
+    assert (sge.addr, sge.length, sge.lkey) == (0x1000, 4096, 7)
+    second = IbvSendWr.from_address(first.next)
+    assert (second.wr_id, second.num_sge, second.opcode, second.next) == (0xCD, 0, 1, None)
+    assert second.imm_data == int.from_bytes((0x12345678).to_bytes(4, "big"), "little")
+
+
+def test_completion_fields_read_through_ctypes():
+    wcs = A.new_completions(1)
+    wc = IbvWc.from_address(wcs.ctypes.data)
+    wc.wr_id, wc.status, wc.opcode, wc.imm_data = 77, 10, 129, int.from_bytes(b"\x00\x01\x02\x03", "little")
+    assert A.completion(wcs, 0) == (77, 10, 129, 0x00010203)
+
+
+def test_context_functions_read_the_ops_table():
+    nic = L.LoopbackNic()
+    index = nic.create_qp(4)
+    post, poll = A.context_functions(nic.qp_address(index))
+    assert post == L.loopback_post_send.address and poll == L.loopback_poll_cq.address
+    assert A.context_functions(nic.cq_address) == (post, poll)
+    with pytest.raises(ValueError, match="null"):
+        A.context_functions(0)
+
+
+# ---- the stand-in NIC on its own ------------------------------------------------------------
+
+def _nic_with_memory(depth=4):
+    fabric = L.LoopbackFabric()
+    nic = L.LoopbackNic(fabric)
+    qp = nic.create_qp(depth)
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    skey = fabric.register(src.ctypes.data, src.nbytes)
+    dkey = fabric.register(dst.ctypes.data, dst.nbytes, base=0x10000)       # an iova-style base
+    return fabric, nic, qp, src, dst, skey, dkey
+
+
+def _post(nic, qp, rows):
+    wrs, sges = A.new_send_wrs(len(rows))
+    for i, row in enumerate(rows):
+        A.write_send_wr(wrs, sges, i, *row)
+    bad = np.zeros(1, dtype=np.uint64)
+    post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)(
+        L.loopback_post_send.address)
+    return post(nic.qp_address(qp), int(A.link(wrs, 0, len(rows))), bad.ctypes.data), int(bad[0]), wrs
+
+
+def _poll(nic, n=16):
+    return [(c.wr_id, c.status) for c in L._LoopbackCQ(nic).poll(n)]
+
+
+def test_loopback_writes_translates_and_completes_signalled_wrs():
+    fabric, nic, qp, src, dst, skey, dkey = _nic_with_memory()
+    rc, _, _ = _post(nic, qp, [(1, 0, src.ctypes.data + 16, 32, skey, 0x10000 + 100, dkey, 0, 0, False),
+                               (2, 0, src.ctypes.data, 8, skey, 0x10000, dkey, 2, 0, False)])
+    assert rc == 0
+    assert np.array_equal(dst[100:132], src[16:48]) and np.array_equal(dst[:8], src[:8])
+    assert _poll(nic) == [(2, 0)]
+    assert nic.outstanding(qp) == 0          # the signalled completion freed both slots
+
+
+def test_loopback_refuses_beyond_its_depth_and_names_the_bad_wr():
+    fabric, nic, qp, src, dst, skey, dkey = _nic_with_memory(depth=2)
+    rows = [(i, 0, src.ctypes.data, 8, skey, 0x10000, dkey, 0, 0, False) for i in range(3)]
+    rc, bad, wrs = _post(nic, qp, rows)
+    assert rc == L.ENOMEM and bad == wrs.ctypes.data + 2 * 128
+
+
+@pytest.mark.parametrize("fault", ["rkey", "bounds", "lkey"])
+def test_loopback_access_errors_complete_with_an_error_and_flush(fault):
+    fabric, nic, qp, src, dst, skey, dkey = _nic_with_memory(depth=8)
+    bad_write = {"rkey": (1, 0, src.ctypes.data, 8, skey, 0x10000, dkey + 99, 0, 0, False),
+                 "bounds": (1, 0, src.ctypes.data, 8, skey, 0x10000 + 250, dkey, 0, 0, False),
+                 "lkey": (1, 0, src.ctypes.data, 8, dkey, 0x10000, dkey, 0, 0, False)}[fault]
+    rc, _, _ = _post(nic, qp, [bad_write, (2, 0, src.ctypes.data, 8, skey, 0x10000, dkey, 2, 0, False)])
+    assert rc == 0
+    status = L.IBV_WC_LOC_PROT_ERR if fault == "lkey" else L.IBV_WC_REM_ACCESS_ERR
+    assert _poll(nic) == [(1, status), (2, L.IBV_WC_WR_FLUSH_ERR)]
+    assert not dst.any()
+
+
+def test_loopback_fail_after_injects_a_completion_error():
+    fabric, nic, qp, src, dst, skey, dkey = _nic_with_memory(depth=8)
+    nic.fail_after(qp, 2)
+    rows = [(i, 0, src.ctypes.data + 8 * i, 8, skey, 0x10000 + 8 * i, dkey, 0, 0, False) for i in range(3)]
+    _post(nic, qp, rows)
+    assert np.array_equal(dst[:8], src[:8]) and not dst[8:].any()
+    assert _poll(nic) == [(1, L.IBV_WC_REM_ACCESS_ERR), (2, L.IBV_WC_WR_FLUSH_ERR)]
+
+
+# ---- ranks in one process: compiled and Python proxies over the stand-in ------------------
+
+class Ranks:
+    """`n` ranks, each: data region 0 (dma-buf style iova base), flag region 1 (host), a
+    verbs transport over one loopback fabric."""
+
+    def __init__(self, n=2, *, sq_depth=16, signal_every=4, max_inline=64, seed=0):
+        self.fabric = L.LoopbackFabric()
+        rng = np.random.default_rng(seed)
+        self.data = [rng.integers(0, 256, DATA, dtype=np.uint8) for _ in range(n)]
+        self.flags = [np.zeros(512, dtype=np.uint64) for _ in range(n)]
+        self.transports = []
+        for r in range(n):
+            t = V.VerbsTransport(r, n, 2, backend=L.LoopbackBackend(self.fabric, r, max_inline=max_inline),
+                                 sq_depth=sq_depth, signal_every=signal_every, timeout=5.0)
+            t.register_region(0, self.data[r].ctypes.data, DATA, dmabuf_fd=99, dmabuf_offset=4096)
+            t.register_region(1, self.flags[r].ctypes.data, self.flags[r].nbytes, kind=REGION_HOST)
+            self.transports.append(t)
+        sent = [t.connection_data() for t in self.transports]
+        for r, t in enumerate(self.transports):
+            t.complete([sent[p][r] for p in range(n)])
+        self.queues = [QueueSet(1, 64, [r]) for r in range(n)]
+        self.proxies = []
+
+    def start(self, compiled=True, **kw):
+        kind = CompiledVerbsProxy if compiled else VerbsProxy
+        self.proxies = [kind(self.queues[r], t.regions, t, **kw) for r, t in enumerate(self.transports)]
+        return self.proxies
+
+    def post(self, rank, records):
+        qs = self.queues[rank]
+        cmds = PR.commands(records)
+        assert PR.post_many(qs.ring, qs.header, np.uint64(qs.slots), 0, cmds, SPINS) == len(cmds)
+
+    def wait_flag(self, rank, index, value):
+        assert PR.wait_at_least(self.flags[rank], index, np.uint64(value), SPINS), \
+            f"flag {index} of rank {rank} never reached {value}: {self.flags[rank][index]}"
+
+    def close(self):
+        errors = []
+        for p in self.proxies:
+            try:
+                p.close(timeout=10)
+            except ProxyError as error:
+                errors.append(error)
+        for q in self.queues:
+            q.close()
+        for t in self.transports:
+            t.close()
+        return errors
+
+
+def _traffic(n_puts=400, seed=3):
+    """Puts of rank 0's data into rank 1 (random sizes and offsets), a flag every few."""
+    rng = np.random.default_rng(seed)
+    records, expected = [], {}
+    for i in range(n_puts):
+        nbytes = int(rng.integers(1, 2048))
+        src_offset = int(rng.integers(0, DATA - nbytes))
+        dst_offset = int(rng.integers(0, DATA - nbytes))
+        if i % 3 == 0:
+            records.append(dict(opcode=OP_PUT_SIGNAL, dst_rank=1, src_offset=src_offset,
+                                dst_offset=dst_offset, nbytes=nbytes, signal_region=1,
+                                signal_offset=8 * (i % 64), signal_value=i + 1))
+        else:
+            records.append(dict(opcode=OP_PUT, dst_rank=1, src_offset=src_offset,
+                                dst_offset=dst_offset, nbytes=nbytes))
+        expected[i] = (src_offset, dst_offset, nbytes)
+    records.append(dict(opcode=OP_FENCE, dst_rank=1, signal_region=1, signal_offset=8 * 100,
+                        signal_value=7))
+    return records, expected
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("max_inline", [64, 0], ids=["inline", "staged"])
+def test_puts_and_flags_land_as_on_a_serial_copy(compiled, max_inline):
+    ranks = Ranks(max_inline=max_inline)
+    try:
+        records, expected = _traffic()
+        want = ranks.data[1].copy()
+        for i in range(len(expected)):
+            s, d, n = expected[i]
+            want[d:d + n] = ranks.data[0][s:s + n]
+        ranks.start(compiled=compiled)
+        ranks.post(0, records)
+        ranks.wait_flag(1, 100, 7)              # the fence's flag: everything before it landed
+        assert np.array_equal(ranks.data[1], want)
+        want_flags = np.zeros_like(ranks.flags[1])
+        for i in range(0, len(expected), 3):          # in order: the last write of a slot stays
+            want_flags[i % 64] = i + 1
+        want_flags[100] = 7
+        assert np.array_equal(ranks.flags[1], want_flags)
+        stats = ranks.proxies[0].stats
+        assert stats["puts"] == len(expected) and stats["errors"] == 0
+    finally:
+        assert ranks.close() == []
+
+
+def test_compiled_and_python_proxies_write_the_same_bytes():
+    results = []
+    for compiled in (True, False):
+        ranks = Ranks(seed=5)
+        try:
+            records, _ = _traffic(seed=9)
+            ranks.start(compiled=compiled)
+            ranks.post(0, records)
+            ranks.wait_flag(1, 100, 7)
+            results.append((ranks.data[1].copy(), ranks.flags[1].copy()))
+        finally:
+            assert ranks.close() == []
+    assert np.array_equal(results[0][0], results[1][0])
+    assert np.array_equal(results[0][1], results[1][1])
+
+
+def test_done_word_advances_once_the_wrs_completed():
+    ranks = Ranks(sq_depth=8, signal_every=2)
+    try:
+        ranks.start()
+        ranks.post(0, [dict(opcode=OP_PUT, dst_rank=1, src_offset=0, dst_offset=0, nbytes=64)] * 50
+                   + [dict(opcode=OP_SIGNAL, dst_rank=1, signal_region=1, signal_offset=0, signal_value=3)])
+        ranks.wait_flag(1, 0, 3)
+        header = ranks.queues[0].header
+        assert PR.wait_at_least(header, Q.H_DONE, np.uint64(51), SPINS)
+        assert ranks.proxies[0].idle
+    finally:
+        assert ranks.close() == []
+
+
+def test_barrier_writes_this_ranks_slot_on_every_rank():
+    ranks = Ranks(n=3)
+    try:
+        ranks.start()
+        for r in range(3):
+            ranks.post(r, [dict(opcode=OP_BARRIER, dst_rank=r, signal_region=1, signal_offset=8 * 200,
+                                signal_value=5)])
+        for r in range(3):
+            for slot in range(3):
+                ranks.wait_flag(r, 200 + slot, 5)
+    finally:
+        assert ranks.close() == []
+
+
+def test_malformed_command_fails_its_queue_with_the_shared_error_code():
+    ranks = Ranks()
+    try:
+        ranks.start()
+        ranks.post(0, [dict(opcode=OP_PUT, dst_rank=1, src_offset=DATA - 8, dst_offset=0, nbytes=64)])
+        header = ranks.queues[0].header
+        assert PR.wait_at_least(header, Q.H_ERROR, np.uint64(1), SPINS)
+        assert int(header[Q.H_ERROR]) & 0xFF == Q.E_BOUNDS
+    finally:
+        errors = ranks.close()
+    assert len(errors) == 1 and errors[0].code == Q.E_BOUNDS
+
+
+def test_completion_error_fails_every_queue_and_names_peer_and_wr():
+    ranks = Ranks()
+    try:
+        ranks.start()
+        ranks.transports[0].qps[1].nic.fail_after(ranks.transports[0].qps[1].index, 5)
+        ranks.post(0, [dict(opcode=OP_PUT, dst_rank=1, src_offset=0, dst_offset=0, nbytes=64)] * 20)
+        header = ranks.queues[0].header
+        assert PR.wait_at_least(header, Q.H_ERROR, np.uint64(1), SPINS)
+        assert int(header[Q.H_ERROR]) & 0xFF == Q.E_TRANSPORT
+        with pytest.raises(ProxyError, match=r"rank 0 -> rank 1: completion failed, work request "
+                                             r"0x10000000005 \(sequence 5\), status 10"):
+            ranks.proxies[0].check()
+    finally:
+        ranks.close()
+
+
+def test_credits_wrap_many_times_with_a_small_send_queue():
+    ranks = Ranks(sq_depth=4, signal_every=2)
+    try:
+        ranks.start()
+        records = [dict(opcode=OP_PUT_SIGNAL, dst_rank=1, src_offset=8 * (i % 100), dst_offset=8 * (i % 100),
+                        nbytes=8, signal_region=1, signal_offset=8, signal_value=i + 1) for i in range(3000)]
+        ranks.post(0, records)
+        ranks.wait_flag(1, 1, 3000)
+        assert np.array_equal(ranks.data[1][:800], ranks.data[0][:800])
+    finally:
+        assert ranks.close() == []
