@@ -275,7 +275,7 @@ def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, si
     decoded = np.zeros((batch, P.VALIDATED_WORDS), dtype=np.uint64)
     pending = np.zeros(batch, dtype=np.int64)
     picks = np.zeros(batch, dtype=np.int64)
-    wrs = np.zeros((MAX_CHAIN, A.SEND_WR_WORDS), dtype=np.uint64)
+    wrs = np.zeros((MAX_CHAIN, A.SEND_WR_WORDS), dtype=np.uint64)    # words past W_RKEY stay 0
     sges = np.zeros((MAX_CHAIN, A.SGE_WORDS), dtype=np.uint64)
     wcs = np.zeros((64, A.WC_WORDS), dtype=np.uint64)
     bad = np.zeros(1, dtype=np.uint64)

@@ -91,9 +91,8 @@ def byteswap32(value):
 def write_send_wr(wrs, sges, i, wr_id, opcode, local_address, length, lkey, remote_address,
                   rkey, send_flags, imm_data, has_imm):
     """Row `i` of `wrs` as an RDMA WRITE (with immediate) of one SGE (none when length is
-    0 and has_imm: a zero-length write-with-immediate). Links are set by :func:`link`."""
-    for w in range(SEND_WR_WORDS):
-        wrs[i, w] = np.uint64(0)
+    0 and has_imm: a zero-length write-with-immediate). Links are set by :func:`link`.
+    Words past ``W_RKEY`` are never written: rows start zeroed (:func:`new_send_wrs`)."""
     sges[i, G_ADDR] = np.uint64(local_address)
     sges[i, G_LENGTH_LKEY] = np.uint64(length) | (np.uint64(lkey) << np.uint64(32))
     num_sge = np.uint64(0) if (length == 0 and has_imm) else np.uint64(1)
