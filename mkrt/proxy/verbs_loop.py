@@ -85,26 +85,6 @@ def _fail(config, kind, peer, wr_id, status):
 
 
 @njit(nogil=True, cache=False)
-def _take_credit(peers, signalled, config, p, force):
-    """Account one WR to destination `p`: (its wr_id, whether it is signalled)."""
-    depth = config[CF_DEPTH]
-    sequence = peers[p, P_NEXT]
-    peers[p, P_NEXT] = sequence + np.uint64(1)
-    peers[p, P_OUTSTANDING] += np.uint64(1)
-    peers[p, P_UNSIGNALLED] += np.uint64(1)
-    every = config[CF_SIGNAL_EVERY]
-    # signal every N WRs, and before the queue could fill with unsignalled WRs
-    if force or peers[p, P_UNSIGNALLED] >= every or depth - peers[p, P_OUTSTANDING] < every:
-        slot = peers[p, P_SIG_HEAD] % depth
-        signalled[p, slot, 0] = sequence
-        signalled[p, slot, 1] = peers[p, P_UNSIGNALLED]
-        peers[p, P_SIG_HEAD] += np.uint64(1)
-        peers[p, P_UNSIGNALLED] = np.uint64(0)
-        return (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence, True
-    return (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence, False
-
-
-@njit(nogil=True, cache=False)
 def poll(peers, signalled, config, wcs):
     """Reap completions; credits go back to their destination. Returns how many, or -1
     after recording a failure in `config`."""
@@ -174,54 +154,79 @@ def _post(peers, config, wrs, count, p, bad):
 
 
 @njit(nogil=True, cache=False)
-def _flag_wr(peers, signalled, config, staging, rkeys, wrs, sges, k, p, v, force):
-    """The 8-byte flag write of command `v` as WR `k` of the chain."""
-    wr_id, signal = _take_credit(peers, signalled, config, p, force)
-    depth = config[CF_DEPTH]
-    slot = np.uint64(p) * depth + (wr_id & _SEQUENCE_MASK) % depth
-    staging[slot] = v[P.V_VALUE]          # inline: copied at post; else read by the NIC
-    flags = np.uint64(IBV_SEND_SIGNALED) if signal else np.uint64(0)
-    if config[CF_INLINE] != np.uint64(0):
-        flags |= np.uint64(IBV_SEND_INLINE)
-    A.write_send_wr(wrs, sges, k, wr_id, IBV_WR_RDMA_WRITE,
-                    np.uint64(staging.ctypes.data) + np.uint64(8) * slot, 8,
-                    config[CF_STAGING_LKEY], v[P.V_FLAG], rkeys[p, v[P.V_GREGION]], flags, 0,
-                    False)
-
-
-@njit(nogil=True, cache=False)
 def post_to(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad, timespec,
             decoded, picks, count, p):
     """Post commands decoded[picks[0..count)] (puts and signals, in order) to destination
-    `p` as chains; returns WRs posted, or -1 after a failure."""
+    `p` as chains; returns WRs posted, or -1 after a failure.
+
+    The destination's counters live in locals while a chain is built and go back to
+    `peers` before anything reads them (post_send, polling): read-modify-writes of
+    `peers` between the WR writes cost about 40 ns per WR on the CPU measured (the
+    compiler must assume the arrays alias), against 3 ns from locals."""
+    depth, every = config[CF_DEPTH], config[CF_SIGNAL_EVERY]
+    inline = config[CF_INLINE] != np.uint64(0)
+    staging_lkey = config[CF_STAGING_LKEY]
+    staging_base = np.uint64(staging.ctypes.data) + np.uint64(8) * np.uint64(p) * depth
+    peer_bits = np.uint64(p) << np.uint64(PEER_SHIFT)
+    sequence, outstanding = peers[p, P_NEXT], peers[p, P_OUTSTANDING]
+    unsignalled, sig_head = peers[p, P_UNSIGNALLED], peers[p, P_SIG_HEAD]
+    in_ring = sequence % depth                    # sequence's staging slot, kept incrementally
     k = 0
     posted = 0
     for i in range(count):
-        v = decoded[picks[i]]
-        opcode = v[P.V_OPCODE]
+        r = picks[i]
+        opcode = decoded[r, P.V_OPCODE]
         has_data = (opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL)) \
-            and v[P.V_BYTES] != np.uint64(0)
-        has_flag = v[P.V_SIGNAL] != np.uint64(0)
+            and decoded[r, P.V_BYTES] != np.uint64(0)
+        has_flag = decoded[r, P.V_SIGNAL] != np.uint64(0)
         need = (1 if has_data else 0) + (1 if has_flag else 0)
         if need == 0:
             continue
-        if config[CF_DEPTH] - peers[p, P_OUTSTANDING] < np.uint64(need) or k + need > MAX_CHAIN:
+        if depth - outstanding < np.uint64(need) or k + need > MAX_CHAIN:
+            peers[p, P_NEXT], peers[p, P_OUTSTANDING] = sequence, outstanding
+            peers[p, P_UNSIGNALLED], peers[p, P_SIG_HEAD] = unsignalled, sig_head
             if _post(peers, config, wrs, k, p, bad) < 0:
                 return -1
             posted += k
             k = 0
             if _wait_credits(peers, signalled, config, wcs, p, need, timespec) < 0:
                 return -1
-        last = i == count - 1
-        if has_data:
-            wr_id, signal = _take_credit(peers, signalled, config, p, last and not has_flag)
-            A.write_send_wr(wrs, sges, k, wr_id, IBV_WR_RDMA_WRITE, v[P.V_SRC], v[P.V_BYTES],
-                            lkeys[v[P.V_SREGION]], v[P.V_DST], rkeys[p, v[P.V_DREGION]],
-                            np.uint64(IBV_SEND_SIGNALED) if signal else np.uint64(0), 0, False)
+            outstanding = peers[p, P_OUTSTANDING]
+        for w in range(need):
+            is_flag = has_flag and w == need - 1
+            # signalled: every N WRs, the chain's last, and before the send queue could
+            # fill with unsignalled WRs
+            outstanding += np.uint64(1)
+            unsignalled += np.uint64(1)
+            flags = np.uint64(0)
+            if (i == count - 1 and w == need - 1) or unsignalled >= every \
+                    or depth - outstanding < every:
+                slot = sig_head % depth
+                signalled[p, slot, 0] = sequence
+                signalled[p, slot, 1] = unsignalled
+                sig_head += np.uint64(1)
+                unsignalled = np.uint64(0)
+                flags = np.uint64(IBV_SEND_SIGNALED)
+            if is_flag:
+                staging[np.uint64(p) * depth + in_ring] = decoded[r, P.V_VALUE]
+                if inline:                 # inline: copied at post; else read by the NIC
+                    flags |= np.uint64(IBV_SEND_INLINE)
+                A.write_send_wr(wrs, sges, k, peer_bits | sequence, IBV_WR_RDMA_WRITE,
+                                staging_base + np.uint64(8) * in_ring, 8, staging_lkey,
+                                decoded[r, P.V_FLAG], rkeys[p, decoded[r, P.V_GREGION]], flags,
+                                0, False)
+            else:
+                A.write_send_wr(wrs, sges, k, peer_bits | sequence, IBV_WR_RDMA_WRITE,
+                                decoded[r, P.V_SRC], decoded[r, P.V_BYTES],
+                                lkeys[decoded[r, P.V_SREGION]], decoded[r, P.V_DST],
+                                rkeys[p, decoded[r, P.V_DREGION]], flags, 0, False)
+            sequence += np.uint64(1)
+            in_ring += np.uint64(1)
+            if in_ring == depth:
+                in_ring = np.uint64(0)
             k += 1
-        if has_flag:
-            _flag_wr(peers, signalled, config, staging, rkeys, wrs, sges, k, p, v, last)
-            k += 1
+    peers[p, P_NEXT], peers[p, P_OUTSTANDING] = sequence, outstanding
+    peers[p, P_UNSIGNALLED], peers[p, P_SIG_HEAD] = unsignalled, sig_head
     if _post(peers, config, wrs, k, p, bad) < 0:
         return -1
     return posted + k

@@ -129,12 +129,17 @@ def _translate(mrs, key, address, length):
 def loopback_post_send(qp, wr, bad_wr):
     state = _word(qp, 1)                                   # ibv_qp.qp_context
     send_cq = _word(qp, 3)                                 # ibv_qp.send_cq
+    # the QP's words are read once and written back once (as a provider keeps them)
+    posted, depth = _word(state, Q_POSTED), _word(state, Q_DEPTH)
+    in_error, fail_after = _word(state, Q_ERROR) != np.uint64(0), _word(state, Q_FAIL_AFTER)
+    mrs, copy, peer_cq = _word(state, Q_MRS), _word(state, Q_COPY), _word(state, Q_PEER_CQ)
+    rc = 0
     while wr != np.uint64(0):
-        if _word(state, Q_POSTED) - _word(state, Q_FREED) >= _word(state, Q_DEPTH):
+        if posted - _word(state, Q_FREED) >= depth:
             store_release_at(bad_wr, wr)
-            return ENOMEM
-        sequence = _word(state, Q_POSTED) + np.uint64(1)
-        _set(state, Q_POSTED, sequence)
+            rc = ENOMEM
+            break
+        posted += np.uint64(1)
         wr_id = _word(wr, A.W_ID)
         num_opcode = _word(wr, A.W_NUM_SGE_OPCODE)
         num_sge = num_opcode & np.uint64(0xFFFFFFFF)
@@ -143,17 +148,15 @@ def loopback_post_send(qp, wr, bad_wr):
         flags = flags_imm & np.uint64(0xFFFFFFFF)
         status = IBV_WC_SUCCESS
         length = np.uint64(0)
-        if _word(state, Q_ERROR) != np.uint64(0):
+        if in_error:
             status = IBV_WC_WR_FLUSH_ERR
-        elif _word(state, Q_FAIL_AFTER) == sequence:
+        elif fail_after == posted:
             status = IBV_WC_REM_ACCESS_ERR
-            _set(state, Q_ERROR, 1)
         else:
             if num_sge != np.uint64(0):
                 sge = _word(wr, A.W_SG_LIST)
                 length = _word(sge, A.G_LENGTH_LKEY) & np.uint64(0xFFFFFFFF)
                 lkey = _word(sge, A.G_LENGTH_LKEY) >> np.uint64(32)
-                mrs = _word(state, Q_MRS)
                 source = _word(sge, A.G_ADDR)
                 if (flags & np.uint64(IBV_SEND_INLINE)) == np.uint64(0):
                     source = _translate(mrs, lkey, source, length)
@@ -163,22 +166,22 @@ def loopback_post_send(qp, wr, bad_wr):
                     status = IBV_WC_LOC_PROT_ERR
                 elif target == np.uint64(0):
                     status = IBV_WC_REM_ACCESS_ERR
+                elif copy != np.uint64(0):
+                    if _call_copy(copy, target, source, length) != 0:
+                        status = IBV_WC_REM_ACCESS_ERR
                 else:
-                    copy = _word(state, Q_COPY)
-                    if copy != np.uint64(0):
-                        if _call_copy(copy, target, source, length) != 0:
-                            status = IBV_WC_REM_ACCESS_ERR
-                    else:
-                        copy_bytes(target, source, length)
-                if status != IBV_WC_SUCCESS:
-                    _set(state, Q_ERROR, 1)
+                    copy_bytes(target, source, length)
             if status == IBV_WC_SUCCESS and opcode == np.uint64(IBV_WR_RDMA_WRITE_WITH_IMM):
-                _push(_word(state, Q_PEER_CQ), 0, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM,
-                      length, flags_imm >> np.uint64(32), np.uint64(0), np.uint64(0))
+                _push(peer_cq, 0, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM, length,
+                      flags_imm >> np.uint64(32), np.uint64(0), np.uint64(0))
+        if status != IBV_WC_SUCCESS:
+            in_error = True                                # the QP is in error from here on
         if status != IBV_WC_SUCCESS or (flags & np.uint64(IBV_SEND_SIGNALED)) != np.uint64(0):
-            _push(send_cq, wr_id, status, IBV_WC_RDMA_WRITE, length, 0, state, sequence)
+            _push(send_cq, wr_id, status, IBV_WC_RDMA_WRITE, length, 0, state, posted)
         wr = _word(wr, A.W_NEXT)
-    return 0
+    _set(state, Q_POSTED, posted)
+    _set(state, Q_ERROR, 1 if in_error else 0)
+    return rc
 
 
 @cfunc(types.int32(types.uint64, types.int32, types.uint64), nogil=True)
