@@ -38,6 +38,15 @@ def _arch(text: str) -> str:
     return text
 
 
+def _choice(*allowed: str):
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value
+    return parse
+
+
 def _log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -77,6 +86,14 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MKRT_WORLD_RANKS_PER_NODE", "0", _count,
            "Under mpiexec: treat every N consecutive ranks of a host as one node "
            "(0: a node is a host). Splits one host into nodes that talk through the proxy."),
+    EnvVar("MKRT_TRANSPORT", "auto", _choice("auto", "ce", "verbs"),
+           "How the proxy moves data between nodes: 'ce' (GPU copies; nodes on one host), "
+           "'verbs' (RDMA queue pairs, posted by the compiled proxy loop), 'auto' (verbs when "
+           "nodes are on different hosts, else ce)."),
+    EnvVar("MKRT_VERBS_PROVIDER", "device", _choice("device", "loopback"),
+           "With MKRT_TRANSPORT=verbs: 'device' (an RDMA device through pyverbs) or "
+           "'loopback' (mkrt's stand-in NIC behind the same ibv ABI, for nodes of one "
+           "process: tests of the verbs path without RDMA hardware)."),
     EnvVar("MKRT_BENCH_COMMIT", "", str,
            "Git commit that experiments record when the checkout has no .git (a copied tree)."),
     EnvVar("MKRT_LOG_LEVEL", "WARNING", _log_level,

@@ -408,7 +408,8 @@ PIECES = [
     Piece("JIT", "CUDA C in Python strings, `#line` back to the Python source, NVRTC for "
           "`sm_90a` (also on machines without a GPU), disk cache, register/spill report"),
     Piece("worlds", "`mkrt.init()` under mpiexec (a node per host, or `MKRT_WORLD_RANKS_PER_NODE` "
-          "ranks); emulated `NxG` worlds in one process; worlds across hosts: not wired yet"),
+          "ranks); emulated `NxG` worlds in one process; worlds across hosts: the `verbs` proxy "
+          "service, run only over mkrt's loopback NIC, never on RDMA hardware"),
     Piece("memory, waits", "symmetric buffers, peer pointers (CUDA IPC), epoch flags, bounded "
           "waits that end in `mkrt.CommTimeout`"),
     Piece("`mkrt.gemm`", "TMA + wgmma persistent engine, bf16/f16, both B layouts",

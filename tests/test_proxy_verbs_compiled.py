@@ -354,3 +354,27 @@ def test_credits_wrap_many_times_with_a_small_send_queue():
         assert np.array_equal(ranks.data[1][:800], ranks.data[0][:800])
     finally:
         assert ranks.close() == []
+
+
+def test_a_copy_function_replaces_memmove_and_gets_its_argument():
+    """The hook the GPU stand-in uses (cuMemcpyAsync on its own stream): here a host copy
+    that counts its calls in the word its argument points at; a nonzero return fails the WR."""
+    from numba import cfunc, types
+
+    from mkrt.proxy.atomics import copy_bytes, load_acquire_at, store_release_at
+
+    @cfunc(types.int32(types.uint64, types.uint64, types.uint64, types.uint64), nogil=True)
+    def counting_copy(dst, src, nbytes, counter):
+        copy_bytes(dst, src, nbytes)
+        calls = load_acquire_at(counter) + np.uint64(1)
+        store_release_at(counter, calls)
+        return 0 if calls < np.uint64(3) else 5
+
+    fabric, nic, qp, src, dst, skey, dkey = _nic_with_memory(depth=8)
+    counter = np.zeros(1, dtype=np.uint64)
+    nic.use_copy(qp, counting_copy.address, counter.ctypes.data)
+    rows = [(i, 0, src.ctypes.data + 8 * i, 8, skey, 0x10000 + 8 * i, dkey, 2, 0, False) for i in range(4)]
+    _post(nic, qp, rows)
+    assert int(counter[0]) == 3                        # the third copy failed; the QP stopped
+    assert np.array_equal(dst[:16], src[:16]) and not dst[24:].any()
+    assert _poll(nic) == [(0, 0), (1, 0), (2, L.IBV_WC_REM_ACCESS_ERR), (3, L.IBV_WC_WR_FLUSH_ERR)]

@@ -465,10 +465,8 @@ class CompiledVerbsProxy(P.Proxy):
         self.config[CF_POLL] = A.context_functions(cq)[1]
         self.config[CF_TIMEOUT_NS] = int(transport.timeout * 1e9)
         self.staging = transport._staging            # registered: [ranks * depth] u64
-        self.rkeys = transport.rkeys
-        self.lkeys = np.zeros(transport.regions.shape[1], dtype=np.uint64)
-        for region, (local, _, _) in transport.local.items():
-            self.lkeys[region] = local.lkey
+        self.rkeys = transport.rkeys                  # the transport's tables, read live:
+        self.lkeys = transport.lkeys                  # regions registered later show up
         super().__init__(queue_set, regions, transport, threads=1, batch=batch, start=start)
 
     def _arguments(self, control, stats):
@@ -494,6 +492,7 @@ class CompiledVerbsProxy(P.Proxy):
 
     def _run_compiled(self):
         try:
+            self.transport.thread_setup()
             loop(*self._arguments(self.controls[0], self.stats_by_thread[0]))
         except BaseException as error:   # reported by check()/close()
             self._failures.append(error)

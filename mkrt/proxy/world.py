@@ -1,15 +1,19 @@
 """The proxy service of a world: queues, proxy threads and the region table, per GPU.
 
-The `ce` transport copies between any two pieces of memory this process can address:
+``MKRT_TRANSPORT`` chooses the service (:func:`new_world_proxy`). The `ce` transport
+copies between any two pieces of memory this process can address:
 in an emulated world every rank's (one process), under mpiexec every rank's on this
 host (CUDA IPC). That is how emulated nodes, and nodes split out of one host with
 MKRT_WORLD_RANKS_PER_NODE, talk. Each local rank gets its own queue (its kernels post
 there); every symmetric buffer of the world is registered as a region
-(``buffer.region``) as soon as it exists. Nodes on other hosts need `verbs`.
+(``buffer.region``) as soon as it exists. Nodes on other hosts need `verbs`
+(mkrt/proxy/verbs_world.py).
 """
 
 from __future__ import annotations
 
+from mkrt import envs
+from mkrt.errors import MkrtError
 from mkrt.proxy import queue as Q
 from mkrt.world import register_service
 
@@ -28,10 +32,8 @@ class WorldProxy:
         from mkrt.proxy.proxy import Proxy
         from mkrt.proxy.transports.ce import CopyEngineTransport
         if not world.emulated and len(set(world.hosts)) > 1:
-            raise NotImplementedError(
-                "mkrt.proxy: nodes on different hosts need the verbs transport, which is not "
-                "wired into worlds yet; split one host into nodes (MKRT_WORLD_RANKS_PER_NODE) "
-                "or use an emulated world")
+            raise MkrtError("mkrt.proxy: the `ce` transport copies between GPUs of one host; "
+                            "nodes on different hosts need MKRT_TRANSPORT=verbs (or auto)")
         self.world = world
         _check_connections(world, threads_per_gpu)
         self.regions = Q.new_region_table(world.size, MAX_REGIONS)
@@ -120,4 +122,17 @@ def _check_connections(world, threads_per_gpu: int) -> None:
             "32 when imported before CUDA starts) or raise it")
 
 
-register_service("proxy", lambda world, key: WorldProxy(world))
+def new_world_proxy(world):
+    """The proxy service ``MKRT_TRANSPORT`` asks for: `ce` (:class:`WorldProxy`), `verbs`
+    (:class:`mkrt.proxy.verbs_world.VerbsWorldProxy`), or `auto`: verbs when nodes are on
+    different hosts, else ce."""
+    choice = envs.get("MKRT_TRANSPORT")
+    if choice == "auto":
+        choice = "verbs" if not world.emulated and len(set(world.hosts)) > 1 else "ce"
+    if choice == "verbs":
+        from mkrt.proxy.verbs_world import VerbsWorldProxy
+        return VerbsWorldProxy(world)
+    return WorldProxy(world)
+
+
+register_service("proxy", lambda world, key: new_world_proxy(world))

@@ -25,9 +25,9 @@ What the stand-in does, as an RC queue pair does:
   ``IBV_WC_REM_ACCESS_ERR`` without writing anything; the QP is then in error and every
   later WR completes with ``IBV_WC_WR_FLUSH_ERR`` (signalled or not).
 
-Copies use memmove on host addresses; ``copy_function`` (the address of a C function
-``int copy(void *dst, const void *src, size_t n)``) replaces it, e.g. a device copy for
-GPU memory. Everything runs on the posting thread (synchronously), so a completion exists
+Copies use memmove on host addresses; a copy function (``use_copy``: the address of a
+C function ``int copy(void *dst, const void *src, size_t n, u64 argument)``) replaces
+it, e.g. a device copy for GPU memory (:func:`device_copy_function`). Everything runs on the posting thread (synchronously), so a completion exists
 as soon as ``post_send`` returns.
 """
 
@@ -53,10 +53,12 @@ IBV_SEND_INLINE = 8
 ENOMEM = 12
 
 # the stand-in's state of one QP (what ibv_qp.qp_context points at), u64 words
-Q_DEPTH, Q_POSTED, Q_FREED, Q_FAIL_AFTER, Q_ERROR, Q_PEER_CQ, Q_COPY, Q_QPN, Q_MRS = range(9)
+Q_DEPTH, Q_POSTED, Q_FREED, Q_FAIL_AFTER, Q_ERROR, Q_PEER_CQ, Q_COPY, Q_QPN, Q_MRS, Q_COPY_ARG = range(10)
 QP_STATE_WORDS = 10
-# the fabric's registrations: word 0 the count, then rows of (key, base, address, size)
+# the fabric's registrations: word 0 the count, then rows of (key, base, address, size);
+# a key is FIRST_KEY + its row, a deregistered row is all zeros
 MR_WORDS = 4
+FIRST_KEY = 0x100
 # a CQ's ring (what ibv_cq.cq_context points at): header words, then entries
 R_CAPACITY, R_HEAD, R_TAIL, R_OVERFLOW = range(4)
 RING_HEADER_WORDS = 4
@@ -68,17 +70,18 @@ _I8P = ir.IntType(8).as_pointer()
 
 
 @intrinsic
-def _call_copy(typingctx, function, dst, src, nbytes):
-    """``((int (*)(void *, const void *, size_t))function)(dst, src, nbytes)``."""
+def _call_copy(typingctx, function, dst, src, nbytes, argument):
+    """``((int (*)(void *, const void *, size_t, u64))function)(dst, src, nbytes, argument)``."""
     def codegen(context, builder, sig, args):
         d = builder.inttoptr(context.cast(builder, args[1], sig.args[1], types.uint64), _I8P)
         s = builder.inttoptr(context.cast(builder, args[2], sig.args[2], types.uint64), _I8P)
         n = context.cast(builder, args[3], sig.args[3], types.uint64)
-        fnty = ir.FunctionType(ir.IntType(32), [_I8P, _I8P, ir.IntType(64)])
+        a = context.cast(builder, args[4], sig.args[4], types.uint64)
+        fnty = ir.FunctionType(ir.IntType(32), [_I8P, _I8P, ir.IntType(64), ir.IntType(64)])
         target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
                                   fnty.as_pointer())
-        return builder.call(target, [d, s, n])
-    return types.int32(function, dst, src, nbytes), codegen
+        return builder.call(target, [d, s, n, a])
+    return types.int32(function, dst, src, nbytes, argument), codegen
 
 
 @njit(nogil=True, cache=False)
@@ -114,15 +117,16 @@ def _push(cq, wr_id, status, opcode, byte_len, imm_network, qp_state, sequence):
 
 @njit(nogil=True, cache=False)
 def _translate(mrs, key, address, length):
-    """Where [address, address + length) of registration `key` is mapped; 0 if outside."""
-    count = _word(mrs, 0)
-    for i in range(count):
-        row = mrs + np.uint64(8) + np.uint64(i * MR_WORDS * 8)
-        if _word(row, 0) == key:
-            base, size = _word(row, 1), _word(row, 3)
-            if address >= base and address - base + length <= size:
-                return _word(row, 2) + (address - base)
-    return np.uint64(0)
+    """Where [address, address + length) of registration `key` is mapped; 0 if outside
+    (or the key is unknown or deregistered). Keys index the table: key - FIRST_KEY."""
+    index = key - np.uint64(FIRST_KEY)
+    if key < np.uint64(FIRST_KEY) or index >= _word(mrs, 0):
+        return np.uint64(0)
+    row = mrs + np.uint64(8) + index * np.uint64(MR_WORDS * 8)
+    base, size = _word(row, 1), _word(row, 3)
+    if _word(row, 0) != key or address < base or address - base + length > size:
+        return np.uint64(0)
+    return _word(row, 2) + (address - base)
 
 
 @cfunc(types.int32(types.uint64, types.uint64, types.uint64), nogil=True)
@@ -133,6 +137,7 @@ def loopback_post_send(qp, wr, bad_wr):
     posted, depth = _word(state, Q_POSTED), _word(state, Q_DEPTH)
     in_error, fail_after = _word(state, Q_ERROR) != np.uint64(0), _word(state, Q_FAIL_AFTER)
     mrs, copy, peer_cq = _word(state, Q_MRS), _word(state, Q_COPY), _word(state, Q_PEER_CQ)
+    copy_argument = _word(state, Q_COPY_ARG)
     rc = 0
     while wr != np.uint64(0):
         if posted - _word(state, Q_FREED) >= depth:
@@ -167,7 +172,7 @@ def loopback_post_send(qp, wr, bad_wr):
                 elif target == np.uint64(0):
                     status = IBV_WC_REM_ACCESS_ERR
                 elif copy != np.uint64(0):
-                    if _call_copy(copy, target, source, length) != 0:
+                    if _call_copy(copy, target, source, length, copy_argument) != 0:
                         status = IBV_WC_REM_ACCESS_ERR
                 else:
                     copy_bytes(target, source, length)
@@ -209,22 +214,33 @@ class LoopbackFabric:
     """The NICs of one process and the memory registrations they all see (rkeys are
     fabric-wide here, as (rank, rkey) pairs are on a real network)."""
 
-    def __init__(self, *, max_registrations: int = 256):
+    def __init__(self, *, max_registrations: int = 16384):
         self.mrs = np.zeros(1 + max_registrations * MR_WORDS, dtype=np.uint64)
-        self.next_key = 0x100
+        self._free: list[int] = []            # rows deregistered, reused first
 
     def register(self, address: int, size: int, base: int | None = None) -> int:
         """A registration of [address, address + size), addressed in WRs from `base`
         (default: `address`); returns its key (lkey = rkey)."""
-        count = int(self.mrs[0])
-        if 1 + (count + 1) * MR_WORDS > self.mrs.size:
-            raise ValueError(f"mkrt.proxy: loopback fabric holds {count} registrations at most")
-        key = self.next_key
-        self.next_key += 1
-        row = 1 + count * MR_WORDS
+        if self._free:
+            index = self._free.pop()
+        else:
+            index = int(self.mrs[0])
+            if 1 + (index + 1) * MR_WORDS > self.mrs.size:
+                raise ValueError(f"mkrt.proxy: the loopback fabric holds {index} "
+                                 "registrations at most")
+        row = 1 + index * MR_WORDS
+        key = FIRST_KEY + index
         self.mrs[row:row + MR_WORDS] = (key, address if base is None else base, address, size)
-        self.mrs[0] = count + 1
+        self.mrs[0] = max(int(self.mrs[0]), index + 1)
         return key
+
+    def deregister(self, key: int) -> None:
+        index = key - FIRST_KEY
+        row = 1 + index * MR_WORDS
+        if not 0 <= index < int(self.mrs[0]) or int(self.mrs[row]) != key:
+            raise ValueError(f"mkrt.proxy: loopback key {key:#x} is not registered")
+        self.mrs[row:row + MR_WORDS] = 0
+        self._free.append(index)
 
 
 class LoopbackNic:
@@ -275,8 +291,10 @@ class LoopbackNic:
         """The `wrs`-th WR posted on QP `index` (counting from 1, over its life) fails."""
         self.qps[index][1][Q_FAIL_AFTER] = wrs
 
-    def use_copy(self, index: int, function_address: int) -> None:
+    def use_copy(self, index: int, function_address: int, argument: int = 0) -> None:
+        """Copies of QP `index` call ``function(dst, src, nbytes, argument)`` (0: success)."""
         self.qps[index][1][Q_COPY] = function_address
+        self.qps[index][1][Q_COPY_ARG] = argument
 
     def outstanding(self, index: int) -> int:
         state = self.qps[index][1]
@@ -318,12 +336,16 @@ class LoopbackBackend:
     """The verbs transport's backend (same methods as ``PyverbsBackend``) over the
     loopback stand-in: ranks of one process share a :class:`LoopbackFabric`. RC only."""
 
-    def __init__(self, fabric: LoopbackFabric, rank: int, *, max_inline: int = 64):
-        self.fabric, self.rank, self.max_inline = fabric, rank, max_inline
+    def __init__(self, fabric: LoopbackFabric, rank: int, *, max_inline: int = 64,
+                 device: int | None = None):
+        """``device``: the GPU whose memory this rank registers; its queue pairs then copy
+        with ``cuMemcpy`` (any memory under unified addressing) instead of memmove."""
+        self.fabric, self.rank, self.max_inline, self.device = fabric, rank, max_inline, device
         self.nic: LoopbackNic | None = None
         if not hasattr(fabric, "nics"):
             fabric.nics = {}
         self._post = None
+        self._streams = []
         self._wrs, self._sges = A.new_send_wrs(256)
         self._bad = np.zeros(1, dtype=np.uint64)
 
@@ -340,7 +362,26 @@ class LoopbackBackend:
     def create_qp(self, cq, sq_depth, recv_depth, max_inline, efa):
         if efa:
             raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
-        return _LoopbackQP(cq.nic, cq.nic.create_qp(sq_depth))
+        index = cq.nic.create_qp(sq_depth)
+        if self.device is not None:
+            import cupy
+            with cupy.cuda.Device(self.device):
+                # its own non-blocking stream: a copy on the legacy stream would wait for
+                # the caller's queued work, which waits for the kernels waiting for it
+                stream = cupy.cuda.Stream(non_blocking=True)
+            self._streams.append(stream)
+            cq.nic.use_copy(index, device_copy_function(), stream.ptr)
+        return _LoopbackQP(cq.nic, index)
+
+    def thread_setup(self):
+        """In the posting thread: make the GPU's primary context current (cuMemcpy)."""
+        if self.device is not None:
+            import cupy
+            cupy.cuda.runtime.setDevice(self.device)
+            cupy.cuda.runtime.free(0)
+
+    def deregister(self, registration):
+        self.fabric.deregister(registration.lkey)
 
     def connect(self, qp, local, remote):
         qp.nic.connect(qp.index, self.fabric.nics[remote.rank])
@@ -380,3 +421,37 @@ class LoopbackBackend:
 
     def close(self):
         self.nic = None
+        self._streams = []
+
+
+_DEVICE_COPY = None
+
+
+def device_copy_function() -> int:
+    """Address of a C-callable ``int copy(void *dst, const void *src, size_t n, CUstream s)``
+    that runs ``cuMemcpyAsync`` on `s` and waits for it (unified addressing tells host from
+    device memory), for the stand-in's queue pairs on GPU memory. Needs libcuda (built on
+    first use)."""
+    global _DEVICE_COPY
+    if _DEVICE_COPY is None:
+        import ctypes
+        try:
+            cuda = ctypes.CDLL("libcuda.so.1")
+        except OSError as error:
+            raise RuntimeError(f"mkrt.proxy: the loopback NIC's device copies need libcuda: "
+                               f"{error}") from None
+        memcpy = cuda.cuMemcpyAsync
+        memcpy.restype = ctypes.c_int
+        memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint64]
+        synchronize = cuda.cuStreamSynchronize
+        synchronize.restype = ctypes.c_int
+        synchronize.argtypes = [ctypes.c_uint64]
+
+        @cfunc(types.int32(types.uint64, types.uint64, types.uint64, types.uint64), nogil=True)
+        def device_copy(dst, src, nbytes, stream):
+            rc = memcpy(dst, src, nbytes, stream)
+            if rc != 0:
+                return rc
+            return synchronize(stream)
+        _DEVICE_COPY = device_copy
+    return _DEVICE_COPY.address

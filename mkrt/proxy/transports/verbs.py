@@ -619,6 +619,7 @@ class VerbsTransport:
         self.efa_flag_region = efa_flag_region
         self.regions = Q.new_region_table(ranks, regions)   # bases are what WRs use (iova)
         self.rkeys = np.zeros((ranks, regions), dtype=np.uint64)
+        self.lkeys = np.zeros(regions, dtype=np.uint64)        # this rank's, per region id
         self.local: dict[int, tuple[LocalRegion, int, int]] = {}   # region -> (LocalRegion, VA, kind)
         self._registrations = []
         self.connected = False
@@ -656,11 +657,12 @@ class VerbsTransport:
 
     # -- memory --
     def register_region(self, region: int, address: int, size: int, *, kind: int = Q.REGION_DEVICE,
-                        dmabuf_fd: int | None = None, dmabuf_offset: int = 0):
-        """Register local region `region` (before connect). GPU memory: pass its dma-buf fd
-        (:func:`cuda_dmabuf_fd`); without one, plain ibv_reg_mr (host memory, or GPU memory
-        through the peer-memory module)."""
-        if self.connected:
+                        dmabuf_fd: int | None = None, dmabuf_offset: int = 0, late: bool = False):
+        """Register local region `region` (before connect, or ``late=True`` after it: then
+        the caller tells every peer with :meth:`set_remote_region`). GPU memory: pass its
+        dma-buf fd (:func:`cuda_dmabuf_fd`); without one, plain ibv_reg_mr (host memory,
+        or GPU memory through the peer-memory module)."""
+        if self.connected and not late:
             raise RuntimeError(f"mkrt.proxy: verbs region {region} registered after connect()")
         if not 0 <= region < self.regions.shape[1] or region in self.local:
             raise ValueError(f"mkrt.proxy: verbs region {region} outside 0..{self.regions.shape[1] - 1} "
@@ -676,7 +678,41 @@ class VerbsTransport:
         self.local[region] = (LocalRegion(reg.base, size, reg.lkey), address, kind)
         self.regions[self.rank, region] = (reg.base, size, kind, 1)
         self.rkeys[self.rank, region] = reg.rkey
+        self.lkeys[region] = reg.lkey
         return reg
+
+    def set_remote_region(self, peer: int, region: int, base: int, size: int, rkey: int,
+                          kind: int = Q.REGION_DEVICE) -> None:
+        """What `peer` registered late as `region` (its base, size and rkey)."""
+        if peer == self.rank:
+            return
+        self.regions[peer, region] = (base, size, kind, 1)
+        self.rkeys[peer, region] = rkey
+
+    def unregister_region(self, region: int) -> None:
+        """Forget `region` on every rank and deregister this rank's (the GPUs and the proxy
+        must be done with it)."""
+        self.regions[:, region] = 0
+        self.rkeys[:, region] = 0
+        self.lkeys[region] = 0
+        entry = self.local.pop(region, None)
+        if entry is not None:
+            for reg in list(self._registrations):
+                if reg.base == entry[0].address and reg.lkey == entry[0].lkey:
+                    self._registrations.remove(reg)
+                    deregister = getattr(self.backend, "deregister", None)
+                    if deregister is not None:
+                        deregister(reg)
+                    else:
+                        close = getattr(reg.handle, "close", None)
+                        if close is not None:
+                            close()
+
+    def thread_setup(self) -> None:
+        """Runs in the posting thread before its loop (the backend's, if it has one)."""
+        setup = getattr(self.backend, "thread_setup", None)
+        if setup is not None:
+            setup()
 
     # -- connection --
     def _region_list(self):

@@ -1,0 +1,150 @@
+"""The proxy service of a world whose nodes talk through verbs (``MKRT_TRANSPORT=verbs``).
+
+Per local rank: a :class:`~mkrt.proxy.transports.verbs.VerbsTransport` (an RC queue pair
+to every rank, the rank's staging memory registered), one queue its kernels post to, and
+a :class:`~mkrt.proxy.verbs_loop.CompiledVerbsProxy` thread serving it. Every symmetric
+buffer is registered with the NIC when it is made, as each rank's region, and its (base,
+size, rkey) told to every rank, so kernels name memory as (rank, region, offset) exactly
+as with the `ce` transport.
+
+``MKRT_VERBS_PROVIDER=loopback`` puts mkrt's stand-in NIC behind the same ABI
+(:mod:`mkrt.proxy.transports.loopback_nic`): its queue pairs copy with ``cuMemcpy``, so
+an emulated world (every rank in this process) runs the whole verbs path, from the GPU's
+commands through work requests and completions, without RDMA hardware.
+``MKRT_VERBS_PROVIDER=device`` opens an RDMA device through pyverbs.
+
+Connection data is exchanged in the process when it holds every rank, else over the
+world's MPI communicator (one rank per process).
+"""
+
+from __future__ import annotations
+
+from mkrt import envs
+from mkrt.errors import MkrtError
+from mkrt.proxy import queue as Q
+
+MAX_REGIONS = 4096
+
+
+class VerbsWorldProxy:
+    def __init__(self, world, *, slots: int = 1024, sq_depth: int = 256, signal_every: int = 32,
+                 timeout: float = 30.0):
+        from mkrt.proxy.affinity import gpu_local_cpus
+        from mkrt.proxy.transports.verbs import PyverbsBackend, VerbsTransport
+        from mkrt.proxy.verbs_loop import CompiledVerbsProxy
+        self.world = world
+        self.provider = envs.get("MKRT_VERBS_PROVIDER")
+        everyone_here = len(world.local) == world.size
+        if self.provider == "loopback" and not everyone_here:
+            raise MkrtError("mkrt.proxy: MKRT_VERBS_PROVIDER=loopback needs every rank in this "
+                            f"process (an emulated world); this one holds {len(world.local)} of "
+                            f"{world.size}")
+        if not everyone_here and len(world.local) != 1:
+            raise MkrtError("mkrt.proxy: verbs across processes needs one rank per process")
+        self.transports = {}
+        self.queue_sets: dict[int, Q.QueueSet] = {}
+        self.proxies = {}
+        fabric = None
+        if self.provider == "loopback":
+            from mkrt.proxy.transports.loopback_nic import LoopbackFabric
+            fabric = LoopbackFabric()
+        try:
+            for info in world.local:
+                if fabric is not None:
+                    from mkrt.proxy.transports.loopback_nic import LoopbackBackend
+                    backend = LoopbackBackend(fabric, info.rank, device=info.device)
+                else:
+                    backend = PyverbsBackend()
+                self.transports[info.rank] = VerbsTransport(
+                    info.rank, world.size, MAX_REGIONS, backend=backend, sq_depth=sq_depth,
+                    signal_every=signal_every, timeout=timeout)
+            self._connect()
+            for info in world.local:
+                transport = self.transports[info.rank]
+                cpus = gpu_local_cpus(info.device)
+                queue_set = Q.QueueSet(1, slots, [info.rank], memory="pinned", cpus=cpus)
+                self.queue_sets[info.rank] = queue_set
+                self.proxies[info.rank] = CompiledVerbsProxy(queue_set, transport.regions, transport)
+            for buffer in world._regions:
+                if buffer is not None:
+                    self.register(buffer)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> None:
+        if len(self.transports) == self.world.size:
+            sent = {rank: t.connection_data() for rank, t in self.transports.items()}
+            for rank, t in self.transports.items():
+                t.complete([sent[peer][rank] for peer in range(self.world.size)])
+        else:
+            (transport,) = self.transports.values()
+            transport.connect(self.world.comm)
+
+    def __repr__(self) -> str:
+        return f"VerbsWorldProxy(provider={self.provider}, ranks={sorted(self.transports)})"
+
+    def register(self, buffer) -> None:
+        """Register `buffer`'s copy of every local rank with its NIC and tell every rank
+        (collective where ranks live in several processes, as buffer creation is)."""
+        if buffer.region >= MAX_REGIONS:
+            raise ValueError(f"mkrt.proxy: region {buffer.region} exceeds the table's {MAX_REGIONS}")
+        pointers = buffer.host_pointers()
+        mine = []
+        for rank, transport in self.transports.items():
+            dmabuf = {}
+            if self.provider == "device":
+                from mkrt.proxy.transports.base import TransportUnavailable
+                from mkrt.proxy.transports.verbs import cuda_dmabuf_fd
+                try:
+                    fd, offset = cuda_dmabuf_fd(pointers[rank], buffer.nbytes)
+                    dmabuf = dict(dmabuf_fd=fd, dmabuf_offset=offset)
+                except TransportUnavailable:
+                    pass                   # plain ibv_reg_mr: needs the peer-memory module
+            reg = transport.register_region(buffer.region, pointers[rank], buffer.nbytes,
+                                            late=True, **dmabuf)
+            mine.append((rank, reg.base, buffer.nbytes, reg.rkey))
+        every = mine
+        if len(self.transports) != self.world.size:
+            every = [row for rows in self.world.comm.allgather(mine) for row in rows]
+        for transport in self.transports.values():
+            for rank, base, size, rkey in every:
+                transport.set_remote_region(rank, buffer.region, base, size, rkey)
+
+    def unregister(self, buffer) -> None:
+        if buffer.region < MAX_REGIONS:
+            for transport in self.transports.values():
+                transport.unregister_region(buffer.region)
+
+    def queue_pointer(self, rank: int) -> int:
+        """Device address of `rank`'s ``mkrt::Queue`` descriptor."""
+        return self.queue_sets[rank].device_descriptors().data.ptr
+
+    def caught_up(self) -> bool:
+        """Whether every command the kernels claimed was taken, posted and completed."""
+        for queue_set in self.queue_sets.values():
+            heads = queue_set.device_heads()
+            if not int(heads[0]) == queue_set.tail(0) == queue_set.done(0):
+                return False
+        return True
+
+    def check(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.check()
+
+    def close(self) -> None:
+        errors = []
+        for proxy in self.proxies.values():
+            try:
+                proxy.close()
+            except Exception as error:   # close everything, then report
+                errors.append(error)
+        self.proxies.clear()
+        for queue_set in self.queue_sets.values():
+            queue_set.close()
+        self.queue_sets.clear()
+        for transport in self.transports.values():
+            transport.close()
+        self.transports.clear()
+        if errors:
+            raise errors[0]
