@@ -26,6 +26,7 @@ for step in $STEPS; do
       timeout 150 python3 experiments/determinism.py $base --sync-every 50 2>&1 | grep -v "^  " | tail -3 ;;
     gemm_tune) timeout ${TUNE_TIMEOUT:-300} python3 experiments/gemm_tune.py ${TUNE_ARGS} --out $OUT/gemm_tune.jsonl 2>&1 | grep -E "best|WRONG|Error" | tail -40 ;;
     controller) timeout ${CONTROLLER_TIMEOUT:-240} python3 experiments/controller.py ${CONTROLLER_ARGS} --out $OUT/controller.jsonl 2>&1 | tail -20 ;;
+    verbs_rate) timeout ${VERBS_RATE_TIMEOUT:-240} python3 experiments/verbs_rate.py --commands 200000 --trials 9 --out $OUT/verbs_rate.jsonl 2>&1 | tail -6 ;;
     determinism) timeout 200 python3 experiments/determinism.py ${DETERMINISM_ARGS} --out $OUT/determinism.jsonl 2>&1 | tail -12 ;;
     sanitize) left=$(( ${DEADLINE:-100000} - SECONDS )); [ $left -lt 60 ] && { echo "no time left for the sanitizers"; continue; }
       timeout $(( left < ${SANITIZE_TIMEOUT:-400} ? left : ${SANITIZE_TIMEOUT:-400} )) python3 experiments/sanitize.py ${SANITIZE_ARGS} --out $OUT/sanitize.jsonl 2>&1 | tee $OUT/sanitize.log | grep -E "^(none|memcheck|racecheck|synccheck|initcheck) " ;;
