@@ -378,3 +378,30 @@ def test_a_copy_function_replaces_memmove_and_gets_its_argument():
     assert int(counter[0]) == 3                        # the third copy failed; the QP stopped
     assert np.array_equal(dst[:16], src[:16]) and not dst[24:].any()
     assert _poll(nic) == [(0, 0), (1, 0), (2, L.IBV_WC_REM_ACCESS_ERR), (3, L.IBV_WC_WR_FLUSH_ERR)]
+
+
+def test_two_fabrics_reach_each_others_memory_through_aliases():
+    """What two processes do (MKRT_VERBS_PROVIDER=loopback under mpiexec): each registers
+    its memory as its own rank and aliases the other's registration onto its own mapping of
+    that memory; a write from process 0 with process 1's rkey lands in process 1's buffer,
+    and a key nobody aliased is refused."""
+    fabrics = [L.LoopbackFabric(owners=2, per_owner=8) for _ in range(2)]
+    buffers = [np.zeros(64, dtype=np.uint8) for _ in range(2)]
+    src = np.arange(64, dtype=np.uint8)
+    keys = [fabrics[r].register(buffers[r].ctypes.data, 64, base=0x5000, owner=r) for r in range(2)]
+    assert keys[0] >> L.KEY_OWNER_SHIFT == 0 and keys[1] >> L.KEY_OWNER_SHIFT == 1
+    skey = fabrics[0].register(src.ctypes.data, 64, owner=0)
+    nic = L.LoopbackNic(fabrics[0])
+    qp = nic.create_qp(4)
+    rc, _, _ = _post(nic, qp, [(1, 0, src.ctypes.data, 16, skey, 0x5000, keys[1], 2, 0, False)])
+    assert rc == 0 and _poll(nic) == [(1, L.IBV_WC_REM_ACCESS_ERR)]      # not aliased yet
+    nic = L.LoopbackNic(fabrics[0])
+    qp = nic.create_qp(4)
+    # process 0 maps process 1's buffer (here: the same memory) and aliases its key
+    fabrics[0].alias(keys[1], 0x5000, buffers[1].ctypes.data, 64)
+    rc, _, _ = _post(nic, qp, [(2, 0, src.ctypes.data, 16, skey, 0x5000 + 8, keys[1], 2, 0, False)])
+    assert rc == 0 and _poll(nic) == [(2, 0)]
+    assert np.array_equal(buffers[1][8:24], src[:16]) and not buffers[0].any()
+    fabrics[0].deregister(keys[1])
+    with pytest.raises(ValueError, match="not registered"):
+        fabrics[0].deregister(keys[1])

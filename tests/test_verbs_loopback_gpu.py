@@ -123,3 +123,22 @@ def test_completion_error_mid_run_raises_and_never_hangs(verbs_env):
             assert error < 1e-2
     finally:
         world.close()
+
+
+def test_across_processes_through_the_loopback_nic():
+    """Two processes, one host split into two nodes: every byte between them goes through
+    the compiled verbs loop and the loopback NIC (aliases of the peer's registrations)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from mkrt.launch import child_env, mpiexec_command
+    script = str(Path(__file__).with_name("mpi_verbs_loopback.py"))
+    env = child_env(MKRT_WORLD_RANKS_PER_NODE="1", MKRT_TRANSPORT="verbs",
+                    MKRT_VERBS_PROVIDER="loopback")
+    result = subprocess.run(mpiexec_command(2, script), env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    match = re.search(r"MPI_VERBS_LOOPBACK ranks=2 layout=2x1 verbs=1 worst_error=(\S+) "
+                      r"gathered_exact=1", result.stdout)
+    assert match and float(match.group(1)) < 1e-2, result.stdout[-2000:]

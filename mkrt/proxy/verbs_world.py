@@ -35,19 +35,25 @@ class VerbsWorldProxy:
         self.world = world
         self.provider = envs.get("MKRT_VERBS_PROVIDER")
         everyone_here = len(world.local) == world.size
-        if self.provider == "loopback" and not everyone_here:
-            raise MkrtError("mkrt.proxy: MKRT_VERBS_PROVIDER=loopback needs every rank in this "
-                            f"process (an emulated world); this one holds {len(world.local)} of "
-                            f"{world.size}")
         if not everyone_here and len(world.local) != 1:
             raise MkrtError("mkrt.proxy: verbs across processes needs one rank per process")
+        if self.provider == "loopback" and not everyone_here:
+            me = world.local[0].rank
+            others = [r.rank for r in world.ranks if not world.same_host(me, r.rank)]
+            if others:
+                raise MkrtError("mkrt.proxy: MKRT_VERBS_PROVIDER=loopback reaches ranks of this "
+                                f"host only; ranks {others} are on other hosts")
         self.transports = {}
         self.queue_sets: dict[int, Q.QueueSet] = {}
         self.proxies = {}
         fabric = None
         if self.provider == "loopback":
             from mkrt.proxy.transports.loopback_nic import LoopbackFabric
-            fabric = LoopbackFabric()
+            # one process: every rank shares owner 0; processes: each registers as its
+            # rank and aliases its peers' registrations onto its IPC mappings of them
+            fabric = LoopbackFabric(owners=1 if everyone_here else world.size,
+                                    per_owner=16384 if everyone_here else 4096)
+        self.fabric = fabric
         try:
             for info in world.local:
                 if fabric is not None:
@@ -107,14 +113,25 @@ class VerbsWorldProxy:
         every = mine
         if len(self.transports) != self.world.size:
             every = [row for rows in self.world.comm.allgather(mine) for row in rows]
+            if self.fabric is not None:
+                for rank, base, size, rkey in every:
+                    if rank not in self.transports:        # a peer process's copy, as mapped here
+                        self.fabric.alias(rkey, base, pointers[rank], size)
         for transport in self.transports.values():
             for rank, base, size, rkey in every:
                 transport.set_remote_region(rank, buffer.region, base, size, rkey)
 
     def unregister(self, buffer) -> None:
-        if buffer.region < MAX_REGIONS:
-            for transport in self.transports.values():
-                transport.unregister_region(buffer.region)
+        if buffer.region >= MAX_REGIONS:
+            return
+        if self.fabric is not None and len(self.transports) != self.world.size:
+            (transport,) = self.transports.values()
+            for rank in range(self.world.size):
+                key = int(transport.rkeys[rank, buffer.region])
+                if rank not in self.transports and key:
+                    self.fabric.deregister(key)          # the alias of a peer's copy
+        for transport in self.transports.values():
+            transport.unregister_region(buffer.region)
 
     def queue_pointer(self, rank: int) -> int:
         """Device address of `rank`'s ``mkrt::Queue`` descriptor."""

@@ -55,10 +55,16 @@ ENOMEM = 12
 # the stand-in's state of one QP (what ibv_qp.qp_context points at), u64 words
 Q_DEPTH, Q_POSTED, Q_FREED, Q_FAIL_AFTER, Q_ERROR, Q_PEER_CQ, Q_COPY, Q_QPN, Q_MRS, Q_COPY_ARG = range(10)
 QP_STATE_WORDS = 10
-# the fabric's registrations: word 0 the count, then rows of (key, base, address, size);
-# a key is FIRST_KEY + its row, a deregistered row is all zeros
+# the fabric's registrations: a header (rows per owner, owners), then per owner its rows of
+# (key, base, address, size); key = owner << KEY_OWNER_SHIFT | (FIRST_KEY + row); a free
+# row is all zeros. An owner is the rank that registered the memory: in one process one
+# owner serves every rank; across processes each process registers as its rank and adds
+# aliases of its peers' registrations (their keys, mapped to where it maps their memory).
+MR_HEADER_WORDS = 2
 MR_WORDS = 4
 FIRST_KEY = 0x100
+KEY_OWNER_SHIFT = 24
+KEY_INDEX_MASK = (1 << KEY_OWNER_SHIFT) - 1
 # a CQ's ring (what ibv_cq.cq_context points at): header words, then entries
 R_CAPACITY, R_HEAD, R_TAIL, R_OVERFLOW = range(4)
 RING_HEADER_WORDS = 4
@@ -118,11 +124,15 @@ def _push(cq, wr_id, status, opcode, byte_len, imm_network, qp_state, sequence):
 @njit(nogil=True, cache=False)
 def _translate(mrs, key, address, length):
     """Where [address, address + length) of registration `key` is mapped; 0 if outside
-    (or the key is unknown or deregistered). Keys index the table: key - FIRST_KEY."""
-    index = key - np.uint64(FIRST_KEY)
-    if key < np.uint64(FIRST_KEY) or index >= _word(mrs, 0):
+    (or the key is unknown or deregistered). A key names its row: owner and index."""
+    per_owner, owners = _word(mrs, 0), _word(mrs, 1)
+    owner = key >> np.uint64(KEY_OWNER_SHIFT)
+    index = (key & np.uint64(KEY_INDEX_MASK)) - np.uint64(FIRST_KEY)
+    if (key & np.uint64(KEY_INDEX_MASK)) < np.uint64(FIRST_KEY) or owner >= owners \
+            or index >= per_owner:
         return np.uint64(0)
-    row = mrs + np.uint64(8) + index * np.uint64(MR_WORDS * 8)
+    row = mrs + np.uint64(8 * MR_HEADER_WORDS) \
+        + (owner * per_owner + index) * np.uint64(MR_WORDS * 8)
     base, size = _word(row, 1), _word(row, 3)
     if _word(row, 0) != key or address < base or address - base + length > size:
         return np.uint64(0)
@@ -211,36 +221,61 @@ def loopback_poll_cq(cq, count, wc):
 
 
 class LoopbackFabric:
-    """The NICs of one process and the memory registrations they all see (rkeys are
-    fabric-wide here, as (rank, rkey) pairs are on a real network)."""
+    """The memory registrations the NICs of this process see (rkeys are fabric-wide, as
+    (rank, rkey) pairs are on a real network). ``owners``: ranks whose registrations it
+    holds (1 when every rank lives in this process and shares owner 0)."""
 
-    def __init__(self, *, max_registrations: int = 16384):
-        self.mrs = np.zeros(1 + max_registrations * MR_WORDS, dtype=np.uint64)
-        self._free: list[int] = []            # rows deregistered, reused first
+    def __init__(self, *, owners: int = 1, per_owner: int = 16384):
+        if not 1 <= owners <= 1 << (64 - KEY_OWNER_SHIFT - 1) or not 1 <= per_owner < KEY_INDEX_MASK - FIRST_KEY:
+            raise ValueError(f"mkrt.proxy: loopback fabric of {owners=}, {per_owner=}")
+        self.owners, self.per_owner = owners, per_owner
+        self.mrs = np.zeros(MR_HEADER_WORDS + owners * per_owner * MR_WORDS, dtype=np.uint64)
+        self.mrs[0], self.mrs[1] = per_owner, owners
+        self._used = [0] * owners             # rows ever used, per owner
+        self._free: list[list[int]] = [[] for _ in range(owners)]   # rows freed, reused first
 
-    def register(self, address: int, size: int, base: int | None = None) -> int:
+    def _row(self, owner: int, index: int) -> int:
+        return MR_HEADER_WORDS + (owner * self.per_owner + index) * MR_WORDS
+
+    def register(self, address: int, size: int, base: int | None = None, *, owner: int = 0) -> int:
         """A registration of [address, address + size), addressed in WRs from `base`
-        (default: `address`); returns its key (lkey = rkey)."""
-        if self._free:
-            index = self._free.pop()
+        (default: `address`), by `owner`; returns its key (lkey = rkey)."""
+        if not 0 <= owner < self.owners:
+            raise ValueError(f"mkrt.proxy: loopback owner {owner} outside 0..{self.owners - 1}")
+        if self._free[owner]:
+            index = self._free[owner].pop()
         else:
-            index = int(self.mrs[0])
-            if 1 + (index + 1) * MR_WORDS > self.mrs.size:
-                raise ValueError(f"mkrt.proxy: the loopback fabric holds {index} "
-                                 "registrations at most")
-        row = 1 + index * MR_WORDS
-        key = FIRST_KEY + index
+            index = self._used[owner]
+            if index >= self.per_owner:
+                raise ValueError(f"mkrt.proxy: the loopback fabric holds {self.per_owner} "
+                                 f"registrations per owner")
+            self._used[owner] += 1
+        key = (owner << KEY_OWNER_SHIFT) | (FIRST_KEY + index)
+        row = self._row(owner, index)
         self.mrs[row:row + MR_WORDS] = (key, address if base is None else base, address, size)
-        self.mrs[0] = max(int(self.mrs[0]), index + 1)
         return key
 
+    def alias(self, key: int, base: int, address: int, size: int) -> None:
+        """Another process's registration `key` (WRs address it from `base`), reachable
+        here at `address` (this process's mapping of the same memory)."""
+        owner, index = self._split(key)
+        row = self._row(owner, index)
+        self.mrs[row:row + MR_WORDS] = (key, base, address, size)
+
+    def _split(self, key: int) -> tuple[int, int]:
+        owner, index = key >> KEY_OWNER_SHIFT, (key & KEY_INDEX_MASK) - FIRST_KEY
+        if not (0 <= owner < self.owners and 0 <= index < self.per_owner):
+            raise ValueError(f"mkrt.proxy: loopback key {key:#x} names no row of this fabric")
+        return owner, index
+
     def deregister(self, key: int) -> None:
-        index = key - FIRST_KEY
-        row = 1 + index * MR_WORDS
-        if not 0 <= index < int(self.mrs[0]) or int(self.mrs[row]) != key:
+        owner, index = self._split(key)
+        row = self._row(owner, index)
+        if int(self.mrs[row]) != key:
             raise ValueError(f"mkrt.proxy: loopback key {key:#x} is not registered")
         self.mrs[row:row + MR_WORDS] = 0
-        self._free.append(index)
+        if index < self._used[owner]:
+            self._free[owner].append(index)
 
 
 class LoopbackNic:
@@ -384,7 +419,9 @@ class LoopbackBackend:
         self.fabric.deregister(registration.lkey)
 
     def connect(self, qp, local, remote):
-        qp.nic.connect(qp.index, self.fabric.nics[remote.rank])
+        peer = self.fabric.nics.get(remote.rank)    # absent: the peer is another process
+        if peer is not None:
+            qp.nic.connect(qp.index, peer)
 
     def connect_srd(self, qp):
         raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
@@ -395,7 +432,8 @@ class LoopbackBackend:
     def register(self, address, size, dmabuf_fd=None, dmabuf_offset=0):
         from mkrt.proxy.transports.verbs import Registration
         base = dmabuf_offset if dmabuf_fd is not None else address     # dma-buf: iova = offset
-        key = self.fabric.register(address, size, base)
+        key = self.fabric.register(address, size, base,
+                                   owner=self.rank if self.fabric.owners > 1 else 0)
         return Registration(("loopback-mr", key), key, key, base)
 
     def post_send(self, qp, wrs, ah=None, remote=None):
