@@ -94,6 +94,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "With MKRT_TRANSPORT=verbs: 'device' (an RDMA device through pyverbs) or "
            "'loopback' (mkrt's stand-in NIC behind the same ibv ABI, for nodes of one "
            "process: tests of the verbs path without RDMA hardware)."),
+    EnvVar("MKRT_VERBS_DEVICES", "", str,
+           "RDMA devices for the verbs transport, comma-separated, one per GPU of the host "
+           "(GPU i uses the i-th; a single name serves every GPU); empty: the first device. "
+           "Name the NIC nearest each GPU (`nvidia-smi topo -m`)."),
     EnvVar("MKRT_BENCH_COMMIT", "", str,
            "Git commit that experiments record when the checkout has no .git (a copied tree)."),
     EnvVar("MKRT_LOG_LEVEL", "WARNING", _log_level,

@@ -277,7 +277,19 @@ class World:
         kind = "emulated" if self.emulated else "mpi"
         held = [r.rank for r in self.local]
         devices = sorted({r.device for r in self.local if r.device is not None})
-        return f"World({kind} {self.layout}, size={self.size}, local ranks={held}, GPUs={devices})"
+        proxy = self._services.get(("proxy", None))
+        transport = proxy.transport_name if proxy is not None else self.transport
+        return (f"World({kind} {self.layout}, size={self.size}, local ranks={held}, "
+                f"GPUs={devices}, proxy={transport})")
+
+    @property
+    def transport(self) -> str:
+        """How nodes of this world talk ("ce" or "verbs"): ``MKRT_TRANSPORT``, where
+        "auto" means verbs when nodes are on different hosts (mkrt/proxy/world.py)."""
+        choice = envs.get("MKRT_TRANSPORT")
+        if choice == "auto":
+            choice = "verbs" if not self.emulated and len(set(self.hosts)) > 1 else "ce"
+        return choice
 
 
 #: name -> factory(world, key) of the services above this layer; registered on import

@@ -26,6 +26,14 @@ from mkrt.proxy import queue as Q
 MAX_REGIONS = 4096
 
 
+def nic_for_gpu(device: int) -> str | None:
+    """The RDMA device ``MKRT_VERBS_DEVICES`` names for GPU `device` (None: the first)."""
+    names = [n.strip() for n in envs.get("MKRT_VERBS_DEVICES").split(",") if n.strip()]
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else names[device % len(names)]
+
+
 class VerbsWorldProxy:
     def __init__(self, world, *, slots: int = 1024, sq_depth: int = 256, signal_every: int = 32,
                  timeout: float = 30.0):
@@ -63,7 +71,8 @@ class VerbsWorldProxy:
                     backend = PyverbsBackend()
                 self.transports[info.rank] = VerbsTransport(
                     info.rank, world.size, MAX_REGIONS, backend=backend, sq_depth=sq_depth,
-                    signal_every=signal_every, timeout=timeout)
+                    signal_every=signal_every, timeout=timeout,
+                    device_name=None if fabric is not None else nic_for_gpu(info.device))
             self._connect()
             for info in world.local:
                 transport = self.transports[info.rank]
@@ -89,6 +98,11 @@ class VerbsWorldProxy:
 
     def __repr__(self) -> str:
         return f"VerbsWorldProxy(provider={self.provider}, ranks={sorted(self.transports)})"
+
+    @property
+    def transport_name(self) -> str:
+        """What ``repr(world)`` says: verbs, over which provider."""
+        return "verbs" if self.provider == "device" else f"verbs ({self.provider} NIC)"
 
     def register(self, buffer) -> None:
         """Register `buffer`'s copy of every local rank with its NIC and tell every rank

@@ -12,7 +12,6 @@ there); every symmetric buffer of the world is registered as a region
 
 from __future__ import annotations
 
-from mkrt import envs
 from mkrt.errors import MkrtError
 from mkrt.proxy import queue as Q
 from mkrt.world import register_service
@@ -21,6 +20,8 @@ MAX_REGIONS = 4096
 
 
 class WorldProxy:
+    transport_name = "ce"
+
     def __init__(self, world, *, slots: int = 1024, threads_per_gpu: int = 1):
         """``threads_per_gpu``: proxy threads per GPU. One is the default: with one per
         rank (4 on one H200, 2 MiB puts) a 2x2 gemm_allreduce run ended in CommTimeout
@@ -126,10 +127,7 @@ def new_world_proxy(world):
     """The proxy service ``MKRT_TRANSPORT`` asks for: `ce` (:class:`WorldProxy`), `verbs`
     (:class:`mkrt.proxy.verbs_world.VerbsWorldProxy`), or `auto`: verbs when nodes are on
     different hosts, else ce."""
-    choice = envs.get("MKRT_TRANSPORT")
-    if choice == "auto":
-        choice = "verbs" if not world.emulated and len(set(world.hosts)) > 1 else "ce"
-    if choice == "verbs":
+    if world.transport == "verbs":
         from mkrt.proxy.verbs_world import VerbsWorldProxy
         return VerbsWorldProxy(world)
     return WorldProxy(world)
