@@ -1,6 +1,8 @@
 """Host time per call of the world ops: back-to-back calls without synchronisation.
 
-For `allgather` (4 KiB per rank) and `gemm_allreduce` (256x256x256 per rank, out= given)
+For `allgather` (4 KiB per rank), `gemm_allreduce` (256x256x256 per rank, out= given),
+`gemm_reducescatter` (256x256x256 per rank, 256/W rows out) and `allgather_gemm` (256/W
+rows of A per rank, 256x256 B)
 on emulated worlds 1x1, 1x2 and 1x4: 2000 calls in a row, no sync; host time per call
 (and per rank) is the wall time of the loop. The GPU time per call (events around the
 same loop after a sync) says whether the GPU kept up; a row where it did not is marked
@@ -37,6 +39,16 @@ def operands(world, op_name):
             if op_name == "allgather":
                 args.append((rng.standard_normal(1024, dtype=np.float32),))
                 outs.append(cupy.empty((world.size, 1024), np.float32))
+            elif op_name == "gemm_reducescatter":      # 256 rows in all, W-way scattered
+                a = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
+                b = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
+                args.append((a, b))
+                outs.append(cupy.empty((256 // world.size, 256), bfloat16))
+            elif op_name == "allgather_gemm":          # 256 rows in all, W-way gathered
+                a = rng.standard_normal((256 // world.size, 256), dtype=np.float32).astype(bfloat16)
+                b = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
+                args.append((a, b))
+                outs.append(cupy.empty((256 // world.size * world.size, 256), bfloat16))
             else:
                 a = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
                 b = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
@@ -47,10 +59,12 @@ def operands(world, op_name):
 
 def build(world, op_name):
     import mkrt
-    if op_name == "allgather":
-        op = mkrt.AllGather(world)
-    else:
-        op = mkrt.GemmAllReduce(world)
+    ops = {"allgather": mkrt.AllGather, "gemm_allreduce": mkrt.GemmAllReduce,
+           "gemm_reducescatter": getattr(mkrt, "GemmReduceScatter", None),
+           "allgather_gemm": getattr(mkrt, "AllGatherGemm", None)}
+    if ops[op_name] is None:
+        raise ValueError(f"this checkout has no {op_name}")
+    op = ops[op_name](world)
     args, outs = operands(world, op_name)
     per_arg = list(zip(*args))
     if len(world.local) == 1:
@@ -104,7 +118,9 @@ def measure(world, op_name, calls):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "1x4"])
-    parser.add_argument("--ops", nargs="+", default=["allgather", "gemm_allreduce"])
+    parser.add_argument("--ops", nargs="+", default=["allgather", "gemm_allreduce"],
+                        choices=["allgather", "gemm_allreduce", "gemm_reducescatter",
+                                 "allgather_gemm"])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--label", default="after")
     parser.add_argument("--profile", default=None, help="write per-phase cProfile tables here")
