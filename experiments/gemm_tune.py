@@ -21,8 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm import time_ms  # noqa: E402  (experiments/gemm.py: CUDA events, median of batches)
 
 #: shapes (M, N, K) the rule is fitted on: the issue's measured shapes and LLM projections
 FIT = [(8192, 8192, 8192), (6144, 6144, 6144), (4096, 14336, 4096), (2048, 2048, 2048),
@@ -73,22 +78,6 @@ def compile_only(args) -> None:
             build = spec.build(check_spills=True)
             print(f"{spec.uri:48s} stages={spec.stages} smem={spec.smem_bytes} "
                   f"{build.resources.get('gemm')}", flush=True)
-
-
-def time_ms(fn, iterations, repeats, warmup) -> float:
-    import cupy
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(iterations):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
-    return float(np.median(samples))
 
 
 def sweep(args) -> None:
@@ -146,7 +135,7 @@ def sweep(args) -> None:
             best[f"{case}:{args.dtype}:{args.b_layout}:{sms}"] = winner
             print(f"{set_name:8s} {case:18s} best {winner} x torch "
                   f"{torch_us / times[winner]:.3f}", flush=True)
-        del a, b, out, ta, tb, torch_out, reference
+        a = b = out = ta = tb = torch_out = reference = None   # free this shape's memory
         cupy.get_default_memory_pool().free_all_blocks()
     if args.table:
         path = envs.get("MKRT_JIT_CACHE_DIR") / "gemm_table.json"

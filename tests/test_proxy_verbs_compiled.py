@@ -19,6 +19,7 @@ from mkrt.proxy.transports import verbs as V
 from mkrt.proxy.transports import verbs_abi as A
 from mkrt.proxy.verbs_loop import CompiledVerbsProxy
 from mkrt.proxy.verbs_proxy import VerbsProxy
+from test_proxy_verbs_proxy import Ranks as VerbsRanks
 
 SPINS = np.int64(2_000_000_000)
 DATA = 1 << 16
@@ -211,14 +212,7 @@ class Ranks:
             f"flag {index} of rank {rank} never reached {value}: {self.flags[rank][index]}"
 
     def close(self):
-        errors = []
-        for p in self.proxies:
-            try:
-                p.close(timeout=10)
-            except ProxyError as error:
-                errors.append(error)
-        for q in self.queues:
-            q.close()
+        errors = VerbsRanks.close(self)        # the Python-proxy tests' teardown
         for t in self.transports:
             t.close()
         return errors

@@ -164,16 +164,8 @@ class VerbsWorldProxy:
             proxy.check()
 
     def close(self) -> None:
-        errors = []
-        for proxy in self.proxies.values():
-            try:
-                proxy.close()
-            except Exception as error:   # close everything, then report
-                errors.append(error)
-        self.proxies.clear()
-        for queue_set in self.queue_sets.values():
-            queue_set.close()
-        self.queue_sets.clear()
+        from mkrt.proxy.world import close_proxies
+        errors = close_proxies(self.proxies, self.queue_sets)
         for transport in self.transports.values():
             transport.close()
         self.transports.clear()

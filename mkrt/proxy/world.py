@@ -92,18 +92,24 @@ class WorldProxy:
             proxy.check()
 
     def close(self) -> None:
-        errors = []
-        for proxy in self.proxies.values():
-            try:
-                proxy.close()
-            except Exception as error:   # close every proxy, then report
-                errors.append(error)
-        self.proxies.clear()
-        for queue_set in self.queue_sets.values():
-            queue_set.close()
-        self.queue_sets.clear()
+        errors = close_proxies(self.proxies, self.queue_sets)
         if errors:
             raise errors[0]
+
+
+def close_proxies(proxies: dict, queue_sets: dict) -> list:
+    """Close every proxy, then every queue set (both dicts emptied); the errors raised."""
+    errors = []
+    for proxy in proxies.values():
+        try:
+            proxy.close()
+        except Exception as error:   # close every proxy, then report
+            errors.append(error)
+    proxies.clear()
+    for queue_set in queue_sets.values():
+        queue_set.close()
+    queue_sets.clear()
+    return errors
 
 
 
