@@ -22,6 +22,7 @@ from __future__ import annotations
 from mkrt import envs
 from mkrt.errors import MkrtError
 from mkrt.proxy import queue as Q
+from mkrt.proxy.world import ProxyService, close_proxies
 
 MAX_REGIONS = 4096
 
@@ -34,7 +35,7 @@ def nic_for_gpu(device: int) -> str | None:
     return names[0] if len(names) == 1 else names[device % len(names)]
 
 
-class VerbsWorldProxy:
+class VerbsWorldProxy(ProxyService):
     def __init__(self, world, *, slots: int = 1024, sq_depth: int = 256, signal_every: int = 32,
                  timeout: float = 30.0):
         from mkrt.proxy.affinity import gpu_local_cpus
@@ -151,20 +152,7 @@ class VerbsWorldProxy:
         """Device address of `rank`'s ``mkrt::Queue`` descriptor."""
         return self.queue_sets[rank].device_descriptors().data.ptr
 
-    def caught_up(self) -> bool:
-        """Whether every command the kernels claimed was taken, posted and completed."""
-        for queue_set in self.queue_sets.values():
-            heads = queue_set.device_heads()
-            if not int(heads[0]) == queue_set.tail(0) == queue_set.done(0):
-                return False
-        return True
-
-    def check(self) -> None:
-        for proxy in self.proxies.values():
-            proxy.check()
-
     def close(self) -> None:
-        from mkrt.proxy.world import close_proxies
         errors = close_proxies(self.proxies, self.queue_sets)
         for transport in self.transports.values():
             transport.close()

@@ -19,7 +19,30 @@ from mkrt.world import register_service
 MAX_REGIONS = 4096
 
 
-class WorldProxy:
+class ProxyService:
+    """What every world proxy service shares: ``proxies`` and ``queue_sets`` (dicts) and
+    the checks over them."""
+
+    proxies: dict
+    queue_sets: dict
+
+    def caught_up(self) -> bool:
+        """Whether every command the kernels claimed was taken and issued by the proxy
+        (reads the queues' device heads: call it when the GPU is idle)."""
+        for queue_set in self.queue_sets.values():
+            heads = queue_set.device_heads()
+            for q in range(queue_set.queues):
+                if not int(heads[q]) == queue_set.tail(q) == queue_set.done(q):
+                    return False
+        return True
+
+    def check(self) -> None:
+        """Raise the first error a proxy thread reported (mkrt.proxy.ProxyError)."""
+        for proxy in self.proxies.values():
+            proxy.check()
+
+
+class WorldProxy(ProxyService):
     transport_name = "ce"
 
     def __init__(self, world, *, slots: int = 1024, threads_per_gpu: int = 1):
@@ -75,21 +98,6 @@ class WorldProxy:
         device, index = self._queue_index[rank]
         descriptors = self.queue_sets[device].device_descriptors()
         return descriptors.data.ptr + index * Q.QUEUE_DESC_DTYPE.itemsize
-
-    def caught_up(self) -> bool:
-        """Whether every command the kernels claimed was taken and issued by the proxy
-        (reads the queues' device heads: call it when the GPU is idle)."""
-        for queue_set in self.queue_sets.values():
-            heads = queue_set.device_heads()
-            for q in range(queue_set.queues):
-                if not int(heads[q]) == queue_set.tail(q) == queue_set.done(q):
-                    return False
-        return True
-
-    def check(self) -> None:
-        """Raise the first error a proxy thread reported (mkrt.proxy.ProxyError)."""
-        for proxy in self.proxies.values():
-            proxy.check()
 
     def close(self) -> None:
         errors = close_proxies(self.proxies, self.queue_sets)
