@@ -81,9 +81,7 @@ class VerbsWorldProxy(ProxyService):
                 queue_set = Q.QueueSet(1, slots, [info.rank], memory="pinned", cpus=cpus)
                 self.queue_sets[info.rank] = queue_set
                 self.proxies[info.rank] = CompiledVerbsProxy(queue_set, transport.regions, transport)
-            for buffer in world._regions:
-                if buffer is not None:
-                    self.register(buffer)
+            self.register_existing()
         except BaseException:
             self.close()
             raise

@@ -36,6 +36,12 @@ class ProxyService:
                     return False
         return True
 
+    def register_existing(self) -> None:
+        """Register the world's symmetric buffers made before this service."""
+        for buffer in self.world._regions:
+            if buffer is not None:
+                self.register(buffer)
+
     def check(self) -> None:
         """Raise the first error a proxy thread reported (mkrt.proxy.ProxyError)."""
         for proxy in self.proxies.values():
@@ -75,9 +81,7 @@ class WorldProxy(ProxyService):
                 threads = min(threads_per_gpu, len(ranks))
                 self.proxies[device] = Proxy(queue_set, self.regions, CopyEngineTransport(device),
                                              threads=threads, cpus=cpus)
-            for buffer in world._regions:
-                if buffer is not None:
-                    self.register(buffer)
+            self.register_existing()
         except BaseException:
             self.close()
             raise
