@@ -399,3 +399,62 @@ def test_two_fabrics_reach_each_others_memory_through_aliases():
     fabrics[0].deregister(keys[1])
     with pytest.raises(ValueError, match="not registered"):
         fabrics[0].deregister(keys[1])
+
+
+def test_extended_qp_api_of_the_stand_in_posts_writes_with_immediate():
+    """The ibv_qp_ex path (EFA SRD): wr_start, wr_rdma_write(_imm), wr_set_ud_addr,
+    wr_set_sge, wr_complete called through the QP's function pointers from compiled code;
+    a reordering QP carries the batch out last to first, every WR completes on its own,
+    each immediate needs a posted receive at the destination."""
+    from numba import njit
+
+    fabric = L.LoopbackFabric()
+    sender, receiver = L.LoopbackNic(fabric), L.LoopbackNic(fabric)
+    qp = sender.create_qp(8, extended=True, reorder=True)
+    rq = receiver.create_qp(8, extended=True)
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    skey = fabric.register(src.ctypes.data, 64)
+    dkey = fabric.register(dst.ctypes.data, 64)
+    ah = receiver.address_handle()
+    f = A.qpx_functions(sender.qp_address(qp))
+    post_recv = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)(
+        L.loopback_post_recv.address)
+    recv_wrs = np.zeros((2, A.RECV_WR_WORDS), dtype=np.uint64)
+    recv_wrs[0, 1] = recv_wrs.ctypes.data + 8 * A.RECV_WR_WORDS       # a chain of two
+    assert post_recv(receiver.qp_address(rq), recv_wrs.ctypes.data, 0) == 0
+
+    @njit
+    def post(qpx, f_start, f_write, f_imm, f_ud, f_sge, f_complete, ah, skey, src, dkey, dst):
+        A.call_qpx(f_start, qpx)
+        for i in range(3):
+            store_release_at(qpx + np.uint64(A.QPX_WR_ID), np.uint64(10 + i))
+            store_release_at(qpx + np.uint64(A.QPX_WR_FLAGS), np.uint64(2))      # signalled
+            if i < 2:
+                A.call_qpx_write(f_imm, qpx, dkey, dst + np.uint64(16 * i),
+                                 A.byteswap32(np.uint64(0x100 + i)))
+            else:
+                A.call_qpx_write(f_write, qpx, dkey, dst + np.uint64(32), 0)
+            A.call_qpx_ud_addr(f_ud, qpx, ah, 7, 0x11111111)
+            A.call_qpx_sge(f_sge, qpx, skey, src + np.uint64(16 * i), 16)
+        return A.call_qpx_complete(f_complete, qpx)
+
+    from mkrt.proxy.atomics import store_release_at
+    rc = post(np.uint64(sender.qp_address(qp)), f["start"], f["rdma_write"], f["rdma_write_imm"],
+              f["set_ud_addr"], f["set_sge"], f["complete"], np.uint64(ah.ctypes.data), skey,
+              np.uint64(src.ctypes.data), dkey, np.uint64(dst.ctypes.data))
+    assert rc == 0
+    assert np.array_equal(dst[:48], src[:48])
+    sent = [(c.wr_id, c.status) for c in L._LoopbackCQ(sender).poll(8)]
+    assert sent == [(12, 0), (11, 0), (10, 0)]                   # carried out last to first
+    received = L._LoopbackCQ(receiver).poll(8)
+    assert sorted(c.imm_data for c in received) == [0x100, 0x101]
+    assert all(c.opcode == L.IBV_WC_RECV_RDMA_WITH_IMM for c in received)
+    assert sender.outstanding(qp) == 0
+    # a third immediate finds no receive posted: receiver-not-ready, nothing written
+    dst[:] = 0
+    rc = post(np.uint64(sender.qp_address(qp)), f["start"], f["rdma_write"], f["rdma_write_imm"],
+              f["set_ud_addr"], f["set_sge"], f["complete"], np.uint64(ah.ctypes.data), skey,
+              np.uint64(src.ctypes.data), dkey, np.uint64(dst.ctypes.data))
+    statuses = sorted(c.status for c in L._LoopbackCQ(sender).poll(8))
+    assert L.IBV_WC_RNR_RETRY_EXC_ERR in statuses

@@ -44,6 +44,7 @@ from mkrt.proxy.transports import verbs_abi as A
 IBV_WC_SUCCESS = 0
 IBV_WC_LOC_PROT_ERR = 4
 IBV_WC_WR_FLUSH_ERR = 5
+IBV_WC_RNR_RETRY_EXC_ERR = 13
 IBV_WC_REM_ACCESS_ERR = 10
 IBV_WC_RDMA_WRITE = 1
 IBV_WC_RECV_RDMA_WITH_IMM = 129
@@ -53,8 +54,12 @@ IBV_SEND_INLINE = 8
 ENOMEM = 12
 
 # the stand-in's state of one QP (what ibv_qp.qp_context points at), u64 words
-Q_DEPTH, Q_POSTED, Q_FREED, Q_FAIL_AFTER, Q_ERROR, Q_PEER_CQ, Q_COPY, Q_QPN, Q_MRS, Q_COPY_ARG = range(10)
-QP_STATE_WORDS = 10
+Q_DEPTH, Q_POSTED, Q_FREED, Q_FAIL_AFTER, Q_ERROR, Q_PEER_CQ, Q_COPY, Q_QPN, Q_MRS, Q_COPY_ARG, \
+    Q_BUILD, Q_BUILT, Q_BUILD_CAPACITY, Q_BUILD_OVERFLOW, Q_REORDER = range(15)
+QP_STATE_WORDS = 16
+# a WR being built through the extended QP API (state[Q_BUILD] rows)
+B_ID, B_FLAGS, B_OPCODE, B_RKEY, B_REMOTE, B_IMM, B_AH, B_SGE, B_LENGTH_LKEY, B_HAS_SGE = range(10)
+B_WORDS = 10
 # the fabric's registrations: a header (rows per owner, owners), then per owner its rows of
 # (key, base, address, size); key = owner << KEY_OWNER_SHIFT | (FIRST_KEY + row); a free
 # row is all zeros. An owner is the rank that registered the memory: in one process one
@@ -66,8 +71,8 @@ FIRST_KEY = 0x100
 KEY_OWNER_SHIFT = 24
 KEY_INDEX_MASK = (1 << KEY_OWNER_SHIFT) - 1
 # a CQ's ring (what ibv_cq.cq_context points at): header words, then entries
-R_CAPACITY, R_HEAD, R_TAIL, R_OVERFLOW = range(4)
-RING_HEADER_WORDS = 4
+R_CAPACITY, R_HEAD, R_TAIL, R_OVERFLOW, R_RECV_POSTED = range(5)
+RING_HEADER_WORDS = 6
 # entry words past the ibv_wc ones: which QP state to credit, and up to which WR
 E_QP_STATE, E_SEQUENCE = A.WC_WORDS, A.WC_WORDS + 1
 ENTRY_WORDS = A.WC_WORDS + 2
@@ -139,15 +144,48 @@ def _translate(mrs, key, address, length):
     return _word(row, 2) + (address - base)
 
 
+@njit(nogil=True, cache=False)
+def _execute(state, in_error, sequence, opcode, flags, has_sge, source, length, lkey, remote,
+             rkey, imm_network, receiver_cq):
+    """Carry out one WR as the NIC would (write, then a receive completion for an
+    immediate); returns its completion status."""
+    if in_error:
+        return IBV_WC_WR_FLUSH_ERR
+    if _word(state, Q_FAIL_AFTER) == sequence:
+        return IBV_WC_REM_ACCESS_ERR
+    mrs = _word(state, Q_MRS)
+    if has_sge and length != np.uint64(0):
+        if (flags & np.uint64(IBV_SEND_INLINE)) == np.uint64(0):
+            source = _translate(mrs, lkey, source, length)
+        target = _translate(mrs, rkey, remote, length)
+        if source == np.uint64(0):
+            return IBV_WC_LOC_PROT_ERR
+        if target == np.uint64(0):
+            return IBV_WC_REM_ACCESS_ERR
+        copy = _word(state, Q_COPY)
+        if copy != np.uint64(0):
+            if _call_copy(copy, target, source, length, _word(state, Q_COPY_ARG)) != 0:
+                return IBV_WC_REM_ACCESS_ERR
+        else:
+            copy_bytes(target, source, length)
+    if opcode == np.uint64(IBV_WR_RDMA_WRITE_WITH_IMM):
+        ring = _word(receiver_cq, 2)
+        posted = _word(ring, R_RECV_POSTED)
+        if posted == np.uint64(0):                         # no receive posted there
+            return IBV_WC_RNR_RETRY_EXC_ERR
+        _set(ring, R_RECV_POSTED, posted - np.uint64(1))
+        _push(receiver_cq, 0, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM, length, imm_network,
+              np.uint64(0), np.uint64(0))
+    return IBV_WC_SUCCESS
+
+
 @cfunc(types.int32(types.uint64, types.uint64, types.uint64), nogil=True)
 def loopback_post_send(qp, wr, bad_wr):
     state = _word(qp, 1)                                   # ibv_qp.qp_context
     send_cq = _word(qp, 3)                                 # ibv_qp.send_cq
     # the QP's words are read once and written back once (as a provider keeps them)
     posted, depth = _word(state, Q_POSTED), _word(state, Q_DEPTH)
-    in_error, fail_after = _word(state, Q_ERROR) != np.uint64(0), _word(state, Q_FAIL_AFTER)
-    mrs, copy, peer_cq = _word(state, Q_MRS), _word(state, Q_COPY), _word(state, Q_PEER_CQ)
-    copy_argument = _word(state, Q_COPY_ARG)
+    in_error = _word(state, Q_ERROR) != np.uint64(0)
     rc = 0
     while wr != np.uint64(0):
         if posted - _word(state, Q_FREED) >= depth:
@@ -155,48 +193,144 @@ def loopback_post_send(qp, wr, bad_wr):
             rc = ENOMEM
             break
         posted += np.uint64(1)
-        wr_id = _word(wr, A.W_ID)
         num_opcode = _word(wr, A.W_NUM_SGE_OPCODE)
-        num_sge = num_opcode & np.uint64(0xFFFFFFFF)
-        opcode = num_opcode >> np.uint64(32)
         flags_imm = _word(wr, A.W_FLAGS_IMM)
         flags = flags_imm & np.uint64(0xFFFFFFFF)
-        status = IBV_WC_SUCCESS
-        length = np.uint64(0)
-        if in_error:
-            status = IBV_WC_WR_FLUSH_ERR
-        elif fail_after == posted:
-            status = IBV_WC_REM_ACCESS_ERR
-        else:
-            if num_sge != np.uint64(0):
-                sge = _word(wr, A.W_SG_LIST)
-                length = _word(sge, A.G_LENGTH_LKEY) & np.uint64(0xFFFFFFFF)
-                lkey = _word(sge, A.G_LENGTH_LKEY) >> np.uint64(32)
-                source = _word(sge, A.G_ADDR)
-                if (flags & np.uint64(IBV_SEND_INLINE)) == np.uint64(0):
-                    source = _translate(mrs, lkey, source, length)
-                target = _translate(mrs, _word(wr, A.W_RKEY) & np.uint64(0xFFFFFFFF),
-                                    _word(wr, A.W_REMOTE_ADDR), length)
-                if source == np.uint64(0):
-                    status = IBV_WC_LOC_PROT_ERR
-                elif target == np.uint64(0):
-                    status = IBV_WC_REM_ACCESS_ERR
-                elif copy != np.uint64(0):
-                    if _call_copy(copy, target, source, length, copy_argument) != 0:
-                        status = IBV_WC_REM_ACCESS_ERR
-                else:
-                    copy_bytes(target, source, length)
-            if status == IBV_WC_SUCCESS and opcode == np.uint64(IBV_WR_RDMA_WRITE_WITH_IMM):
-                _push(peer_cq, 0, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM, length,
-                      flags_imm >> np.uint64(32), np.uint64(0), np.uint64(0))
+        sge = _word(wr, A.W_SG_LIST)
+        has_sge = (num_opcode & np.uint64(0xFFFFFFFF)) != np.uint64(0)
+        length = _word(sge, A.G_LENGTH_LKEY) & np.uint64(0xFFFFFFFF) if has_sge else np.uint64(0)
+        status = _execute(state, in_error, posted, num_opcode >> np.uint64(32), flags, has_sge,
+                          _word(sge, A.G_ADDR) if has_sge else np.uint64(0), length,
+                          _word(sge, A.G_LENGTH_LKEY) >> np.uint64(32) if has_sge else np.uint64(0),
+                          _word(wr, A.W_REMOTE_ADDR), _word(wr, A.W_RKEY) & np.uint64(0xFFFFFFFF),
+                          flags_imm >> np.uint64(32), _word(state, Q_PEER_CQ))
         if status != IBV_WC_SUCCESS:
             in_error = True                                # the QP is in error from here on
         if status != IBV_WC_SUCCESS or (flags & np.uint64(IBV_SEND_SIGNALED)) != np.uint64(0):
-            _push(send_cq, wr_id, status, IBV_WC_RDMA_WRITE, length, 0, state, posted)
+            _push(send_cq, _word(wr, A.W_ID), status, IBV_WC_RDMA_WRITE, length, 0, state, posted)
         wr = _word(wr, A.W_NEXT)
     _set(state, Q_POSTED, posted)
     _set(state, Q_ERROR, 1 if in_error else 0)
     return rc
+
+
+# ---- the extended QP API (SRD endpoints): WRs are built by calls, posted by wr_complete ----
+
+@njit(nogil=True, cache=False)
+def _building(qpx):
+    """(state, address of the WR being built) of the extended QP at `qpx`."""
+    state = _word(qpx, 1)
+    count = _word(state, Q_BUILT)
+    return state, _word(state, Q_BUILD) + (count - np.uint64(1)) * np.uint64(8 * B_WORDS)
+
+
+@njit(nogil=True, cache=False)
+def _begin_wr(qpx, opcode, rkey, remote, imm_network):
+    state = _word(qpx, 1)
+    count = _word(state, Q_BUILT)
+    if count >= _word(state, Q_BUILD_CAPACITY):
+        _set(state, Q_BUILD_OVERFLOW, 1)
+        return
+    entry = _word(state, Q_BUILD) + count * np.uint64(8 * B_WORDS)
+    _set(entry, B_ID, load_acquire_at(qpx + np.uint64(A.QPX_WR_ID)))
+    _set(entry, B_FLAGS, load_acquire_at(qpx + np.uint64(A.QPX_WR_FLAGS)) & np.uint64(0xFFFFFFFF))
+    _set(entry, B_OPCODE, opcode)
+    _set(entry, B_RKEY, rkey)
+    _set(entry, B_REMOTE, remote)
+    _set(entry, B_IMM, imm_network)
+    _set(entry, B_AH, 0)
+    _set(entry, B_SGE, 0)
+    _set(entry, B_LENGTH_LKEY, 0)
+    _set(entry, B_HAS_SGE, 0)
+    _set(state, Q_BUILT, count + np.uint64(1))
+
+
+@cfunc(types.void(types.uint64), nogil=True)
+def loopback_wr_start(qpx):
+    state = _word(qpx, 1)
+    _set(state, Q_BUILT, 0)
+    _set(state, Q_BUILD_OVERFLOW, 0)
+
+
+@cfunc(types.void(types.uint64, types.uint32, types.uint64, types.uint32), nogil=True)
+def loopback_wr_rdma_write(qpx, rkey, remote, unused):
+    _begin_wr(qpx, np.uint64(0), np.uint64(rkey), remote, np.uint64(0))
+
+
+@cfunc(types.void(types.uint64, types.uint32, types.uint64, types.uint32), nogil=True)
+def loopback_wr_rdma_write_imm(qpx, rkey, remote, imm_network):
+    _begin_wr(qpx, np.uint64(IBV_WR_RDMA_WRITE_WITH_IMM), np.uint64(rkey), remote,
+              np.uint64(imm_network))
+
+
+@cfunc(types.void(types.uint64, types.uint64, types.uint32, types.uint32), nogil=True)
+def loopback_wr_set_ud_addr(qpx, ah, remote_qpn, remote_qkey):
+    state, entry = _building(qpx)
+    if _word(state, Q_BUILT) != np.uint64(0):
+        _set(entry, B_AH, _word(ah, 0))                    # the stand-in's AH: the peer's CQ
+
+
+@cfunc(types.void(types.uint64, types.uint32, types.uint64, types.uint32), nogil=True)
+def loopback_wr_set_sge(qpx, lkey, address, length):
+    state, entry = _building(qpx)
+    if _word(state, Q_BUILT) != np.uint64(0):
+        _set(entry, B_SGE, address)
+        _set(entry, B_LENGTH_LKEY, np.uint64(length) | (np.uint64(lkey) << np.uint64(32)))
+        _set(entry, B_HAS_SGE, 1)
+
+
+@cfunc(types.int32(types.uint64), nogil=True)
+def loopback_wr_complete(qpx):
+    """Post what was built: each WR as post_send would, completions for every signalled
+    one; ``reorder`` QPs carry them out last to first (SRD delivers in any order)."""
+    state = _word(qpx, 1)
+    send_cq = _word(qpx, 3)
+    built = _word(state, Q_BUILT)
+    _set(state, Q_BUILT, 0)
+    if _word(state, Q_BUILD_OVERFLOW) != np.uint64(0):
+        return ENOMEM
+    posted, depth = _word(state, Q_POSTED), _word(state, Q_DEPTH)
+    if posted + built - _word(state, Q_FREED) > depth:
+        return ENOMEM
+    in_error = _word(state, Q_ERROR) != np.uint64(0)
+    reverse = _word(state, Q_REORDER) != np.uint64(0)
+    base = _word(state, Q_BUILD)
+    for k in range(built):
+        i = built - np.uint64(1) - np.uint64(k) if reverse else np.uint64(k)
+        entry = base + i * np.uint64(8 * B_WORDS)
+        sequence = posted + i + np.uint64(1)
+        length_lkey = _word(entry, B_LENGTH_LKEY)
+        length = length_lkey & np.uint64(0xFFFFFFFF)
+        status = _execute(state, in_error, sequence, _word(entry, B_OPCODE), _word(entry, B_FLAGS),
+                          _word(entry, B_HAS_SGE) != np.uint64(0), _word(entry, B_SGE), length,
+                          length_lkey >> np.uint64(32), _word(entry, B_REMOTE), _word(entry, B_RKEY),
+                          _word(entry, B_IMM), _word(entry, B_AH))
+        if status != IBV_WC_SUCCESS:
+            in_error = True
+        if status != IBV_WC_SUCCESS or (_word(entry, B_FLAGS) & np.uint64(IBV_SEND_SIGNALED)) != np.uint64(0):
+            # unordered: a completion frees its own slot only (every WR is signalled on SRD)
+            _push(send_cq, _word(entry, B_ID), status, IBV_WC_RDMA_WRITE, length, 0, state,
+                  np.uint64(0))
+    _set(state, Q_POSTED, posted + built)
+    _set(state, Q_ERROR, 1 if in_error else 0)
+    return 0
+
+
+@cfunc(types.void(types.uint64), nogil=True)
+def loopback_wr_abort(qpx):
+    _set(_word(qpx, 1), Q_BUILT, 0)
+
+
+@cfunc(types.int32(types.uint64, types.uint64, types.uint64), nogil=True)
+def loopback_post_recv(qp, wr, bad_wr):
+    """Receives carry no data here (writes with immediate): count them on the QP's CQ."""
+    ring = _word(_word(qp, 4), 2)                          # ibv_qp.recv_cq -> its ring
+    count = np.uint64(0)
+    while wr != np.uint64(0):
+        count += np.uint64(1)
+        wr = _word(wr, 1)
+    _set(ring, R_RECV_POSTED, _word(ring, R_RECV_POSTED) + count)
+    return 0
 
 
 @cfunc(types.int32(types.uint64, types.int32, types.uint64), nogil=True)
@@ -213,8 +347,12 @@ def loopback_poll_cq(cq, count, wc):
         for w in range(A.WC_WORDS):
             _set(out, w, _word(entry, w))
         qp_state = _word(entry, E_QP_STATE)
-        if qp_state != np.uint64(0):                       # send slots up to it are free
-            _set(qp_state, Q_FREED, _word(entry, E_SEQUENCE))
+        if qp_state != np.uint64(0):
+            sequence = _word(entry, E_SEQUENCE)
+            if sequence != np.uint64(0):                   # RC: every slot up to it is free
+                _set(qp_state, Q_FREED, sequence)
+            else:                                          # SRD: its own slot
+                _set(qp_state, Q_FREED, _word(qp_state, Q_FREED) + np.uint64(1))
         _set(ring, R_TAIL, tail + np.uint64(1))
         taken += 1
     return taken
@@ -288,23 +426,39 @@ class LoopbackNic:
         self.context = np.zeros(32, dtype=np.uint64)         # device, then the ops table
         self.context[A.CONTEXT_POLL_CQ // 8] = loopback_poll_cq.address
         self.context[A.CONTEXT_POST_SEND // 8] = loopback_post_send.address
+        self.context[A.CONTEXT_POST_RECV // 8] = loopback_post_recv.address
         self.ring = np.zeros(RING_HEADER_WORDS + cq_entries * ENTRY_WORDS, dtype=np.uint64)
         self.ring[R_CAPACITY] = cq_entries
         self.cq = np.zeros(8, dtype=np.uint64)
         self.cq[0] = self.context.ctypes.data
         self.cq[A.CQ_USER_CONTEXT // 8] = self.ring.ctypes.data
         self.qps: list[tuple[np.ndarray, np.ndarray]] = []    # (ibv_qp words, state)
+        self._keep: list[np.ndarray] = []                       # arrays the structs point at
 
     @property
     def cq_address(self) -> int:
         return self.cq.ctypes.data
 
-    def create_qp(self, depth: int, *, qp_num: int | None = None) -> int:
-        """A queue pair with `depth` send slots; returns its index."""
+    def create_qp(self, depth: int, *, qp_num: int | None = None, extended: bool = False,
+                  reorder: bool = False) -> int:
+        """A queue pair with `depth` send slots; returns its index. ``extended``: an SRD-like
+        QP posted through the extended QP API (``ibv_qp_ex``); ``reorder``: it carries out
+        each posted batch last to first (SRD delivers in any order)."""
         if depth < 1:
             raise ValueError(f"mkrt.proxy: loopback QP depth must be >= 1; got {depth}")
-        qp = np.zeros(16, dtype=np.uint64)
+        qp = np.zeros(A.QPX_BYTES // 8 if extended else 16, dtype=np.uint64)
         state = np.zeros(QP_STATE_WORDS, dtype=np.uint64)
+        if extended:
+            build = np.zeros((depth, B_WORDS), dtype=np.uint64)
+            self._keep.append(build)
+            state[Q_BUILD], state[Q_BUILD_CAPACITY] = build.ctypes.data, depth
+            state[Q_REORDER] = int(reorder)
+            for name, function in (("rdma_write", loopback_wr_rdma_write),
+                                   ("rdma_write_imm", loopback_wr_rdma_write_imm),
+                                   ("set_ud_addr", loopback_wr_set_ud_addr),
+                                   ("set_sge", loopback_wr_set_sge), ("start", loopback_wr_start),
+                                   ("complete", loopback_wr_complete), ("abort", loopback_wr_abort)):
+                qp[A.QPX[name] // 8] = function.address
         state[Q_DEPTH] = depth
         state[Q_QPN] = len(self.qps) + 1 if qp_num is None else qp_num
         state[Q_MRS] = self.fabric.mrs.ctypes.data
@@ -314,6 +468,13 @@ class LoopbackNic:
         qp[6] = int(state[Q_QPN]) << 32                        # handle, qp_num
         self.qps.append((qp, state))
         return len(self.qps) - 1
+
+    def address_handle(self) -> np.ndarray:
+        """What the stand-in uses as an ``ibv_ah`` of this NIC (a word holding its CQ's
+        address: receive completions of writes with immediate land there)."""
+        handle = np.array([self.cq_address], dtype=np.uint64)
+        self._keep.append(handle)
+        return handle
 
     def qp_address(self, index: int) -> int:
         return self.qps[index][0].ctypes.data

@@ -148,3 +148,104 @@ def context_functions(object_address: int) -> tuple[int, int]:
     if not post_send or not poll_cq:
         raise ValueError(f"mkrt.proxy: verbs context at {context:#x} has no post_send/poll_cq")
     return post_send, poll_cq
+
+
+# ---- the extended QP API (EFA SRD endpoints post through it) ---------------------------------
+# struct ibv_qp is 160 bytes on x86-64 glibc (6 pointers, 4 u32, pthread_mutex_t of 40 and
+# pthread_cond_t of 48 bytes, u32, padding); struct ibv_qp_ex begins with it, then
+# comp_mask (u64), wr_id (u64), wr_flags (u32) and the function pointers in this order.
+IBV_QP_BYTES = 160
+QPX_WR_ID = IBV_QP_BYTES + 8
+QPX_WR_FLAGS = IBV_QP_BYTES + 16
+_QPX_FUNCTIONS = ("atomic_cmp_swp", "atomic_fetch_add", "bind_mw", "local_inv", "rdma_read",
+                  "rdma_write", "rdma_write_imm", "send", "send_imm", "send_inv", "send_tso",
+                  "set_ud_addr", "set_xrc_srqn", "set_inline_data", "set_inline_data_list",
+                  "set_sge", "set_sge_list", "start", "complete", "abort")
+#: byte offset in struct ibv_qp_ex of each ``wr_*`` function pointer
+QPX = {name: IBV_QP_BYTES + 24 + 8 * i for i, name in enumerate(_QPX_FUNCTIONS)}
+QPX_BYTES = QPX["abort"] + 8 + 16          # up to wr_abort, and the two after it
+
+RECV_WR_WORDS = 4                          # struct ibv_recv_wr: wr_id, next, sg_list, num_sge
+
+
+def _pointer(context, builder, value, typ):
+    """`value` (an address) as an i8*."""
+    return builder.inttoptr(context.cast(builder, value, typ, types.uint64), _I8P)
+
+
+@intrinsic
+def call_qpx(typingctx, function, qpx):
+    """``function(qpx)`` (wr_start, wr_abort)."""
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [_I8P])
+        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
+                                  fnty.as_pointer())
+        builder.call(target, [_pointer(context, builder, args[1], sig.args[1])])
+        return context.get_dummy_value()
+    return types.void(function, qpx), codegen
+
+
+@intrinsic
+def call_qpx_complete(typingctx, function, qpx):
+    """``int function(qpx)`` (wr_complete: posts what was built since wr_start)."""
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(_I32, [_I8P])
+        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
+                                  fnty.as_pointer())
+        return builder.call(target, [_pointer(context, builder, args[1], sig.args[1])])
+    return types.int32(function, qpx), codegen
+
+
+@intrinsic
+def call_qpx_write(typingctx, function, qpx, rkey, remote_address, imm_network):
+    """``function(qpx, rkey, remote_address, imm)``: wr_rdma_write_imm, or wr_rdma_write
+    (whose three arguments come first; the fourth is then ignored by the callee)."""
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I32, ir.IntType(64), _I32])
+        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
+                                  fnty.as_pointer())
+        builder.call(target, [_pointer(context, builder, args[1], sig.args[1]),
+                              context.cast(builder, args[2], sig.args[2], types.uint32),
+                              context.cast(builder, args[3], sig.args[3], types.uint64),
+                              context.cast(builder, args[4], sig.args[4], types.uint32)])
+        return context.get_dummy_value()
+    return types.void(function, qpx, rkey, remote_address, imm_network), codegen
+
+
+@intrinsic
+def call_qpx_ud_addr(typingctx, function, qpx, ah, remote_qpn, remote_qkey):
+    """``wr_set_ud_addr(qpx, ah, remote_qpn, remote_qkey)``."""
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I8P, _I32, _I32])
+        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
+                                  fnty.as_pointer())
+        builder.call(target, [_pointer(context, builder, args[1], sig.args[1]),
+                              _pointer(context, builder, args[2], sig.args[2]),
+                              context.cast(builder, args[3], sig.args[3], types.uint32),
+                              context.cast(builder, args[4], sig.args[4], types.uint32)])
+        return context.get_dummy_value()
+    return types.void(function, qpx, ah, remote_qpn, remote_qkey), codegen
+
+
+@intrinsic
+def call_qpx_sge(typingctx, function, qpx, lkey, address, length):
+    """``wr_set_sge(qpx, lkey, address, length)``."""
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I32, ir.IntType(64), _I32])
+        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
+                                  fnty.as_pointer())
+        builder.call(target, [_pointer(context, builder, args[1], sig.args[1]),
+                              context.cast(builder, args[2], sig.args[2], types.uint32),
+                              context.cast(builder, args[3], sig.args[3], types.uint64),
+                              context.cast(builder, args[4], sig.args[4], types.uint32)])
+        return context.get_dummy_value()
+    return types.void(function, qpx, lkey, address, length), codegen
+
+
+def qpx_functions(qp_address: int) -> dict[str, int]:
+    """The ``wr_*`` function pointers of the extended QP at `qp_address` (an ibv_qp of an
+    extended QP is the start of its ibv_qp_ex)."""
+    return {name: ctypes.c_uint64.from_address(qp_address + offset).value
+            for name, offset in QPX.items()
+            if name in ("rdma_write", "rdma_write_imm", "set_ud_addr", "set_sge", "start",
+                        "complete", "abort")}
