@@ -458,3 +458,74 @@ def test_extended_qp_api_of_the_stand_in_posts_writes_with_immediate():
               np.uint64(src.ctypes.data), dkey, np.uint64(dst.ctypes.data))
     statuses = sorted(c.status for c in L._LoopbackCQ(sender).poll(8))
     assert L.IBV_WC_RNR_RETRY_EXC_ERR in statuses
+
+
+class EfaRanks(Ranks):
+    """Ranks whose transports are EFA SRD endpoints on the loopback NIC (completions and
+    deliveries reordered; flags written by the receiving proxy from immediates)."""
+
+    def __init__(self, n=2, *, sq_depth=16, seed=0):
+        self.fabric = L.LoopbackFabric()
+        rng = np.random.default_rng(seed)
+        self.data = [rng.integers(0, 256, DATA, dtype=np.uint8) for _ in range(n)]
+        self.flags = [np.zeros(512, dtype=np.uint64) for _ in range(n)]
+        self.transports = []
+        for r in range(n):
+            backend = L.LoopbackBackend(self.fabric, r, max_inline=32)
+            backend.open = lambda name, r=r: V.DeviceInfo("efa_loopback", True, r + 1,
+                                                          bytes([r]) * 16, 5, 32)
+            t = V.VerbsTransport(r, n, 2, backend=backend, sq_depth=sq_depth, signal_every=1,
+                                 recv_depth=64, timeout=5.0)
+            t.register_region(0, self.data[r].ctypes.data, DATA)
+            t.register_region(1, self.flags[r].ctypes.data, self.flags[r].nbytes, kind=REGION_HOST)
+            self.transports.append(t)
+        sent = [t.connection_data() for t in self.transports]
+        for r, t in enumerate(self.transports):
+            t.complete([sent[p][r] for p in range(n)])
+        self.queues = [QueueSet(1, 64, [r]) for r in range(n)]
+        self.proxies = []
+
+
+def test_efa_puts_with_flags_land_and_flags_never_go_backwards():
+    ranks = EfaRanks()
+    try:
+        ranks.start(compiled=True)
+        # SRD delivers in any order: writes to overlapping bytes would have no defined
+        # winner, so every put here has its own destination bytes
+        rng = np.random.default_rng(4)
+        records, expected = [], {}
+        for i in range(300):
+            nbytes, src_offset = int(rng.integers(1, 200)), int(rng.integers(0, DATA - 200))
+            records.append(dict(opcode=OP_PUT_SIGNAL if i % 3 == 0 else OP_PUT, dst_rank=1,
+                                src_offset=src_offset, dst_offset=200 * i, nbytes=nbytes,
+                                signal_region=1 if i % 3 == 0 else Q.NO_REGION,
+                                signal_offset=8 * (i % 64), signal_value=i + 1))
+            expected[i] = (src_offset, 200 * i, nbytes)
+        want = ranks.data[1].copy()
+        for i in range(len(expected)):
+            s, d, n = expected[i]
+            want[d:d + n] = ranks.data[0][s:s + n]
+        ranks.post(0, records + [dict(opcode=OP_SIGNAL, dst_rank=1, signal_region=1,
+                                      signal_offset=8 * 100, signal_value=9)])
+        ranks.wait_flag(1, 100, 9)                   # a bare flag: after everything before it
+        assert PR.wait_at_least(ranks.queues[0].header, Q.H_DONE, np.uint64(len(records) + 1), SPINS)
+        assert np.array_equal(ranks.data[1], want)
+        for slot in range(64):                       # the largest value each slot was sent
+            sent = [i + 1 for i in range(0, len(expected), 3) if i % 64 == slot]
+            assert int(ranks.flags[1][slot]) == (max(sent) if sent else 0)
+    finally:
+        assert ranks.close() == []
+
+
+def test_efa_refuses_a_flag_an_immediate_cannot_carry():
+    ranks = EfaRanks()
+    try:
+        ranks.start(compiled=True)
+        ranks.post(0, [dict(opcode=OP_SIGNAL, dst_rank=1, signal_region=1, signal_offset=0,
+                            signal_value=1 << 20)])
+        header = ranks.queues[0].header
+        assert PR.wait_at_least(header, Q.H_ERROR, np.uint64(1), SPINS)
+        assert int(header[Q.H_ERROR]) & 0xFF == Q.E_BOUNDS
+    finally:
+        errors = ranks.close()
+    assert len(errors) == 1 and errors[0].code == Q.E_BOUNDS

@@ -88,6 +88,17 @@ def store_release_at(typingctx, address, value):
 
 
 @intrinsic
+def fetch_add_at(typingctx, address, value):
+    """Atomically add `value` (two's complement: a huge value subtracts) to the u64 at a raw
+    address (acq_rel); returns the old value."""
+    def codegen(context, builder, sig, args):
+        addr = context.cast(builder, args[0], sig.args[0], types.uint64)
+        val = context.cast(builder, args[1], sig.args[1], types.uint64)
+        return builder.atomic_rmw("add", builder.inttoptr(addr, _I64P), val, "acq_rel")
+    return types.uint64(address, value), codegen
+
+
+@intrinsic
 def copy_bytes(typingctx, dst, src, nbytes):
     """memmove(dst, src, nbytes) between raw addresses."""
     def codegen(context, builder, sig, args):

@@ -20,8 +20,10 @@ no Python per command:
 
 A failed completion or post fails every queue of the rank with ``E_TRANSPORT`` (the GPU's
 waits see it) and the proxy's error names the rank, the destination, the work request and
-the completion status. RC only: EFA's SRD endpoints post through the extended QP API
-(``ibv_wr_*``), which this loop does not call yet; they use the Python VerbsProxy.
+the completion status. EFA's SRD endpoint (one QP for every destination, completions in any
+order) is posted through the extended QP API (``ibv_wr_*``): a put with its flag is one
+write with immediate, a bare flag waits for everything posted before it, every WR is
+signalled, and received immediates are written as flags (never backwards) by this loop.
 
 State is u64 numpy arrays (``P_*``, ``CF_*`` word names), built by
 :class:`CompiledVerbsProxy` from a connected :class:`~mkrt.proxy.transports.verbs.VerbsTransport`.
@@ -38,7 +40,8 @@ from numba import njit
 from mkrt.errors import MkrtError
 from mkrt.proxy import proxy as P
 from mkrt.proxy import queue as Q
-from mkrt.proxy.atomics import load_acquire, spin_pause, store_release
+from mkrt.proxy.atomics import (load_acquire, load_acquire_at, spin_pause, store_release,
+                                store_release_at)
 from mkrt.proxy.transports import verbs_abi as A
 from mkrt.proxy.transports.verbs import (IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_RDMA_WRITE,
                                          PEER_SHIFT)
@@ -47,12 +50,19 @@ _HW = Q.HEADER_WORDS
 _SEQUENCE_MASK = np.uint64((1 << PEER_SHIFT) - 1)
 
 # per destination (peers[p, ...])
-P_QP, P_POST, P_OUTSTANDING, P_UNSIGNALLED, P_NEXT, P_SIG_HEAD, P_SIG_TAIL = range(7)
-PEER_WORDS = 8
+P_QP, P_POST, P_OUTSTANDING, P_UNSIGNALLED, P_NEXT, P_SIG_HEAD, P_SIG_TAIL, P_AH, P_QPN, \
+    P_LOW = range(10)
+PEER_WORDS = 10
 # configuration and error record (config[...])
 CF_DEPTH, CF_SIGNAL_EVERY, CF_INLINE, CF_STAGING_LKEY, CF_CQ, CF_POLL, CF_TIMEOUT_NS, \
-    CF_ERR_PEER, CF_ERR_WR, CF_ERR_STATUS, CF_ERR_KIND = range(11)
-CONFIG_WORDS = 12
+    CF_ERR_PEER, CF_ERR_WR, CF_ERR_STATUS, CF_ERR_KIND, \
+    CF_EFA, CF_EFA_FLAG_REGION, CF_EFA_FLAGS, CF_EFA_FLAGS_SIZE, CF_POST_RECV, CF_RECV_QP, \
+    CF_RECV_ID, CF_QKEY = range(19)
+CF_RECV_WR = 24         # config[24:28]: the ibv_recv_wr a receive is reposted with
+CONFIG_WORDS = 28
+# extended-QP functions (EFA SRD), qpx[...]
+X_START, X_WRITE, X_WRITE_IMM, X_UD_ADDR, X_SGE, X_COMPLETE, X_ABORT = range(7)
+EFA_FLAG_INDEX_LIMIT, EFA_FLAG_VALUE_LIMIT = 1 << 12, 1 << 20
 # what failed (config[CF_ERR_KIND])
 ERR_COMPLETION, ERR_POST, ERR_CREDITS, ERR_ORDER = 1, 2, 3, 4
 ERR_KIND_NAMES = {ERR_COMPLETION: "completion failed", ERR_POST: "post_send refused",
@@ -85,6 +95,51 @@ def _fail(config, kind, peer, wr_id, status):
 
 
 @njit(nogil=True, cache=False)
+def _receive_immediate(config, imm):
+    """EFA: a write with immediate arrived; its flag (index, value) is written here, never
+    backwards (completions are unordered), and the receive is posted again."""
+    index, value = imm >> np.uint64(20), imm & np.uint64(EFA_FLAG_VALUE_LIMIT - 1)
+    if np.uint64(8) * index + np.uint64(8) <= config[CF_EFA_FLAGS_SIZE]:
+        flag = config[CF_EFA_FLAGS] + np.uint64(8) * index
+        if load_acquire_at(flag) < value:
+            store_release_at(flag, value)
+    config[CF_RECV_ID] += np.uint64(1)
+    config[CF_RECV_WR] = config[CF_RECV_ID]
+    A.call_post_send(config[CF_POST_RECV], config[CF_RECV_QP],
+                     np.uint64(config.ctypes.data) + np.uint64(8 * CF_RECV_WR),
+                     np.uint64(config.ctypes.data) + np.uint64(8 * (CF_RECV_WR + 3)))
+
+
+@njit(nogil=True, cache=False)
+def _complete_unordered(peers, signalled, config, sequence):
+    """EFA: one WR of the shared send queue completed (in any order); the low-water mark
+    (first sequence not yet complete) moves over every completed one."""
+    depth = config[CF_DEPTH]
+    peers[0, P_OUTSTANDING] -= np.uint64(1)
+    signalled[0, sequence % depth, 0] = np.uint64(1)
+    low = peers[0, P_LOW]
+    while signalled[0, low % depth, 0] != np.uint64(0) and low < peers[0, P_NEXT]:
+        signalled[0, low % depth, 0] = np.uint64(0)
+        low += np.uint64(1)
+    peers[0, P_LOW] = low
+
+
+@njit(nogil=True, cache=False)
+def efa_refusal(config, v):
+    """(error code, detail) when a write with immediate cannot carry this command's flag
+    (flags live in one region, index < 4096, value < 2**20), else (0, 0)."""
+    if v[P.V_SIGNAL] == np.uint64(0):
+        return 0, np.uint64(0)
+    if v[P.V_GREGION] != config[CF_EFA_FLAG_REGION]:
+        return Q.E_REGION, v[P.V_GREGION]
+    if v[P.V_GOFFSET] // np.uint64(8) >= np.uint64(EFA_FLAG_INDEX_LIMIT):
+        return Q.E_BOUNDS, v[P.V_GOFFSET]
+    if v[P.V_VALUE] >= np.uint64(EFA_FLAG_VALUE_LIMIT):
+        return Q.E_BOUNDS, v[P.V_VALUE]
+    return 0, np.uint64(0)
+
+
+@njit(nogil=True, cache=False)
 def poll(peers, signalled, config, wcs):
     """Reap completions; credits go back to their destination. Returns how many, or -1
     after recording a failure in `config`."""
@@ -95,6 +150,16 @@ def poll(peers, signalled, config, wcs):
     for i in range(n):
         wr_id, status, opcode, imm = A.completion(wcs, i)
         p = wr_id >> np.uint64(PEER_SHIFT)
+        if config[CF_EFA] != np.uint64(0):
+            if status != np.uint64(0):
+                if opcode & np.uint64(0x80):
+                    p = np.uint64(0)
+                return _fail(config, ERR_COMPLETION, p, wr_id, status)
+            if opcode & np.uint64(0x80):
+                _receive_immediate(config, imm)
+            else:
+                _complete_unordered(peers, signalled, config, wr_id & _SEQUENCE_MASK)
+            continue
         if status != np.uint64(0):
             return _fail(config, ERR_COMPLETION, p, wr_id, status)
         if p >= np.uint64(peers.shape[0]) or peers[p, P_SIG_TAIL] == peers[p, P_SIG_HEAD]:
@@ -111,6 +176,8 @@ def poll(peers, signalled, config, wcs):
 def _wait_credits(peers, signalled, config, wcs, p, need, timespec):
     """Poll until destination `p` has `need` free send slots (bounded); 0 or -1."""
     deadline = _now_ns(timespec) + config[CF_TIMEOUT_NS]
+    if config[CF_EFA] != np.uint64(0):
+        p = 0                                    # one send queue for every destination
     while config[CF_DEPTH] - peers[p, P_OUTSTANDING] < np.uint64(need):
         got = poll(peers, signalled, config, wcs)
         if got < 0:
@@ -154,8 +221,8 @@ def _post(peers, config, wrs, count, p, bad):
 
 
 @njit(nogil=True, cache=False)
-def post_to(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad, timespec,
-            decoded, picks, count, p):
+def post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs, bad,
+            timespec, decoded, picks, count, p):
     """Post commands decoded[picks[0..count)] (puts and signals, in order) to destination
     `p` as chains; returns WRs posted, or -1 after a failure.
 
@@ -163,6 +230,9 @@ def post_to(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad
     `peers` before anything reads them (post_send, polling): read-modify-writes of
     `peers` between the WR writes cost about 40 ns per WR on the CPU measured (the
     compiler must assume the arrays alias), against 3 ns from locals."""
+    if config[CF_EFA] != np.uint64(0):
+        return _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec,
+                            decoded, picks, count, p)
     depth, every = config[CF_DEPTH], config[CF_SIGNAL_EVERY]
     inline = config[CF_INLINE] != np.uint64(0)
     staging_lkey = config[CF_STAGING_LKEY]
@@ -233,7 +303,67 @@ def post_to(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad
 
 
 @njit(nogil=True, cache=False)
-def _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad, timespec,
+def _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec, decoded,
+                 picks, count, p):
+    """EFA SRD: each command one WR (a put with its flag: one write with immediate; a bare
+    flag: a zero-length write with immediate, after everything posted before it has
+    completed: SRD may deliver out of order), every WR signalled, built through the
+    extended QP API and posted by wr_complete; returns WRs posted, or -1."""
+    qp = peers[p, P_QP]
+    depth = config[CF_DEPTH]
+    flags = np.uint64(IBV_SEND_SIGNALED)
+    k = 0
+    posted = 0
+    A.call_qpx(qpx[X_START], qp)
+    for i in range(count):
+        r = picks[i]
+        opcode = decoded[r, P.V_OPCODE]
+        has_data = (opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL)) \
+            and decoded[r, P.V_BYTES] != np.uint64(0)
+        has_flag = decoded[r, P.V_SIGNAL] != np.uint64(0)
+        if not has_data and not has_flag:
+            continue
+        bare_flag = has_flag and not has_data
+        if depth - peers[0, P_OUTSTANDING] < np.uint64(1) or k + 1 > MAX_CHAIN or (bare_flag and k > 0):
+            rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
+            if rc != 0:
+                return _fail(config, ERR_POST, p, 0, rc)
+            posted += k
+            k = 0
+            if _wait_credits(peers, signalled, config, wcs, 0, 1, timespec) < 0:
+                return -1
+            A.call_qpx(qpx[X_START], qp)
+        if bare_flag and quiesce(peers, signalled, config, wcs, timespec) < 0:
+            A.call_qpx(qpx[X_ABORT], qp)
+            return -1
+        sequence = peers[0, P_NEXT]
+        peers[0, P_NEXT] = sequence + np.uint64(1)
+        peers[0, P_OUTSTANDING] += np.uint64(1)
+        store_release_at(qp + np.uint64(A.QPX_WR_ID), (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence)
+        store_release_at(qp + np.uint64(A.QPX_WR_FLAGS), flags)
+        if has_flag:
+            imm = ((decoded[r, P.V_GOFFSET] // np.uint64(8)) << np.uint64(20)) | decoded[r, P.V_VALUE]
+            target = decoded[r, P.V_DST] if has_data else decoded[r, P.V_FLAG]
+            region = decoded[r, P.V_DREGION] if has_data else decoded[r, P.V_GREGION]
+            A.call_qpx_write(qpx[X_WRITE_IMM], qp, rkeys[p, region], target, A.byteswap32(imm))
+        else:
+            A.call_qpx_write(qpx[X_WRITE], qp, rkeys[p, decoded[r, P.V_DREGION]],
+                             decoded[r, P.V_DST], 0)
+        A.call_qpx_ud_addr(qpx[X_UD_ADDR], qp, peers[p, P_AH], peers[p, P_QPN], config[CF_QKEY])
+        if has_data:
+            A.call_qpx_sge(qpx[X_SGE], qp, lkeys[decoded[r, P.V_SREGION]], decoded[r, P.V_SRC],
+                           decoded[r, P.V_BYTES])
+        else:
+            A.call_qpx_sge(qpx[X_SGE], qp, config[CF_STAGING_LKEY], np.uint64(staging.ctypes.data), 0)
+        k += 1
+    rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
+    if rc != 0:
+        return _fail(config, ERR_POST, p, 0, rc)
+    return posted + k
+
+
+@njit(nogil=True, cache=False)
+def _flush(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs, bad, timespec,
            decoded, pending, npending, picks, stats):
     """Post the pending commands, one destination at a time (each one's order kept)."""
     for p in range(peers.shape[0]):
@@ -243,7 +373,7 @@ def _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad,
                 picks[count] = pending[i]
                 count += 1
         if count > 0:
-            if post_to(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad,
+            if post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs, bad,
                        timespec, decoded, picks, count, p) < 0:
                 return -1
             stats[P.S_TRANSPORT] += np.uint64(1)
@@ -253,6 +383,8 @@ def _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs, bad,
 @njit(nogil=True, cache=False)
 def _completed(peers, signalled, config, mark):
     """Has every WR posted before `mark` (per destination, the last sequence) completed?"""
+    if config[CF_EFA] != np.uint64(0):
+        return peers[0, P_LOW] > mark[0]
     depth = config[CF_DEPTH]
     for p in range(peers.shape[0]):
         if peers[p, P_OUTSTANDING] == np.uint64(0):
@@ -268,7 +400,7 @@ def _completed(peers, signalled, config, mark):
 
 @njit(nogil=True, cache=False)
 def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, signalled,
-         config, staging, rkeys, lkeys):
+         config, qpx, staging, rkeys, lkeys):
     nq = header.shape[0] // _HW
     np_ = peers.shape[0]
     tails = np.zeros(nq, dtype=np.uint64)
@@ -310,13 +442,15 @@ def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, si
                 ticket = tail + np.uint64(n)
                 v = decoded[n]
                 err, detail = P.validate_command(ring, base, regions, my_rank, v)
+                if err == 0 and config[CF_EFA] != np.uint64(0):
+                    err, detail = efa_refusal(config, v)
                 n += 1
                 if failed[q] != 0 or broken:
                     stats[P.S_DROPPED] += np.uint64(1)
                     continue
                 opcode = v[P.V_OPCODE]
                 if opcode == np.uint64(Q.OP_FENCE) or opcode == np.uint64(Q.OP_BARRIER):
-                    if _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs,
+                    if _flush(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs,
                               bad, timespec, decoded, pending, npending, picks, stats) < 0 \
                             or quiesce(peers, signalled, config, wcs, timespec) < 0:
                         broken = True
@@ -325,7 +459,7 @@ def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, si
                     if opcode == np.uint64(Q.OP_FENCE):
                         stats[P.S_FENCES] += np.uint64(1)
                 if err != 0:
-                    if _flush(peers, signalled, config, staging, rkeys, lkeys, wrs, sges, wcs,
+                    if _flush(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs,
                               bad, timespec, decoded, pending, npending, picks, stats) < 0:
                         broken = True
                     npending = 0
@@ -354,7 +488,7 @@ def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, si
                             v[P.V_FLAG] = flag
                             v[P.V_RANK] = np.uint64(r)
                             picks[0] = n - 1
-                            if post_to(peers, signalled, config, staging, rkeys, lkeys, wrs,
+                            if post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs,
                                        sges, wcs, bad, timespec, decoded, picks, 1, r) < 0:
                                 broken = True
                                 break
@@ -362,7 +496,7 @@ def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, si
             if n == 0:
                 continue
             worked = True
-            if not broken and _flush(peers, signalled, config, staging, rkeys, lkeys, wrs,
+            if not broken and _flush(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs,
                                      sges, wcs, bad, timespec, decoded, pending, npending,
                                      picks, stats) < 0:
                 broken = True
@@ -428,9 +562,9 @@ def _raw_address(obj, kind: str) -> int:
 
 
 class CompiledVerbsProxy(P.Proxy):
-    """One compiled proxy thread serving every queue of `queue_set` through a connected RC
+    """One compiled proxy thread serving every queue of `queue_set` through a connected
     :class:`~mkrt.proxy.transports.verbs.VerbsTransport` (``regions``: the transport's
-    table). The transport's pyverbs objects (or the loopback stand-in's) made the device,
+    table), RC queue pairs or an EFA SRD endpoint. The transport's pyverbs objects (or the loopback stand-in's) made the device,
     queue pairs, CQ and registrations; from then on only the compiled loop touches them,
     so the transport's Python posting methods must not be used while this runs."""
 
@@ -439,9 +573,6 @@ class CompiledVerbsProxy(P.Proxy):
         if not getattr(transport, "connected", False):
             raise MkrtError("mkrt.proxy: CompiledVerbsProxy needs a connected verbs transport "
                             "(transport.connect(comm) first)")
-        if transport.efa:
-            raise MkrtError("mkrt.proxy: the compiled verbs loop posts to RC queue pairs; EFA "
-                            "SRD endpoints use mkrt.proxy.verbs_proxy.VerbsProxy")
         if not (queue_set.ranks == transport.rank).all():
             raise ValueError(f"mkrt.proxy: every queue of a verbs proxy must belong to rank "
                              f"{transport.rank}; got ranks {queue_set.ranks.tolist()}")
@@ -467,13 +598,45 @@ class CompiledVerbsProxy(P.Proxy):
         self.staging = transport._staging            # registered: [ranks * depth] u64
         self.rkeys = transport.rkeys                  # the transport's tables, read live:
         self.lkeys = transport.lkeys                  # regions registered later show up
+        self.qpx = np.zeros(8, dtype=np.uint64)
+        if transport.efa:
+            self._configure_efa(transport)
         super().__init__(queue_set, regions, transport, threads=1, batch=batch, start=start)
+
+    def _configure_efa(self, transport) -> None:
+        """One SRD QP for every destination: its extended-QP functions, an address handle
+        and QP number per destination, the flag region receivers write, receives."""
+        from mkrt.proxy.transports.verbs import QKEY
+        qp = int(self.peers[0, P_QP])
+        functions = A.qpx_functions(qp)
+        for index, name in ((X_START, "start"), (X_WRITE, "rdma_write"),
+                            (X_WRITE_IMM, "rdma_write_imm"), (X_UD_ADDR, "set_ud_addr"),
+                            (X_SGE, "set_sge"), (X_COMPLETE, "complete"), (X_ABORT, "abort")):
+            self.qpx[index] = functions[name]
+        for p in range(transport.ranks):
+            self.peers[p, P_AH] = _raw_address(transport._ah[p], "ah")
+            self.peers[p, P_QPN] = transport.connections[p].remote.qp_num
+        self.peers[0, P_LOW] = 1
+        region = transport.efa_flag_region
+        if region not in transport.local:
+            raise MkrtError(f"mkrt.proxy: EFA flags live in region {region}, which this rank "
+                            "has not registered")
+        local, address, _ = transport.local[region]
+        self.config[CF_EFA] = 1
+        self.config[CF_EFA_FLAG_REGION] = region
+        self.config[CF_EFA_FLAGS] = address
+        self.config[CF_EFA_FLAGS_SIZE] = local.size
+        self.config[CF_POST_RECV] = ctypes.c_uint64.from_address(
+            ctypes.c_uint64.from_address(qp).value + A.CONTEXT_POST_RECV).value
+        self.config[CF_RECV_QP] = qp
+        self.config[CF_RECV_ID] = transport._recv_id
+        self.config[CF_QKEY] = QKEY
 
     def _arguments(self, control, stats):
         qs = self.queue_set
         return (qs.ring, qs.header, self.regions, np.int64(self.transport.rank),
                 np.uint64(qs.slots), np.int64(self.batch), control, stats, self.peers,
-                self.signalled, self.config, self.staging, self.rkeys, self.lkeys)
+                self.signalled, self.config, self.qpx, self.staging, self.rkeys, self.lkeys)
 
     def start(self):
         if self.closed:

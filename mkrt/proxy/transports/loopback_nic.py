@@ -38,7 +38,8 @@ from llvmlite import ir
 from numba import cfunc, njit, types
 from numba.extending import intrinsic
 
-from mkrt.proxy.atomics import copy_bytes, load_acquire_at, store_release_at
+from mkrt.proxy.atomics import (copy_bytes, fetch_add_at, load_acquire_at, spin_pause,
+                                store_release_at)
 from mkrt.proxy.transports import verbs_abi as A
 
 IBV_WC_SUCCESS = 0
@@ -52,6 +53,7 @@ IBV_WR_RDMA_WRITE_WITH_IMM = 1
 IBV_SEND_SIGNALED = 2
 IBV_SEND_INLINE = 8
 ENOMEM = 12
+RNR_SPINS = 20_000_000     # receiver-not-ready retries before IBV_WC_RNR_RETRY_EXC_ERR (~1 s)
 
 # the stand-in's state of one QP (what ibv_qp.qp_context points at), u64 words
 Q_DEPTH, Q_POSTED, Q_FREED, Q_FAIL_AFTER, Q_ERROR, Q_PEER_CQ, Q_COPY, Q_QPN, Q_MRS, Q_COPY_ARG, \
@@ -71,8 +73,8 @@ FIRST_KEY = 0x100
 KEY_OWNER_SHIFT = 24
 KEY_INDEX_MASK = (1 << KEY_OWNER_SHIFT) - 1
 # a CQ's ring (what ibv_cq.cq_context points at): header words, then entries
-R_CAPACITY, R_HEAD, R_TAIL, R_OVERFLOW, R_RECV_POSTED = range(5)
-RING_HEADER_WORDS = 6
+R_CAPACITY, R_HEAD, R_TAIL, R_OVERFLOW, R_RECV_POSTED, R_LOCK_NEXT, R_LOCK_SERVING = range(7)
+RING_HEADER_WORDS = 8
 # entry words past the ibv_wc ones: which QP state to credit, and up to which WR
 E_QP_STATE, E_SEQUENCE = A.WC_WORDS, A.WC_WORDS + 1
 ENTRY_WORDS = A.WC_WORDS + 2
@@ -107,8 +109,19 @@ def _set(address, index, value):
 
 @njit(nogil=True, cache=False)
 def _push(cq, wr_id, status, opcode, byte_len, imm_network, qp_state, sequence):
-    """Append a completion to the ring of the ibv_cq at `cq`; False when it is full."""
+    """Append a completion to the ring of the ibv_cq at `cq`; False when it is full. Several
+    threads may push (a peer's receive completions, this NIC's own): a ticket lock."""
     ring = _word(cq, 2)                                    # ibv_cq.cq_context
+    ticket = fetch_add_at(ring + np.uint64(8 * R_LOCK_NEXT), np.uint64(1))
+    while _word(ring, R_LOCK_SERVING) != ticket:
+        spin_pause()
+    pushed = _push_locked(ring, wr_id, status, opcode, byte_len, imm_network, qp_state, sequence)
+    _set(ring, R_LOCK_SERVING, ticket + np.uint64(1))
+    return pushed
+
+
+@njit(nogil=True, cache=False)
+def _push_locked(ring, wr_id, status, opcode, byte_len, imm_network, qp_state, sequence):
     capacity, head = _word(ring, R_CAPACITY), _word(ring, R_HEAD)
     if head - _word(ring, R_TAIL) >= capacity:
         _set(ring, R_OVERFLOW, _word(ring, R_OVERFLOW) + np.uint64(1))
@@ -169,11 +182,21 @@ def _execute(state, in_error, sequence, opcode, flags, has_sge, source, length, 
         else:
             copy_bytes(target, source, length)
     if opcode == np.uint64(IBV_WR_RDMA_WRITE_WITH_IMM):
+        # take a receive posted there; none: retry a while (the receiver's proxy reposts
+        # them as it polls), as a NIC's receiver-not-ready retries do, then give up
         ring = _word(receiver_cq, 2)
-        posted = _word(ring, R_RECV_POSTED)
-        if posted == np.uint64(0):                         # no receive posted there
-            return IBV_WC_RNR_RETRY_EXC_ERR
-        _set(ring, R_RECV_POSTED, posted - np.uint64(1))
+        spins = 0
+        while True:
+            posted = _word(ring, R_RECV_POSTED)
+            if posted != np.uint64(0):
+                if fetch_add_at(ring + np.uint64(8 * R_RECV_POSTED),
+                                np.uint64(0xFFFFFFFFFFFFFFFF)) != np.uint64(0):
+                    break
+                fetch_add_at(ring + np.uint64(8 * R_RECV_POSTED), np.uint64(1))  # raced: undo
+            spins += 1
+            if spins > RNR_SPINS:
+                return IBV_WC_RNR_RETRY_EXC_ERR
+            spin_pause()
         _push(receiver_cq, 0, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM, length, imm_network,
               np.uint64(0), np.uint64(0))
     return IBV_WC_SUCCESS
@@ -329,7 +352,7 @@ def loopback_post_recv(qp, wr, bad_wr):
     while wr != np.uint64(0):
         count += np.uint64(1)
         wr = _word(wr, 1)
-    _set(ring, R_RECV_POSTED, _word(ring, R_RECV_POSTED) + count)
+    fetch_add_at(ring + np.uint64(8 * R_RECV_POSTED), count)
     return 0
 
 
@@ -521,6 +544,11 @@ class _LoopbackCQ:
         return out
 
 
+class _LoopbackAH:
+    def __init__(self, handle: np.ndarray):
+        self.handle, self.address = handle, handle.ctypes.data
+
+
 class _LoopbackQP:
     def __init__(self, nic: LoopbackNic, index: int):
         self.nic, self.index = nic, index
@@ -556,9 +584,8 @@ class LoopbackBackend:
         return _LoopbackCQ(self.nic)
 
     def create_qp(self, cq, sq_depth, recv_depth, max_inline, efa):
-        if efa:
-            raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
-        index = cq.nic.create_qp(sq_depth)
+        # efa: an SRD-like endpoint behind the extended QP API, delivering out of order
+        index = cq.nic.create_qp(sq_depth, extended=efa, reorder=efa)
         if self.device is not None:
             import cupy
             with cupy.cuda.Device(self.device):
@@ -585,10 +612,15 @@ class LoopbackBackend:
             qp.nic.connect(qp.index, peer)
 
     def connect_srd(self, qp):
-        raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
+        """SRD endpoints need no connection."""
 
     def address(self, remote):
-        raise ValueError("mkrt.proxy: the loopback stand-in has RC queue pairs only")
+        """An address handle of `remote`'s NIC (its CQ takes the receive completions)."""
+        peer = self.fabric.nics.get(remote.rank)
+        if peer is None:
+            raise ValueError(f"mkrt.proxy: the loopback stand-in reaches ranks of this process "
+                             f"only; rank {remote.rank} is not here")
+        return _LoopbackAH(peer.address_handle())
 
     def register(self, address, size, dmabuf_fd=None, dmabuf_offset=0):
         from mkrt.proxy.transports.verbs import Registration
@@ -598,8 +630,11 @@ class LoopbackBackend:
         return Registration(("loopback-mr", key), key, key, base)
 
     def post_send(self, qp, wrs, ah=None, remote=None):
-        """The Python transport's post: the same chain the compiled loop would write."""
+        """The Python transport's post: the same chain the compiled loop would write (RC)."""
         import ctypes
+        if ah is not None:
+            raise ValueError("mkrt.proxy: the loopback stand-in's SRD endpoints are posted "
+                             "through the extended QP API (the compiled loop)")
         if len(wrs) > self._wrs.shape[0]:
             raise ValueError(f"mkrt.proxy: loopback chain of {len(wrs)} WRs; at most "
                              f"{self._wrs.shape[0]}")
@@ -616,7 +651,17 @@ class LoopbackBackend:
             raise RuntimeError(f"loopback post_send returned {rc}")
 
     def post_recv(self, qp, wr_ids):
-        """RC writes need no receives."""
+        """Receives for writes with immediate (SRD): one recv WR each, no buffers."""
+        import ctypes
+        wrs = np.zeros((max(1, len(wr_ids)), A.RECV_WR_WORDS), dtype=np.uint64)
+        for i, wr_id in enumerate(wr_ids):
+            wrs[i, 0] = wr_id
+            if i + 1 < len(wr_ids):
+                wrs[i, 1] = wrs.ctypes.data + 8 * A.RECV_WR_WORDS * (i + 1)
+        if wr_ids:
+            post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                    ctypes.c_uint64)(loopback_post_recv.address)
+            post(qp.address, wrs.ctypes.data, self._bad.ctypes.data)
 
     def close(self):
         self.nic = None
