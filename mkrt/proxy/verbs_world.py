@@ -74,6 +74,12 @@ class VerbsWorldProxy(ProxyService):
                     info.rank, world.size, MAX_REGIONS, backend=backend, sq_depth=sq_depth,
                     signal_every=signal_every, timeout=timeout,
                     device_name=None if fabric is not None else nic_for_gpu(info.device))
+            if any(t.efa for t in self.transports.values()):
+                # receivers write EFA flags from immediates with the CPU; a world's flags
+                # live in GPU memory, where that needs a device write not built yet
+                raise MkrtError("mkrt.proxy: worlds over EFA are not wired yet (flags written "
+                                "by the receiving proxy into GPU memory); the EFA transport and "
+                                "compiled loop run with flags in host memory")
             self._connect()
             for info in world.local:
                 transport = self.transports[info.rank]
