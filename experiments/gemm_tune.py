@@ -39,7 +39,8 @@ HELD_OUT = [(4096, 4096, 4096), (2048, 8192, 8192), (8000, 7936, 4096), (16, 819
             (96, 28672, 8192), (256, 4096, 14336), (1536, 1536, 1536), (5000, 3000, 2000),
             (3072, 12288, 3072), (24576, 8192, 1024), (8192, 28672, 8192), (640, 896, 1152),
             (2504, 2500, 2504), (7168, 7168, 7168), (4096, 1024, 1024)]
-#: (block_m, block_n) tiles of the engine (one or two consumer warpgroups of 64 rows)
+#: (block_m, block_n) tiles of the engine (one or two consumer warpgroups of 64 rows): the
+#: ones mkrt.kernels.gemm_rule may choose
 CONFIGS = [(128, 256), (128, 192), (128, 128), (64, 256), (64, 128)]
 
 
@@ -87,6 +88,7 @@ def sweep(args) -> None:
     from mkrt import envs
     from mkrt.bench import append_jsonl, record
     from mkrt.kernels import gemm as G
+    from mkrt.kernels import gemm_rule
     torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     sms = args.sms or cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     best = {}
@@ -132,7 +134,7 @@ def sweep(args) -> None:
                     tflops=flops / us / 1e6, error=error, baseline_name="torch.matmul")])
         if times:
             winner = min(times, key=times.get)
-            best[f"{case}:{args.dtype}:{args.b_layout}:{sms}"] = winner
+            best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = winner
             print(f"{set_name:8s} {case:18s} best {winner} x torch "
                   f"{torch_us / times[winner]:.3f}", flush=True)
         a = b = out = ta = tb = torch_out = reference = None   # free this shape's memory

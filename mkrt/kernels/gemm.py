@@ -313,14 +313,15 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 # ---- launcher ------------------------------------------------------------------------
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
-         block_m: int = 128, block_n: int = 256, stages: int | None = None,
+         block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
          epilogue: str = "auto", stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
     out: optional [M, N] of the same dtype (written in place and returned). ``sms`` caps the
     grid (default: every SM), ``group_m`` is the raster group (tile rows walked together),
-    ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256),
+    ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256; default:
+    :func:`mkrt.kernels.gemm_rule.choose_tile`, a tuned table or the rule),
     ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
     depth (default: as many as fit).
     Returns out in the type of ``a`` (torch in, torch out).
@@ -425,6 +426,12 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
+    if block_m is None or block_n is None:
+        from mkrt.kernels.gemm_rule import choose_tile
+        (rule_m, rule_n), _ = choose_tile(m, n, k, sms=total_sms if sms is None else sms,
+                                          dtype=dtype, b_layout=b_layout)
+        block_m = rule_m if block_m is None else block_m
+        block_n = rule_n if block_n is None else block_n
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
              epilogue=epilogue)

@@ -1,0 +1,39 @@
+"""The tile choice of mkrt.gemm: a tuned table in the JIT cache folder, else the rule."""
+
+from __future__ import annotations
+
+import json
+
+from mkrt.kernels import gemm_rule
+
+
+def test_without_a_table_the_rule_gives_the_default_tile(tmp_path, monkeypatch):
+    monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    tile, why = gemm_rule.choose_tile(2048, 2048, 2048, sms=132)
+    assert tile == gemm_rule.DEFAULT_TILE and why.startswith("rule")
+
+
+def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    key = gemm_rule.table_key(2048, 2048, 2048, "bf16", "nk", 132)
+    (tmp_path / "gemm_table.json").write_text(json.dumps({
+        key: "128x128_g8",                                             # as gemm_tune writes it
+        gemm_rule.table_key(1, 2, 8, "bf16", "nk", 132): "96x96_g8",   # no such tile: ignored
+        gemm_rule.table_key(3, 2, 8, "bf16", "nk", 132): "garbage"}))
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132) == ((128, 128), "tuned table")
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=100)[0] == gemm_rule.DEFAULT_TILE
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132, b_layout="kn")[0] == gemm_rule.DEFAULT_TILE
+    assert gemm_rule.choose_tile(1, 2, 8, sms=132)[0] == gemm_rule.DEFAULT_TILE
+    assert gemm_rule.choose_tile(3, 2, 8, sms=132)[0] == gemm_rule.DEFAULT_TILE
+
+
+def test_an_unreadable_table_is_no_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    (tmp_path / "gemm_table.json").write_text("{not json")
+    assert gemm_rule.choose_tile(64, 64, 64, sms=132)[0] == gemm_rule.DEFAULT_TILE
+
+
+def test_every_tile_the_rule_can_name_is_one_the_engine_builds():
+    from mkrt.kernels import gemm
+    for block_m, block_n in gemm_rule.TILES:
+        gemm.plan(256, 256, 256, block_m=block_m, block_n=block_n)
