@@ -37,3 +37,13 @@ def test_every_tile_the_rule_can_name_is_one_the_engine_builds():
     from mkrt.kernels import gemm
     for block_m, block_n in gemm_rule.TILES:
         gemm.plan(256, 256, 256, block_m=block_m, block_n=block_n)
+
+
+def test_the_sweep_measures_every_tile_the_rule_may_choose():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import gemm_tune
+    assert tuple(map(tuple, gemm_tune.CONFIGS)) == gemm_rule.TILES
+    assert not set(gemm_tune.FIT) & set(gemm_tune.HELD_OUT)
+    assert len(gemm_tune.FIT) + len(gemm_tune.HELD_OUT) == 30
