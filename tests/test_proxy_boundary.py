@@ -8,6 +8,8 @@ must answer (``mkrt/proxy/queue.py``, ``E_*``), run against
 * the ``host`` transport (compiled proxy loop, CPU),
 * the ``verbs`` transport driven by :class:`~mkrt.proxy.verbs_proxy.VerbsProxy` on the
   in-process fake device (tests/test_proxy_verbs_fake.py, CPU; RC and EFA SRD),
+* the ``verbs`` transport driven by the compiled loop (:class:`~mkrt.proxy.verbs_loop.CompiledVerbsProxy`)
+  on the loopback NIC (CPU; RC and EFA SRD),
 * the ``ce`` transport (compiled loop, device memory; ``gpu``, skipped without one).
 
 For every case: the command is refused (drained, tail advanced), the queue's error word
@@ -254,6 +256,51 @@ class VerbsBench(_HostMemoryBench):
             q.close()
 
 
+class CompiledVerbsBench(_HostMemoryBench):
+    """Both ranks' verbs transports on the loopback NIC, each served by the compiled verbs
+    loop (CompiledVerbsProxy); RC queue pairs or EFA SRD endpoints."""
+
+    def __init__(self, poster, efa=False):
+        from mkrt.proxy.transports import loopback_nic as L
+        from mkrt.proxy.transports import verbs as V
+        from mkrt.proxy.verbs_loop import CompiledVerbsProxy
+        self.name = "compiled-verbs-efa" if efa else "compiled-verbs-rc"
+        self._host_arrays()
+        fabric = L.LoopbackFabric()
+        self.transports = []
+        for r in range(RANKS):
+            backend = L.LoopbackBackend(fabric, r)
+            if efa:
+                backend.open = lambda name, r=r: V.DeviceInfo("efa_loopback", True, r + 1,
+                                                              bytes([r]) * 16, 5, 32)
+            t = V.VerbsTransport(r, RANKS, REGIONS, backend=backend, sq_depth=16,
+                                 signal_every=1 if efa else 4, recv_depth=64, timeout=5.0)
+            t.register_region(0, self.data[r].ctypes.data, DATA)
+            t.register_region(1, self.flags[r].ctypes.data, FLAG_BYTES, kind=REGION_HOST)
+            if r == 0:
+                t.register_region(3, self.scratch.ctypes.data, SCRATCH)
+            self.transports.append(t)
+        sent = [t.connection_data() for t in self.transports]
+        for r, t in enumerate(self.transports):
+            t.complete([sent[p][r] for p in range(RANKS)])
+        self.queues = [QueueSet(1, 8, [r]) for r in range(RANKS)]
+        proxies = [CompiledVerbsProxy(self.queues[r], t.regions, t)
+                   for r, t in enumerate(self.transports)]
+        self.queue, self.proxy = self.queues[poster], proxies[poster]
+        self.others = [p for r, p in enumerate(proxies) if r != poster]
+        self.efa = efa
+
+    def settle(self):
+        if self.efa:
+            time.sleep(0.05)            # SRD flags are written by the receiver's proxy
+
+    def close(self):
+        for q in self.queues:
+            q.close()
+        for t in self.transports:
+            t.close()
+
+
 class CopyEngineBench:
     """Regions in device memory of GPU 0 (both ranks), the `ce` transport's proxy."""
 
@@ -355,6 +402,12 @@ def test_host_transport_refuses_and_reports(case):
 @pytest.mark.parametrize("case", case_params())
 def test_verbs_proxy_refuses_and_reports(case, efa):
     run_case(VerbsBench(case.poster, efa=efa), case)
+
+
+@pytest.mark.parametrize("efa", [False, True], ids=["rc", "efa"])
+@pytest.mark.parametrize("case", case_params())
+def test_compiled_verbs_loop_refuses_and_reports(case, efa):
+    run_case(CompiledVerbsBench(case.poster, efa=efa), case)
 
 
 @pytest.mark.gpu
