@@ -399,6 +399,15 @@ def _proxy_stall_text(run):
     return "; ".join(parts)
 
 
+def _verbs_rate_text(run):
+    parts = []
+    for r in run:
+        kind = "compiled verbs loop" if "compiled" in str(r.get("case")) else "Python verbs proxy"
+        parts.append(f"{kind} {_number(r.get('value')) / 1e6:.2f} M commands/s, "
+                     f"{_number(r.get('ratio')):.2g}x the host transport")
+    return "put+signal of 64 B, CPU only (a 2-core VM, noisy): " + "; ".join(parts)
+
+
 def _described(label, text, *, same_commit=False, latest_per_case=False):
     return lambda rows: [Line(label, lambda r: True, describe=text, same_commit=same_commit,
                               latest_per_case=latest_per_case)]
@@ -409,7 +418,8 @@ PIECES = [
           "`sm_90a` (also on machines without a GPU), disk cache, register/spill report"),
     Piece("worlds", "`mkrt.init()` under mpiexec (a node per host, or `MKRT_WORLD_RANKS_PER_NODE` "
           "ranks); emulated `NxG` worlds in one process; worlds across hosts: the `verbs` proxy "
-          "service, run only over mkrt's loopback NIC, never on RDMA hardware"),
+          "service, built, CPU-tested over mkrt's loopback NIC, not yet run with GPU kernels, "
+          "never on RDMA hardware"),
     Piece("memory, waits", "symmetric buffers, peer pointers (CUDA IPC), epoch flags, bounded "
           "waits that end in `mkrt.CommTimeout`"),
     Piece("`mkrt.gemm`", "TMA + wgmma persistent engine, bf16/f16, both B layouts",
@@ -450,10 +460,14 @@ PIECES = [
     Piece("reliability: host stalls", "a host call that waits for the device while fused kernels "
           "wait for the proxy (mkrt/DESIGN.md, \"Runtime hazards\"; `experiments/proxy_stall.py`)",
           "proxy_stall", _described("proxy stall", _proxy_stall_text, same_commit=True)),
+    Piece("verbs: compiled posting", "the proxy loop builds and posts ibv work requests itself "
+          "(RC; EFA SRD through the extended QP API), over mkrt's loopback NIC "
+          "(`experiments/verbs_rate.py`)", "verbs_rate",
+          _described("verbs rate", _verbs_rate_text, same_commit=True)),
     Piece("one multi-GPU host", "mkrt vs NCCL + cuBLAS over NVLink (`experiments/multi_gpu.py`)",
           "multi_gpu", _multi_gpu_lines),
     Piece("not yet", "Ring Attention, MoE, the SM-partition "
-          "controller, worlds across hosts (verbs transport in a world)"),
+          "controller, a run on RDMA hardware, worlds on EFA"),
 ]
 
 
