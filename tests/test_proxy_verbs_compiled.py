@@ -529,3 +529,23 @@ def test_efa_refuses_a_flag_an_immediate_cannot_carry():
     finally:
         errors = ranks.close()
     assert len(errors) == 1 and errors[0].code == Q.E_BOUNDS
+
+
+def test_two_processes_through_the_loopback_nic_over_mpi():
+    """mpiexec -n 2: connection data over MPI, each process aliasing the peer's
+    registrations onto its mapping of the peer's memory, the compiled loop posting."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if not mpiexec.exists():
+        pytest.skip(f"no mpiexec beside {sys.executable}")
+    script = Path(__file__).with_name("verbs_loopback_mpi_script.py")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = sorted(re.findall(r"rank (\d+) ok (\d+)", proc.stdout))
+    assert reports == [("0", "2000"), ("1", "2000")], proc.stdout + proc.stderr
