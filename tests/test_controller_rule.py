@@ -103,3 +103,47 @@ def test_bad_splits_are_refused():
         SplitController(ctas=8, reduce=0)
     with pytest.raises(ValueError, match="reduce=8 must be in"):
         SplitController(ctas=8, reduce=8)
+
+
+def _launch_times(ctas, compute, compute_work, reduce_work, tail_ns=2000):
+    """A fused launch in the fluid model: compute CTAs share `compute_work` CTA-ns; reduce
+    CTAs need `reduce_work` CTA-ns, can start only as tiles come, and finish a tail after
+    the last tile; they wait the rest."""
+    reduce = ctas - compute
+    compute_ns = compute_work // compute
+    reduce_ns = max(compute_ns + tail_ns, reduce_work // reduce)
+    waited = reduce * reduce_ns - reduce_work
+    return compute_ns, reduce_ns, max(0, waited)
+
+
+@pytest.mark.parametrize("ctas,compute_work,reduce_work", [(33, 3_000_000, 600_000),
+                                                           (66, 5_000_000, 2_500_000),
+                                                           (132, 8_000_000, 400_000)])
+@pytest.mark.parametrize("start_reduce", [1, 4, 16])
+def test_launch_controller_reaches_the_best_static_split(ctas, compute_work, reduce_work,
+                                                         start_reduce):
+    from mkrt.controller.rule import launch_step
+    start_reduce = min(start_reduce, ctas - 1)
+    times = {c: max(_launch_times(ctas, c, compute_work, reduce_work)[:2])
+             for c in range(1, ctas)}
+    best = min(times.values())
+    words = dict(split=ctas - start_reduce, ctas=ctas, last_move=0, reversals=0, frozen=0)
+    for _ in range(12):
+        words = launch_step(words, *_launch_times(ctas, words["split"], compute_work, reduce_work))
+        assert 1 <= words["split"] <= ctas - 1
+    assert times[words["split"]] <= 1.03 * best, (words, best)
+
+
+def test_launch_controller_freezes_after_two_one_cta_reversals():
+    from mkrt.controller.rule import launch_step
+    words = dict(split=11, ctas=20, last_move=0, reversals=0, frozen=0)
+    # from 9 reduce CTAs, signals that balance at 10: one CTA towards reduce
+    words = launch_step(words, 900, 1100, 0)
+    assert (words["split"], words["last_move"], words["reversals"]) == (10, 2, 0)
+    # from 11, signals that balance at 10: one CTA back, a first reversal
+    words = launch_step(dict(words, split=9), 1100, 900, 0)
+    assert (words["split"], words["last_move"], words["reversals"]) == (10, 1, 1)
+    # and once more the other way: frozen where it is
+    words = launch_step(dict(words, split=11), 900, 1100, 0)
+    assert words["frozen"] == 1 and words["split"] == 11
+    assert launch_step(dict(words, split=11), 100, 5000, 0) == words      # frozen stays

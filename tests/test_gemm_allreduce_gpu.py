@@ -210,3 +210,52 @@ def test_shapes_that_come_back_after_the_buffers_were_remade(make_world):
         for out in outs:
             assert relative_error(out, expected) < REL_ERROR_BOUND, f"step {step}"
     op.close()
+
+
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_split_controller_adapts_and_keeps_results_bit_identical(make_world, layout):
+    """controller=True: the split moves between launches on the GPU (within bounds, each
+    launch counted, graph replays included); every output equals the static split's bit
+    for bit (which CTA computes or reduces a tile never changes its value)."""
+    import cupy
+    world = make_world(layout)
+    a_list, b_list = operands(world, 1024, 1024, 512, "nk", "bf16", seed=5)
+    static = gar.GemmAllReduce(world, b_layout="nk", fuse=True, timeout_ms=10000)
+    adaptive = gar.GemmAllReduce(world, b_layout="nk", fuse=True, timeout_ms=10000,
+                                 controller=True)
+    want = [o.copy() for o in static(a_list, b_list)]
+    outs = [cupy.empty_like(w) for w in want]
+    for _ in range(40):
+        adaptive(a_list, b_list, out=outs)
+        world.synchronize()
+        for out, w in zip(outs, want):
+            assert cupy.array_equal(out.view(cupy.uint16), w.view(cupy.uint16))
+    # the device's step is launch_step's arithmetic (mkrt/controller/rule.py)
+    from mkrt.controller.rule import launch_step
+    keys = ("split", "ctas", "last_move", "reversals", "frozen")
+    for _ in range(5):
+        before = adaptive.controller_state()
+        adaptive(a_list, b_list, out=outs)
+        after = adaptive.controller_state()
+        for b, s in zip(before, after):
+            expected = launch_step({k: b[k] for k in keys}, s["last_compute_ns"],
+                                   s["last_reduce_ns"], s["last_wait_ns"])
+            assert {k: s[k] for k in keys} == expected
+    states = adaptive.controller_state()
+    assert len(states) == len(world.local)
+    for state in states:
+        assert state["calls"] == 45
+        assert 1 <= state["split"] <= state["ctas"] - 1
+        assert state["last_compute_ns"] > 0 and state["last_reduce_ns"] > 0
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        adaptive(a_list, b_list, out=outs)
+        graph = stream.end_capture()
+    for _ in range(10):
+        graph.launch(stream)
+    stream.synchronize()
+    world.synchronize()
+    assert all(s["calls"] == 55 for s in adaptive.controller_state())
+    for out, w in zip(outs, want):
+        assert cupy.array_equal(out.view(cupy.uint16), w.view(cupy.uint16))

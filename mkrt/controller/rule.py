@@ -148,3 +148,34 @@ class SplitMemory:
 
     def remember(self, key, reduce: int) -> None:
         self.splits[key] = reduce
+
+
+def launch_step(words: dict, compute_ns: int, reduce_ns: int, waited_ns: int) -> dict:
+    """The fused gemm_allreduce kernel's controller step, the arithmetic of its
+    ``control_step`` (mkrt/kernels/gemm_allreduce.py) in Python: after a launch that ran
+    ``words["split"]`` compute CTAs of ``words["ctas"]``, with the compute role done after
+    `compute_ns`, the reduce role after `reduce_ns` and its CTAs waiting `waited_ns` in all,
+    the split of the next launch. `words` holds split, ctas, last_move (0 none, 1 towards
+    compute, 2 towards reduce), reversals, frozen; a new dict is returned."""
+    out = dict(words)
+    ctas, compute = words["ctas"], words["split"]
+    if words.get("frozen"):
+        return out
+    reduce = ctas - compute
+    busy = max(1, reduce * max(1, reduce_ns) - waited_ns)        # reduce CTA-ns
+    work = compute * max(1, compute_ns)                          # compute CTA-ns
+    aim = (ctas * busy + (busy + work) // 2) // (busy + work)
+    aim = max(1, min(ctas - 1, aim))
+    if aim == reduce:
+        return out
+    direction = 1 if aim > reduce else -1
+    move = direction * max(1, abs(aim - reduce) // 2)
+    last = {0: 0, 1: -1, 2: 1}[words.get("last_move", 0)]
+    if last != 0 and direction != last and abs(move) == 1:
+        out["reversals"] = words.get("reversals", 0) + 1
+        if out["reversals"] >= 2:
+            out["frozen"] = 1
+            return out
+    out["last_move"] = 2 if direction > 0 else 1
+    out["split"] = ctas - max(1, min(ctas - 1, reduce + move))
+    return out

@@ -89,7 +89,15 @@ struct Args {
     const T* inter_in;          // [nodes][slots][TILE] node sums from other nodes
     const Queue* queue;         // the proxy queue (several nodes)
     int node_sum_region, inter_region, flags_region;
+    u64* control;               // the split controller's words of this call (null: static split)
 };
+
+// The split controller (mkrt/controller/rule.py has the same rule in Python): each launch
+// measures how long the compute role ran and how busy the reduce role was, and the last
+// CTA out moves the split half the way to where the roles' per-CTA rates balance; the
+// next launch (or graph replay) starts from it. One-CTA moves that reverse twice freeze it.
+$CONTROL_WORDS
+__shared__ u64 reduce_wait_ns;  // this CTA's time in the reduce role's waits (thread 0)
 $ARGS_CHECKS
 
 // ---- compute role: partial tile -> owner's slot, then its flag ------------------------
@@ -193,11 +201,14 @@ __device__ __forceinline__ uint4 pack_chunk(const float (&sum)[8]) {
 __device__ bool cta_wait_each(const u64* const* flags, int count, u64 expected, const Context& ctx,
                               int tile, const int* flag_ids, bool through_proxy, const Queue* q) {
     bool ok = true;
+    const u64 began = threadIdx.x == 0 ? global_timer_ns() : 0;
     if (threadIdx.x < count) {
         ok = through_proxy ? proxy_wait_at_least(flags[threadIdx.x], expected, ctx, *q, ROLE_REDUCE, tile, flag_ids[threadIdx.x])
                            : wait_at_least(flags[threadIdx.x], expected, ctx, ROLE_REDUCE, tile, flag_ids[threadIdx.x]);
     }
-    return __syncthreads_and(ok);
+    ok = __syncthreads_and(ok);
+    if (threadIdx.x == 0) reduce_wait_ns += global_timer_ns() - began;
+    return ok;
 }
 
 // Write a final tile (tile-contiguous, in registers chunk by chunk) into C of every node rank.
@@ -429,11 +440,50 @@ __device__ bool wait_own_result(const Args& a, const Layout& L, u64 epoch, const
     bool ok = true;
     int first, count;
     own_tiles(a, L.tiles, first, count);
+    const u64 began = threadIdx.x == 0 ? global_timer_ns() : 0;
     for (int i = cta + ctas * threadIdx.x; i < count && ok; i += ctas * blockDim.x) {
         const int t = first + i;
         ok = wait_at_least(a.flags + L.final_tile(t), epoch, ctx, ROLE_REDUCE, t, L.final_tile(t));
     }
-    return __syncthreads_and(ok);
+    ok = __syncthreads_and(ok);
+    if (threadIdx.x == 0) reduce_wait_ns += global_timer_ns() - began;
+    return ok;
+}
+
+// The last CTA out of a launch: move the split (see CTL_* above). One thread.
+__device__ void control_step(u64* c, int compute, int ctas) {
+    const u64 start = c[CTL_START];
+    const u64 compute_ns = c[CTL_COMPUTE_END] > start ? c[CTL_COMPUTE_END] - start : 1;
+    const u64 reduce_ns = c[CTL_REDUCE_END] > start ? c[CTL_REDUCE_END] - start : 1;
+    const u64 waited = c[CTL_REDUCE_WAIT];
+    c[CTL_START] = ~0ull;
+    c[CTL_COMPUTE_END] = 0;
+    c[CTL_REDUCE_END] = 0;
+    c[CTL_REDUCE_WAIT] = 0;
+    c[CTL_CALLS] += 1;
+    c[CTL_LAST_COMPUTE_NS] = compute_ns;
+    c[CTL_LAST_REDUCE_NS] = reduce_ns;
+    c[CTL_LAST_WAIT_NS] = waited;
+    if (c[CTL_FROZEN] || start == ~0ull) return;
+    const int reduce = ctas - compute;
+    const u64 reduce_total = (u64)reduce * reduce_ns;
+    const u64 busy = reduce_total > waited ? reduce_total - waited : 1;   // reduce CTA-ns
+    const u64 work = (u64)compute * compute_ns;                           // compute CTA-ns
+    // The split where the roles' per-CTA rates balance: reduce CTAs = ctas * busy / (busy + work).
+    int aim = (int)(((u64)ctas * busy + (busy + work) / 2) / (busy + work));
+    aim = max(1, min(ctas - 1, aim));
+    if (aim == reduce) return;
+    const int direction = aim > reduce ? 1 : -1;
+    const int move = direction * max(1, abs(aim - reduce) / 2);
+    // last_move: 0 none, 1 towards compute, 2 towards reduce
+    const int last = c[CTL_LAST_MOVE] == 0 ? 0 : (c[CTL_LAST_MOVE] == 2 ? 1 : -1);
+    if (last != 0 && direction != last && abs(move) == 1) {
+        c[CTL_REVERSALS] += 1;
+        if (c[CTL_REVERSALS] >= 2) { c[CTL_FROZEN] = 1; return; }
+    }
+    c[CTL_LAST_MOVE] = direction > 0 ? 2 : 1;
+    const int next_reduce = max(1, min(ctas - 1, reduce + move));
+    c[CTL_SPLIT] = (u64)(ctas - next_reduce);
 }
 
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
@@ -448,13 +498,26 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
     const Layout L{a.G, a.nodes, a.slots, tiles_m * tiles_n};
 
     __shared__ u64 epoch_shared, base_shared;
+    __shared__ int split_shared;
     if (threadIdx.x == 0) {
         epoch_shared = ld_acquire_gpu(a.flags + L.launches()) + 1;
         base_shared = ld_acquire_gpu(a.flags + L.ctas_before());
+        int split = a.compute_ctas;
+        if (a.control) {
+            // the split the last launch left (it changes only after every CTA of the
+            // previous launch is out, so all CTAs here read the same value)
+            const u64 learned = ld_acquire_gpu(a.control + CTL_SPLIT);
+            if (learned >= 1 && learned < gridDim.x) split = (int)learned;
+            atomicMin((unsigned long long*)(a.control + CTL_START),
+                      (unsigned long long)global_timer_ns());
+        }
+        split_shared = split;
+        reduce_wait_ns = 0;
     }
     __syncthreads();
     const u64 epoch = epoch_shared;
     const u64 all_ctas = base_shared + gridDim.x;
+    const int compute_ctas = split_shared;
 
     // Arrive: node peers may now write this launch's results into our C; other nodes
     // may send into our inter buffer (our previous launch has finished reading it).
@@ -464,7 +527,7 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
         st_relaxed_sys(peer + L.target(a.me), where);
         st_release_sys(peer + L.arrive(a.me), epoch);
     }
-    if (a.nodes > 1 && blockIdx.x == (unsigned)a.compute_ctas && threadIdx.x == 0 && rank != muted_rank) {
+    if (a.nodes > 1 && blockIdx.x == (unsigned)compute_ctas && threadIdx.x == 0 && rank != muted_rank) {
         for (int step = 1; step < a.nodes; ++step) {
             const int node = (a.node + step) % a.nodes;
             if (post_signal(*a.queue, ctx, (unsigned)(node * a.G + a.me), (unsigned)a.flags_region,
@@ -472,20 +535,21 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
         }
     }
 
-    const int reduce_ctas = gridDim.x - a.compute_ctas;
+    const int reduce_ctas = gridDim.x - compute_ctas;
+    const bool computing = (int)blockIdx.x < compute_ctas;
     bool ok = true;
-    if ((int)blockIdx.x < a.compute_ctas) {
+    if (computing) {
         if (rank != muted_rank) {
             if constexpr (MODE == MODE_GEMM) {
-                const gemm::RasterWork work{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, a.compute_ctas};
+                const gemm::RasterWork work{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, compute_ctas};
                 const PartialEpilogue epilogue{&a, L, epoch};
                 gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, epilogue, dynamic_smem);
             } else {
-                copy_partials(a, L, epoch, blockIdx.x, a.compute_ctas);
+                copy_partials(a, L, epoch, blockIdx.x, compute_ctas);
             }
         }
     } else {
-        const int cta = blockIdx.x - a.compute_ctas;
+        const int cta = blockIdx.x - compute_ctas;
         reduce_role(a, L, epoch, ctx, cta, reduce_ctas);
         // Leave together: a per-thread read of the abort word could split the CTA at
         // the barriers below.
@@ -518,12 +582,19 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
         }
     }
 
-    // The last CTA out publishes the epoch for the next launch.
+    // The last CTA out publishes the epoch for the next launch (and moves the split).
     __syncthreads();
     if (threadIdx.x == 0) {
+        if (a.control) {
+            const unsigned long long now = global_timer_ns();
+            atomicMax((unsigned long long*)(a.control + (computing ? CTL_COMPUTE_END : CTL_REDUCE_END)), now);
+            if (!computing) atomicAdd((unsigned long long*)(a.control + CTL_REDUCE_WAIT),
+                                      (unsigned long long)reduce_wait_ns);
+        }
         __threadfence();
         const u64 done = fetch_add_acq_rel_gpu(a.flags + L.finished(), 1) + 1;
         if (done == all_ctas) {
+            if (a.control) control_step(a.control, compute_ctas, gridDim.x);
             st_release_gpu(a.flags + L.ctas_before(), all_ctas);
             st_release_gpu(a.flags + L.launches(), epoch);
         }
@@ -545,7 +616,18 @@ ARGS_DTYPE = np.dtype([
     ("flags", "<u8"), ("peer_flags", "<u8"), ("peer_partial", "<u8"), ("peer_result", "<u8"),
     ("node_sum", "<u8"), ("inter_in", "<u8"), ("queue", "<u8"),
     ("node_sum_region", "<i4"), ("inter_region", "<i4"), ("flags_region", "<i4"),
+    ("control", "<u8"),
 ], align=True)
+
+#: the split controller's words (u64) per call and rank; CTL_<NAME> in the kernel
+CONTROL_WORDS = ("split", "start", "compute_end", "reduce_end", "reduce_wait", "last_move",
+                 "reversals", "frozen", "calls", "last_compute_ns", "last_reduce_ns",
+                 "last_wait_ns")
+
+
+def control_words_source() -> str:
+    return " ".join(f"constexpr int CTL_{name.upper()} = {i};"
+                      for i, name in enumerate(CONTROL_WORDS))
 
 
 def args_layout_checks() -> str:
@@ -588,7 +670,7 @@ class GemmAllReduceSpec(gemm_module.OnEngine, KernelSpec):
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
                 "MODE": 0 if self.mode == "gemm" else 1, "KERNEL_ID": f"{KERNEL_ID}ull",
                 "SCATTER": int(self.collective == "reducescatter"),
-                "ARGS_CHECKS": args_layout_checks()}
+                "ARGS_CHECKS": args_layout_checks(), "CONTROL_WORDS": control_words_source()}
 
 
 def spec_for(p: Plan, mode: str = "gemm") -> GemmAllReduceSpec:
@@ -627,6 +709,9 @@ class GemmAllReduce(Op):
     ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
     the planner choose fused or unfused per shape (``op.last_plan`` says which and why).
     ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
+    ``controller=True``: the fused kernel adapts its split between launches on the GPU,
+    starting from ``reduce_ctas`` (or the default); :meth:`controller_state` shows it.
+    Not yet measured against the best static split (experiments/controller.py).
 
     Launches of one op are ordered on each rank's stream (epochs are read and advanced on
     the device): do not run a captured graph of an op concurrently with eager calls of
@@ -638,7 +723,8 @@ class GemmAllReduce(Op):
 
     def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
                  reduce_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
-                 timeout_ms: float | None = None, muted_rank: int | None = None):
+                 timeout_ms: float | None = None, muted_rank: int | None = None,
+                 controller: bool = False):
         super().__init__(world, timeout_ms=timeout_ms)
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.gemm_allreduce: b_layout={b_layout!r}; expected 'kn' or 'nk'")
@@ -665,6 +751,7 @@ class GemmAllReduce(Op):
         self.b_layout, self.ctas, self.reduce_ctas, self.fuse = b_layout, ctas, reduce_ctas, fuse
         self.group_m = group_m
         self.muted_rank = -1 if muted_rank is None else int(muted_rank)
+        self.controller = checks.flag(controller, "controller", area)
         self.last_plan: Plan | None = None
         self._buffers: dict[str, SymmetricBuffer] = {}
         self._layout_key = None
@@ -845,17 +932,43 @@ class GemmAllReduce(Op):
             call.words.clear()
             call.operand_pointers.clear()
             call.buffers_key = self._generation
+        if mode == "gemm" and self.controller and not call.control:
+            call.control = [self._new_control(p, device) for device in self._local_devices]
         launches = []
-        for info in self.world.local:
+        for i, info in enumerate(self.world.local):
             function = spec.function("gemm_allreduce", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
-            params.set(args=self._args(p, info, 0), muted_rank=self.muted_rank,
-                       **self.context_params(info.rank))
+            args = self._args(p, info, 0)
+            if mode == "gemm" and call.control:
+                args["control"] = call.control[i].data.ptr
+            params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
         call.launches[mode] = launches
         call.words[mode] = [(launch.params.field_view("args", "out"),
                              launch.params.field_view("args", "copy_source")) for launch in launches]
         return launches
+
+    def _new_control(self, p: Plan, device: int):
+        """A rank's controller words for one shape: the starting split, no launch yet."""
+        import cupy
+        with self.on_device(device):
+            words = np.zeros(len(CONTROL_WORDS), dtype=np.uint64)
+            words[CONTROL_WORDS.index("split")] = p.compute_ctas
+            words[CONTROL_WORDS.index("start")] = np.uint64(2**64 - 1)
+            return cupy.asarray(words)
+
+    def controller_state(self) -> list[dict]:
+        """Per prepared shape and local rank, the controller's words (synchronizes): the
+        split in use (``split`` compute CTAs of ``ctas``), launches seen, whether it froze,
+        and the last launch's role times."""
+        self.world.synchronize()
+        out = []
+        for call in self._prepared.values():
+            for info, words in zip(self.world.local, call.control or []):
+                values = dict(zip(CONTROL_WORDS, (int(v) for v in words.get())))
+                out.append(dict(values, rank=info.rank, shape=(call.plan.m, call.plan.n, call.plan.k),
+                                ctas=call.plan.ctas))
+        return out
 
     def _run(self, call, mode: str, a_list, b_list, outs, copy_sources=None) -> None:
         """Patch what changed since the last call of `call` and launch on every local rank."""
@@ -1003,6 +1116,7 @@ class _PreparedCall:
     launches: dict = dataclasses.field(default_factory=dict)          # mode -> [KernelLaunch]
     words: dict = dataclasses.field(default_factory=dict)   # mode -> per rank (out, copy_source)
     operand_pointers: dict = dataclasses.field(default_factory=dict)  # rank index -> (a, b)
+    control: list = dataclasses.field(default_factory=list)   # per rank: controller words
     buffers_key: int = -1     # the op's buffer generation its launches point into
 
 
