@@ -14,8 +14,10 @@ default time, so 1.0 means the default rule found the best split).
         --limit 10 --op gemm_allreduce
     python3 experiments/controller.py --cpu      # no GPU: the grid and the default picks only
 
-The controller itself (on-GPU, adaptive) is not built yet; when it is, it gets a column
-here (``split=controller``) and the same summary against the best static split.
+The controller (``controller=True``: the split moves between launches on the GPU) runs
+``--controller-warmup`` launches to settle, then is timed with the static splits; a row
+per shape with metric ``controller_vs_best`` holds its time, the splits it ended with per
+rank, and whether it froze.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def run(args) -> None:
         ops = {r: op_class(world, fuse=True, b_layout="nk", reduce_ctas=r, timeout_ms=20000)
                for r in grid}
         default_op = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000)
+        controlled = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000, controller=True)
         for set_name in args.sets:
             for m, n, k, family in shapes_of(set_name, args.limit, args.start):
                 if m % world.size or (args.op == "gemm_reducescatter" and world.nodes > 1
@@ -84,7 +87,13 @@ def run(args) -> None:
                 outs = [cupy.empty((rows_out, n), bfloat16) for _ in world.local]
                 paths = {str(r): (lambda op=op: op(a, b, out=outs)) for r, op in ops.items()}
                 paths["default"] = lambda: default_op(a, b, out=outs)
+                # the controller learns over launches: let it settle before it is timed
+                for _ in range(args.controller_warmup):
+                    controlled(a, b, out=outs)
+                world.synchronize()
+                paths["controller"] = lambda: controlled(a, b, out=outs)
                 times = time_paths(world, paths, args.rounds, args.batch)
+                learned = [s for s in controlled.controller_state() if s["shape"] == (m, n, k)]
                 best_split = min(grid, key=lambda r: times[str(r)])
                 best = times[str(best_split)]
                 default_split = default_op.last_plan.reduce_ctas
@@ -98,11 +107,20 @@ def run(args) -> None:
                                    n=n, k=k, family=family, set=set_name, ctas=ctas,
                                    default_split=default_split, best_split=best_split,
                                    step=args.step))
+                rows.append(record("controller", case, "controller_vs_best", times["controller"],
+                                   best, "us", higher_is_better=False, op=args.op, layout=layout,
+                                   m=m, n=n, k=k, family=family, set=set_name, ctas=ctas,
+                                   best_split=best_split, step=args.step,
+                                   learned_splits=[ctas - s["split"] for s in learned],
+                                   frozen=[s["frozen"] for s in learned],
+                                   launches=[s["calls"] for s in learned]))
                 append_jsonl(args.out, rows)
                 print(f"{case:26s} {family:22s} best r={best_split:3d} {best:9.1f} us, default "
                       f"r={default_split:3d} {times['default']:9.1f} us "
-                      f"(best/default {best / times['default']:.3f})", flush=True)
-                del a, b, outs, paths
+                      f"(best/default {best / times['default']:.3f}), controller "
+                      f"r={[ctas - s['split'] for s in learned]} {times['controller']:9.1f} us "
+                      f"(best/controller {best / times['controller']:.3f})", flush=True)
+                a = b = outs = paths = None          # free this shape's memory
                 cupy.get_default_memory_pool().free_all_blocks()
         world.close()
 
@@ -118,6 +136,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--controller-warmup", type=int, default=30)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="print the grid and default picks only")
     parser.add_argument("--out", default="experiments/results/controller.jsonl")

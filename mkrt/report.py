@@ -466,8 +466,9 @@ PIECES = [
           _described("verbs rate", _verbs_rate_text, same_commit=True)),
     Piece("one multi-GPU host", "mkrt vs NCCL + cuBLAS over NVLink (`experiments/multi_gpu.py`)",
           "multi_gpu", _multi_gpu_lines),
-    Piece("not yet", "Ring Attention, MoE, the SM-partition "
-          "controller, a run on RDMA hardware, worlds on EFA"),
+    Piece("not yet", "Ring Attention, MoE, the SM-partition controller within a launch "
+          "(gemm_allreduce's `controller=True` moves its split between launches: built, "
+          "not yet run on a GPU), a run on RDMA hardware, worlds on EFA"),
 ]
 
 
