@@ -221,6 +221,15 @@ def _post(peers, config, wrs, count, p, bad):
 
 
 @njit(nogil=True, cache=False)
+def _carries(decoded, r):
+    """(bytes to write, a flag to write) of validated command row `r`."""
+    opcode = decoded[r, P.V_OPCODE]
+    has_data = (opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL)) \
+        and decoded[r, P.V_BYTES] != np.uint64(0)
+    return has_data, decoded[r, P.V_SIGNAL] != np.uint64(0)
+
+
+@njit(nogil=True, cache=False)
 def post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs, bad,
             timespec, decoded, picks, count, p):
     """Post commands decoded[picks[0..count)] (puts and signals, in order) to destination
@@ -245,10 +254,7 @@ def post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs
     posted = 0
     for i in range(count):
         r = picks[i]
-        opcode = decoded[r, P.V_OPCODE]
-        has_data = (opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL)) \
-            and decoded[r, P.V_BYTES] != np.uint64(0)
-        has_flag = decoded[r, P.V_SIGNAL] != np.uint64(0)
+        has_data, has_flag = _carries(decoded, r)
         need = (1 if has_data else 0) + (1 if has_flag else 0)
         if need == 0:
             continue
@@ -317,10 +323,7 @@ def _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, time
     A.call_qpx(qpx[X_START], qp)
     for i in range(count):
         r = picks[i]
-        opcode = decoded[r, P.V_OPCODE]
-        has_data = (opcode == np.uint64(Q.OP_PUT) or opcode == np.uint64(Q.OP_PUT_SIGNAL)) \
-            and decoded[r, P.V_BYTES] != np.uint64(0)
-        has_flag = decoded[r, P.V_SIGNAL] != np.uint64(0)
+        has_data, has_flag = _carries(decoded, r)
         if not has_data and not has_flag:
             continue
         bare_flag = has_flag and not has_data

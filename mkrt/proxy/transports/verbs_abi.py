@@ -197,9 +197,8 @@ def call_qpx_complete(typingctx, function, qpx):
 
 
 @intrinsic
-def call_qpx_write(typingctx, function, qpx, rkey, remote_address, imm_network):
-    """``function(qpx, rkey, remote_address, imm)``: wr_rdma_write_imm, or wr_rdma_write
-    (whose three arguments come first; the fourth is then ignored by the callee)."""
+def _call_qpx_word_address_word(typingctx, function, qpx, word, address, last_word):
+    """``function(qpx, u32 word, u64 address, u32 last_word)``."""
     def codegen(context, builder, sig, args):
         fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I32, ir.IntType(64), _I32])
         target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
@@ -209,7 +208,14 @@ def call_qpx_write(typingctx, function, qpx, rkey, remote_address, imm_network):
                               context.cast(builder, args[3], sig.args[3], types.uint64),
                               context.cast(builder, args[4], sig.args[4], types.uint32)])
         return context.get_dummy_value()
-    return types.void(function, qpx, rkey, remote_address, imm_network), codegen
+    return types.void(function, qpx, word, address, last_word), codegen
+
+
+#: ``wr_rdma_write_imm(qpx, rkey, remote_address, imm)``, or ``wr_rdma_write(qpx, rkey,
+#: remote_address)`` (the fourth argument is then ignored by the callee)
+call_qpx_write = _call_qpx_word_address_word
+#: ``wr_set_sge(qpx, lkey, address, length)``
+call_qpx_sge = _call_qpx_word_address_word
 
 
 @intrinsic
@@ -225,21 +231,6 @@ def call_qpx_ud_addr(typingctx, function, qpx, ah, remote_qpn, remote_qkey):
                               context.cast(builder, args[4], sig.args[4], types.uint32)])
         return context.get_dummy_value()
     return types.void(function, qpx, ah, remote_qpn, remote_qkey), codegen
-
-
-@intrinsic
-def call_qpx_sge(typingctx, function, qpx, lkey, address, length):
-    """``wr_set_sge(qpx, lkey, address, length)``."""
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I32, ir.IntType(64), _I32])
-        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.uint64),
-                                  fnty.as_pointer())
-        builder.call(target, [_pointer(context, builder, args[1], sig.args[1]),
-                              context.cast(builder, args[2], sig.args[2], types.uint32),
-                              context.cast(builder, args[3], sig.args[3], types.uint64),
-                              context.cast(builder, args[4], sig.args[4], types.uint32)])
-        return context.get_dummy_value()
-    return types.void(function, qpx, lkey, address, length), codegen
 
 
 def qpx_functions(qp_address: int) -> dict[str, int]:
