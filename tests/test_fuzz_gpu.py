@@ -129,3 +129,76 @@ def test_allgather_random_shapes_are_exact(layout, shape, dtype, group, ctas):
         ranks = list(range(world.size)) if group == "world" else world.node_ranks(info.node)
         expected = np.stack([host[[i.rank for i in world.local].index(r)] for r in ranks])
         assert np.array_equal(out.get(), expected), (layout, shape, dtype, group, ctas)
+
+
+@SAMPLE
+@given(layout=st.sampled_from(["1x2", "2x2", "1x4"]), rows=st.integers(1, 300), n=ODD,
+       k=st.sampled_from([8, 24, 64, 200]), b_layout=st.sampled_from(["kn", "nk"]),
+       fuse=st.sampled_from([None, True, False]), controller=st.booleans())
+def test_gemm_reducescatter_random_options_match_float64(layout, rows, n, k, b_layout, fuse,
+                                                         controller):
+    """m = rows * world size (the op's own rule); each rank's rows of the sum."""
+    import cupy
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    world = world_of(layout)
+    m = rows * world.size
+    rng = cupy.random.default_rng(m + 3 * n + 5 * k)
+    a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    shape = (k, n) if b_layout == "kn" else (n, k)
+    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    try:
+        op = mkrt.GemmReduceScatter(world, b_layout=b_layout, fuse=fuse, timeout_ms=10000,
+                                    controller=controller)
+        outs = op(a, b)
+        world.synchronize()
+    except Exception as error:          # noqa: BLE001
+        assert refused(error), repr(error)
+        return
+    products = [(_float(x), _float(y) if b_layout == "kn" else _float(y).T) for x, y in zip(a, b)]
+    reference = sum(x @ y for x, y in products)
+    scale = sum(abs(x) @ abs(y) for x, y in products)
+    for info, out in zip(world.local, outs):
+        mine = slice(info.rank * rows, (info.rank + 1) * rows)
+        error = float(cupy.linalg.norm(_float(out) - reference[mine])) / max(
+            float(cupy.linalg.norm(scale[mine])), 1e-30)
+        assert out.shape == (rows, n) and error < 1e-2, (layout, m, n, k, b_layout, fuse, error)
+    op.close()
+
+
+@SAMPLE
+@given(layout=st.sampled_from(["1x2", "2x2", "1x4"]), rows=st.integers(1, 300), n=ODD,
+       k=st.sampled_from([8, 24, 64, 200]), b_layout=st.sampled_from(["kn", "nk"]),
+       fuse=st.sampled_from([None, True, False]), gathered=st.booleans())
+def test_allgather_gemm_random_options_match_float64(layout, rows, n, k, b_layout, fuse,
+                                                     gathered):
+    """Every rank's (A gathered) @ its own B; the gathered A returned exactly when asked."""
+    import cupy
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    world = world_of(layout)
+    rng = cupy.random.default_rng(rows + 3 * n + 5 * k)
+    a = [rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    shape = (k, n) if b_layout == "kn" else (n, k)
+    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    whole = [cupy.empty((rows * world.size, k), bfloat16) for _ in world.local] if gathered else None
+    try:
+        op = mkrt.AllGatherGemm(world, b_layout=b_layout, fuse=fuse, timeout_ms=10000)
+        outs = op(a, b, gathered_out=whole)
+        world.synchronize()
+    except Exception as error:          # noqa: BLE001
+        assert refused(error), repr(error)
+        return
+    full_a = cupy.concatenate(a, axis=0)
+    for out, y in zip(outs, b):
+        b64 = _float(y) if b_layout == "kn" else _float(y).T
+        reference = _float(full_a) @ b64
+        scale = max(float(cupy.linalg.norm(abs(_float(full_a)) @ abs(b64))), 1e-30)
+        error = float(cupy.linalg.norm(_float(out) - reference)) / scale
+        assert out.shape == (rows * world.size, n) and error < 1e-2, (layout, rows, n, k, error)
+    if gathered:
+        for x in whole:
+            assert cupy.array_equal(x.view(cupy.uint16), full_a.view(cupy.uint16))
+    op.close()
