@@ -39,6 +39,11 @@ def operands(world, op_name):
             if op_name == "allgather":
                 args.append((rng.standard_normal(1024, dtype=np.float32),))
                 outs.append(cupy.empty((world.size, 1024), np.float32))
+            elif op_name == "gemm":                    # the engine alone: world-1 overhead
+                a = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
+                b = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
+                args.append((a, b))
+                outs.append(cupy.empty((256, 256), bfloat16))
             elif op_name == "gemm_reducescatter":      # 256 rows in all, W-way scattered
                 a = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
                 b = rng.standard_normal((256, 256), dtype=np.float32).astype(bfloat16)
@@ -59,6 +64,12 @@ def operands(world, op_name):
 
 def build(world, op_name):
     import mkrt
+    if op_name == "gemm":
+        if world.size != 1:
+            raise ValueError("the gemm baseline runs on a world of one rank (1x1)")
+        args, outs = operands(world, op_name)
+        (a, b), = args
+        return (lambda: mkrt.gemm(a, b, outs[0], b_layout="nk")), None
     ops = {"allgather": mkrt.AllGather, "gemm_allreduce": mkrt.GemmAllReduce,
            "gemm_reducescatter": getattr(mkrt, "GemmReduceScatter", None),
            "allgather_gemm": getattr(mkrt, "AllGatherGemm", None)}
@@ -120,7 +131,8 @@ def main() -> int:
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "1x4"])
     parser.add_argument("--ops", nargs="+", default=["allgather", "gemm_allreduce"],
                         choices=["allgather", "gemm_allreduce", "gemm_reducescatter",
-                                 "allgather_gemm"])
+                                 "allgather_gemm", "gemm"],
+                        help="gemm: mkrt.gemm alone on 1x1, the floor of the world ops' 1x1 rows")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--label", default="after")
     parser.add_argument("--profile", default=None, help="write per-phase cProfile tables here")
