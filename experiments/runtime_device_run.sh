@@ -13,7 +13,7 @@ for layout in $RUNTIME_LAYOUTS; do
   if [ -d .bench_old/mkrt ]; then
     MKRT_JIT_CACHE_DIR=/tmp/mkrt-cache-old PYTHONPATH=$PWD/.bench_old timeout 100 python3 experiments/runtime.py --layouts $layout --label before --profile $OUT/profile_before_$layout.txt --out $OUT/runtime.jsonl 2>&1 | tee -a $OUT/runtime.log | grep -v "^ "
   fi
-  timeout 100 python3 experiments/runtime.py --layouts $layout --label after --profile $OUT/profile_after_$layout.txt --out $OUT/runtime.jsonl 2>&1 | tee -a $OUT/runtime.log | grep -v "^ "
+  timeout 100 python3 experiments/runtime.py --layouts $layout ${RUNTIME_OPS:+--ops $RUNTIME_OPS} --label after --profile $OUT/profile_after_$layout.txt --out $OUT/runtime.jsonl 2>&1 | tee -a $OUT/runtime.log | grep -v "^ "
 done
 cat $OUT/profile_before_*.txt > $OUT/profile_before.txt 2>/dev/null; cat $OUT/profile_after_*.txt > $OUT/profile_after.txt 2>/dev/null; rm -f $OUT/profile_*_1x*.txt
 if [ -n "$ALLGATHER_BW" ]; then
