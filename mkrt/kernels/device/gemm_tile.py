@@ -76,7 +76,14 @@ struct Config {
 
 // One output tile: its coordinates in tiles, and its index in the tile grid
 // (m * tiles_n + n), which fused kernels use to name flags.
-struct Tile { int m; int n; int index; };
+// A work item: an output tile, and which of its k-blocks (kb_end < 0: all of them; split:
+// which part of a split-K tile this is).
+struct Tile {
+    int m = 0, n = 0, index = 0;
+    int kb_begin = 0, kb_end = -1, split = 0;
+    __device__ __forceinline__ int k_first() const { return kb_begin; }
+    __device__ __forceinline__ int k_last(int k_blocks) const { return kb_end < 0 ? k_blocks : kb_end; }
+};
 
 // ---- work lists ----------------------------------------------------------------------
 
@@ -368,7 +375,8 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
     Tile tile;
     for (int i = 0; work.get(i, tile); ++i) {
         const bool ready = work.wait(tile);
-        for (int kb = 0; kb < k_blocks; ++kb) {
+        const int kb_last = tile.k_last(k_blocks);
+        for (int kb = tile.k_first(); kb < kb_last; ++kb) {
             mbarrier_wait(&pipe.empty[stage], phase ^ 1);
             if (!ready) {
                 // The operands never came (a bounded wait gave up): release the stage
@@ -395,8 +403,9 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
 
 // Consumer warpgroup `group`: the k-loop of one tile into `acc`.
 template <class Cfg>
-__device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int group, int k_blocks,
-                                             Accumulator<Cfg::BN>& acc, int& stage, u32& phase) {
+__device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int group, int kb_first,
+                                             int kb_last, Accumulator<Cfg::BN>& acc, int& stage,
+                                             u32& phase) {
     typedef typename Cfg::T T;
     constexpr int TRANSPOSE_B = Cfg::B_K_MAJOR ? 0 : 1;
     // B's leading offset matters only MN-major: the distance between 64-wide N chunks.
@@ -406,7 +415,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int grou
     constexpr u32 B_K_STEP = Cfg::B_K_MAJOR ? 32 : 16 * 128;
     const bool lane_leader = (threadIdx.x & 31) == 0;
     int previous = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
+    for (int kb = kb_first; kb < kb_last; ++kb) {
         mbarrier_wait(&pipe.full[stage], phase);
         const u32 a_address = smem_address(pipe.a_stage(stage)) + group * 64 * 128;
         const u32 b_address = smem_address(pipe.b_stage(stage));
@@ -416,7 +425,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int grou
         for (int kk = 0; kk < Cfg::BK / 16; ++kk) {
             const u64 da = smem_descriptor_sw128(a_address + kk * 32, 16, 1024);
             const u64 db = smem_descriptor_sw128(b_address + kk * B_K_STEP, B_LEADING, 1024);
-            Mma64<T, Cfg::BN, TRANSPOSE_B>::run(acc.d, da, db, (kb | kk) != 0);
+            Mma64<T, Cfg::BN, TRANSPOSE_B>::run(acc.d, da, db, kb != kb_first || kk != 0);
         }
         wgmma_commit();
         fence_accumulators(acc.d);
@@ -466,7 +475,8 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
         u32 phase = 0;
         Tile tile;
         for (int i = 0; work.get(i, tile); ++i) {
-            consume_tile<Cfg>(pipe, who.warpgroup, k_blocks, acc, stage, phase);
+            consume_tile<Cfg>(pipe, who.warpgroup, tile.k_first(), tile.k_last(k_blocks), acc,
+                              stage, phase);
             epilogue(tile, acc, who);
         }
         epilogue.finish(who);
