@@ -53,6 +53,8 @@ def parse():
     parser.add_argument("--b-layout", default="nk", choices=("nk", "kn"))
     parser.add_argument("--sms", type=int, default=None, help="grid cap (default: every SM)")
     parser.add_argument("--group-m", type=int, nargs="+", default=[8])
+    parser.add_argument("--split-k", type=int, nargs="+", default=[2, 4, 8],
+                        help="split-K parts also tried where the default tile leaves SMs idle")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
@@ -105,33 +107,38 @@ def sweep(args) -> None:
         reference = G.reference(a, b, b_layout=args.b_layout, dtype=np.float32)
         case = f"{m}x{n}x{k}"
         times = {}
-        for (block_m, block_n) in CONFIGS:
-            for group_m in args.group_m:
-                config = f"{block_m}x{block_n}_g{group_m}"
-                call = lambda: G.gemm(a, b, out, b_layout=args.b_layout, sms=args.sms,  # noqa: E731
-                                      group_m=group_m, block_m=block_m, block_n=block_n)
-                G.poison(out)
-                call()
-                error = float(cupy.linalg.norm(G.to_float32(out) - reference)
-                              / cupy.linalg.norm(reference))
-                if not math.isfinite(error) or error > 1e-2:
-                    print(f"{set_name:8s} {case:18s} {config:12s} WRONG (error {error:.2e})",
-                          flush=True)
-                    append_jsonl(args.out, [record(
-                        "gemm_tune", case, "wrong", 1.0, None, "count", set=set_name,
-                        config=config, block_m=block_m, block_n=block_n, group_m=group_m,
-                        error=error)])
-                    continue
-                us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
-                times[config] = us
-                flops = 2.0 * m * n * k
-                print(f"{set_name:8s} {case:18s} {config:12s} {us:9.1f} us "
-                      f"{flops / us / 1e6:6.1f} TFLOP/s  x torch {torch_us / us:5.3f}", flush=True)
+        variants = [(bm, bn, g, 1) for bm, bn in CONFIGS for g in args.group_m]
+        for split_k in args.split_k:
+            # split-K only where the default tile leaves SMs idle
+            if split_k > 1 and G.plan(m, n, k, sms=sms).tiles < sms:
+                variants += [(bm, bn, args.group_m[0], split_k) for bm, bn in CONFIGS]
+        for (block_m, block_n, group_m, split_k) in variants:
+            config = f"{block_m}x{block_n}_g{group_m}" + (f"_sk{split_k}" if split_k > 1 else "")
+            call = lambda: G.gemm(a, b, out, b_layout=args.b_layout, sms=args.sms,  # noqa: E731
+                                  group_m=group_m, block_m=block_m, block_n=block_n,
+                                  split_k=split_k)
+            G.poison(out)
+            call()
+            error = float(cupy.linalg.norm(G.to_float32(out) - reference)
+                          / cupy.linalg.norm(reference))
+            if not math.isfinite(error) or error > 1e-2:
+                print(f"{set_name:8s} {case:18s} {config:12s} WRONG (error {error:.2e})",
+                      flush=True)
                 append_jsonl(args.out, [record(
-                    "gemm_tune", case, "us", us, torch_us, "us", higher_is_better=False,
-                    set=set_name, config=config, block_m=block_m, block_n=block_n,
-                    group_m=group_m, sms=sms, dtype=args.dtype, b_layout=args.b_layout,
-                    tflops=flops / us / 1e6, error=error, baseline_name="torch.matmul")])
+                    "gemm_tune", case, "wrong", 1.0, None, "count", set=set_name,
+                    config=config, block_m=block_m, block_n=block_n, group_m=group_m,
+                    error=error)])
+                continue
+            us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
+            times[config] = us
+            flops = 2.0 * m * n * k
+            print(f"{set_name:8s} {case:18s} {config:12s} {us:9.1f} us "
+                  f"{flops / us / 1e6:6.1f} TFLOP/s  x torch {torch_us / us:5.3f}", flush=True)
+            append_jsonl(args.out, [record(
+                "gemm_tune", case, "us", us, torch_us, "us", higher_is_better=False,
+                set=set_name, config=config, block_m=block_m, block_n=block_n,
+                group_m=group_m, split_k=split_k, sms=sms, dtype=args.dtype, b_layout=args.b_layout,
+                tflops=flops / us / 1e6, error=error, baseline_name="torch.matmul")])
         if times:
             winner = min(times, key=times.get)
             best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = winner

@@ -38,16 +38,95 @@ from mkrt.kernels.launcher import KernelLaunch, Parameters
 
 GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;
+constexpr bool SPLIT_K = $SPLIT_K;
 typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR,
                            TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0> Cfg;
 
+// Split-K: every tile's k-blocks in `splits` consecutive parts, unit u = (tile u / splits,
+// part u % splits); CTA c takes units c, c + grid, ... (a tile's parts run side by side).
+struct SplitKWork {
+    mkrt::gemm::RasterWork tiles;
+    int splits, k_blocks;
+    __device__ __forceinline__ bool get(int i, mkrt::gemm::Tile& tile) const {
+        const int unit = tiles.cta + i * tiles.ctas;
+        if (unit >= tiles.tiles_m * tiles.tiles_n * splits) return false;
+        const int part = unit % splits;
+        tile = tiles.tile_at(unit / splits);
+        tile.split = part;
+        tile.kb_begin = part * k_blocks / splits;          // splits <= k_blocks: never empty
+        tile.kb_end = (part + 1) * k_blocks / splits;
+        return true;
+    }
+    __device__ __forceinline__ bool wait(const mkrt::gemm::Tile&) const { return true; }
+};
+
+// The sum of a tile's parts, read pair by pair as the store walks the fragments (no
+// second accumulator in registers), added in part order 0, 1, ...
+template <int THREADS>
+struct SummedParts {
+    const float* parts;     // part 0 of the tile; part p at parts + p * part_words
+    long long part_words;
+    int splits;
+
+    template <int CONSUMERS, class F>
+    __device__ __forceinline__ void for_each_pair(const mkrt::gemm::ConsumerThread<CONSUMERS>& who,
+                                                  F&& f) const {
+        mkrt::gemm::Accumulator<Cfg::BN>::each_pair_slot(who, [&](int row, int col, int i) {
+            float v0 = 0.f, v1 = 0.f;
+            for (int part = 0; part < splits; ++part) {
+                const float* p = parts + part * part_words + who.thread;
+                v0 += __ldcg(p + i * THREADS);
+                v1 += __ldcg(p + (i + 1) * THREADS);
+            }
+            f(row, col, v0, v1);
+        });
+    }
+};
+
+// Each part stores its fp32 partial (every consumer thread its own fragment, coalesced);
+// the last part of a tile to arrive adds the parts in order 0, 1, ... (so the sum does
+// not depend on which came last: bit-identical between calls), stores the tile, and
+// re-arms the tile's arrival counter for the next call.
+struct SplitKEpilogue {
+    mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store;
+    float* partials;        // [tiles][splits][fragment words x consumer threads]
+    int* arrivals;          // [tiles], zero between calls
+    int splits;
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const mkrt::gemm::ConsumerThread<CONSUMERS>&) const {}
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const mkrt::gemm::ConsumerThread<CONSUMERS>&) const {}
+
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void operator()(const mkrt::gemm::Tile& tile, const Acc& acc,
+                                               const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
+        constexpr int THREADS = 128 * CONSUMERS;
+        constexpr long long PART = (long long)Acc::COUNT * THREADS;
+        float* mine = partials + ((long long)tile.index * splits + tile.split) * PART;
+        #pragma unroll
+        for (int i = 0; i < Acc::COUNT; ++i) mine[i * THREADS + who.thread] = acc.d[i];
+        __shared__ int last_part;
+        __threadfence();                                     // the partial, before the count
+        who.sync();
+        if (who.thread == 0) last_part = atomicAdd(arrivals + tile.index, 1) == splits - 1;
+        who.sync();
+        if (!last_part) return;
+        __threadfence();
+        store(tile, SummedParts<THREADS>{partials + (long long)tile.index * splits * PART, PART,
+                                         splits}, who);
+        if (who.thread == 0) arrivals[tile.index] = 0;
+    }
+};
+
 // C = A @ B over the whole tile grid; CTA c of gridDim.x computes tiles c, c + grid, ...
-// tma_out (box 64 x 64) is used by the TMA-store epilogue only.
+// (SPLIT_K: units of tiles). tma_out (box 64 x 64) is used by the TMA-store epilogue only.
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
      const __grid_constant__ mkrt::TmaDescriptor tma_b,
      const __grid_constant__ mkrt::TmaDescriptor tma_out,
-     $CTYPE* out, int m, int n, int k, int ld_out, int group_m, int pairs_aligned) {
+     $CTYPE* out, int m, int n, int k, int ld_out, int group_m, int pairs_aligned,
+     float* partials, int* arrivals, int splits) {
     extern __shared__ char dynamic_smem[];
     const int tiles_m = (m + Cfg::BM - 1) / Cfg::BM;
     const int tiles_n = (n + Cfg::BN - 1) / Cfg::BN;
@@ -55,6 +134,10 @@ gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
     if constexpr (TMA_STORE) {
         const mkrt::gemm::TmaStoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{&tma_out};
         mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+    } else if constexpr (SPLIT_K) {
+        const SplitKWork units{work, splits, (k + Cfg::BK - 1) / Cfg::BK};
+        const SplitKEpilogue store{{out, m, n, ld_out, pairs_aligned != 0}, partials, arrivals, splits};
+        mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, units, store, dynamic_smem);
     } else {
         const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
         mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
@@ -64,7 +147,7 @@ gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
 
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 B_LAYOUTS = ("kn", "nk")
-EPILOGUES = ("tma", "direct")
+EPILOGUES = ("tma", "direct", "splitk")
 SMEM_LIMIT = 232448          # 227 KiB per block (opt-in), sm_90
 
 
@@ -103,7 +186,8 @@ class GemmSpec(KernelSpec):
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected 64, 128, 192 or 256")
         if self.epilogue not in EPILOGUES:
-            raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma' or 'direct'")
+            raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma', 'direct' "
+                             "or 'splitk'")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.gemm: {self.stages} stages of {self.block_m}x{self.block_n} "
                              f"with the {self.epilogue} epilogue need {self.smem_bytes} bytes of "
@@ -128,7 +212,7 @@ class GemmSpec(KernelSpec):
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
-                "TMA_STORE": self.epilogue == "tma"}
+                "TMA_STORE": self.epilogue == "tma", "SPLIT_K": self.epilogue == "splitk"}
 
 
 class OnEngine:
@@ -168,6 +252,7 @@ class GemmPlan:
     grid: int
     group_m: int
     pad_n: int        # kn layout only: columns of B after padding to a multiple of 8
+    splits: int = 1   # split-K parts per tile (epilogue "splitk")
 
     @property
     def tiles(self) -> int:
@@ -180,8 +265,10 @@ class GemmPlan:
 
 def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
          sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int | None = None,
-         group_m: int = 8, epilogue: str = "auto") -> GemmPlan:
-    """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses."""
+         group_m: int = 8, epilogue: str = "auto", split_k: int = 1) -> GemmPlan:
+    """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses.
+    ``split_k`` > 1: each tile's K in that many parts (at most one per 64-wide k-block), run
+    by different CTAs and added in a fixed order (the "splitk" epilogue)."""
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, (int, np.integer)) or value < 1 or value >= 2**31:
             raise ValueError(f"mkrt.gemm: {name}={value!r} must be an integer in [1, 2**31)")
@@ -192,6 +279,15 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
         raise ValueError(f"mkrt.gemm: sms={sms!r} must be a positive integer")
     if not isinstance(group_m, (int, np.integer)) or group_m < 1:
         raise ValueError(f"mkrt.gemm: group_m={group_m!r} must be a positive integer")
+    if not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool) or not 1 <= split_k <= 64:
+        raise ValueError(f"mkrt.gemm: split_k={split_k!r} must be an integer in [1, 64]")
+    if split_k > 1 and epilogue not in ("auto", "splitk"):
+        raise ValueError(f"mkrt.gemm: split_k={split_k} adds its parts in the 'splitk' epilogue; "
+                         f"got epilogue={epilogue!r}")
+    if epilogue == "splitk" and split_k == 1:
+        raise ValueError("mkrt.gemm: epilogue='splitk' needs split_k > 1")
+    if split_k > 1:
+        epilogue = "splitk"
     if epilogue == "auto":   # TMA stores need 16-byte rows of C
         epilogue = "tma" if n % 8 == 0 else "direct"
     elif epilogue == "tma" and n % 8:
@@ -204,8 +300,9 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
     tiles_m = -(-m // block_m)
     tiles_n = -(-n // block_n)
     pad_n = n if b_layout == "nk" else -(-n // 8) * 8
+    splits = int(min(split_k, -(-k // 64)))           # every part gets a k-block
     return GemmPlan(spec, int(m), int(n), int(k), tiles_m, tiles_n,
-                    int(min(sms, tiles_m * tiles_n)), int(group_m), pad_n)
+                    int(min(sms, tiles_m * tiles_n * splits)), int(group_m), pad_n, splits)
 
 
 def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None, out_dtype=None):
@@ -314,7 +411,7 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
-         epilogue: str = "auto", stream=None):
+         epilogue: str = "auto", split_k: int = 1, stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
@@ -323,7 +420,9 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256; default:
     :func:`mkrt.kernels.gemm_rule.choose_tile`, a tuned table or the rule),
     ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
-    depth (default: as many as fit).
+    depth (default: as many as fit), ``split_k`` > 1: each tile's K split in that many parts
+    on different CTAs, added in a fixed order (results identical between calls; for shapes
+    with fewer tiles than SMs; uses a float32 workspace of tiles x parts x tile).
     Returns out in the type of ``a`` (torch in, torch out).
 
     The first call of a signature (shapes, dtypes, options, GPU) checks everything and
@@ -338,11 +437,12 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     device = a_view.data.device_id
     key = (a_view.shape, a_view.dtype, b_view.shape, b_view.dtype,
            None if out_view is None else (out_view.shape, out_view.dtype),
-           b_layout, sms, group_m, block_m, block_n, stages, epilogue, device)
+           b_layout, sms, group_m, block_m, block_n, stages, epilogue, split_k, device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, a_view, b_view, out_view):
         p = _gemm_plan(a_view, b_view, out_view, b_layout=b_layout, sms=sms, group_m=group_m,
-                       block_m=block_m, block_n=block_n, stages=stages, epilogue=epilogue)
+                       block_m=block_m, block_n=block_n, stages=stages, epilogue=epilogue,
+                       split_k=split_k)
         if p.spec.b_layout == "kn" and p.pad_n != p.n:
             return _gemm_padded(a, a_view, b_view, out_view, p, stream)
         call = _prepared_gemm(key, p, device)
@@ -373,15 +473,27 @@ def _quick_checks(device, *arrays) -> bool:
 class _PreparedGemm:
     """One signature of :func:`gemm`: its plan, kernel and packed parameters."""
 
-    def __init__(self, p: GemmPlan, function):
+    def __init__(self, p: GemmPlan, function, device: int = 0):
         self.plan = p
         self.out_shape = (p.m, p.n)
         params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_out", 128, 64),
                              ("out", np.uint64, 8), ("m", np.int32, 4), ("n", np.int32, 4),
                              ("k", np.int32, 4), ("ld_out", np.int32, 4),
-                             ("group_m", np.int32, 4), ("pairs_aligned", np.int32, 4)])
+                             ("group_m", np.int32, 4), ("pairs_aligned", np.int32, 4),
+                             ("partials", np.uint64, 8), ("arrivals", np.uint64, 8),
+                             ("splits", np.int32, 4)])
         params.set(m=p.m, n=p.n, k=p.k, ld_out=p.n, group_m=p.group_m,
-                   pairs_aligned=int(p.n % 2 == 0))
+                   pairs_aligned=int(p.n % 2 == 0), splits=p.splits)
+        self._workspace = None
+        if p.splits > 1:
+            import cupy
+            # float32 parts of every tile, and per tile a counter that is zero between calls
+            with cupy.cuda.Device(device):
+                partials = cupy.empty(p.tiles * p.splits * p.spec.block_m * p.spec.block_n,
+                                      dtype=np.float32)
+                arrivals = cupy.zeros(p.tiles, dtype=np.int32)
+            self._workspace = (partials, arrivals)
+            params.set(partials=partials.data.ptr, arrivals=arrivals.data.ptr)
         self.launch = KernelLaunch(function, p.grid, p.spec.threads, p.spec.smem_bytes, params)
         self._out = params.view("out")
         self._pointers = None
@@ -422,7 +534,7 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
-               epilogue):
+               epilogue, split_k=1):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
@@ -434,7 +546,7 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
         block_n = rule_n if block_n is None else block_n
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
-             epilogue=epilogue)
+             epilogue=epilogue, split_k=split_k)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
     return p
@@ -444,7 +556,8 @@ def _prepared_gemm(key, p: GemmPlan, device: int) -> _PreparedGemm:
     """The prepared launch of a checked signature (kept for the next 256 signatures)."""
     call = _PREPARED.get(key)
     if call is None:
-        call = _PREPARED[key] = _PreparedGemm(p, p.spec.function("gemm", device, p.spec.smem_bytes))
+        call = _PREPARED[key] = _PreparedGemm(p, p.spec.function("gemm", device, p.spec.smem_bytes),
+                                              device)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)
     return call

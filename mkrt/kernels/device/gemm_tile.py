@@ -160,18 +160,24 @@ struct Accumulator {
     static constexpr int COUNT = BN / 2;
     float d[COUNT];
 
-    // f(row, col, v0, v1) for each pair of adjacent outputs this thread holds; row and
-    // col are relative to the tile (row in 0..BM-1, col even, in 0..BN-1).
-    template <int CONSUMERS, class F>
-    __device__ __forceinline__ void for_each_pair(const ConsumerThread<CONSUMERS>& who, F&& f) const {
+    // g(row, col, i) for each pair of adjacent outputs this thread holds, d[i] and d[i + 1];
+    // row and col are relative to the tile (row in 0..BM-1, col even, in 0..BN-1).
+    template <int CONSUMERS, class G>
+    static __device__ __forceinline__ void each_pair_slot(const ConsumerThread<CONSUMERS>& who, G&& g) {
         const int lane = who.thread & 31;
         const int row = who.warpgroup * 64 + ((who.thread >> 5) & 3) * 16 + (lane >> 2);
         const int col = 2 * (lane & 3);
         #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
-            f(row, 8 * j + col, d[4 * j + 0], d[4 * j + 1]);
-            f(row + 8, 8 * j + col, d[4 * j + 2], d[4 * j + 3]);
+            g(row, 8 * j + col, 4 * j + 0);
+            g(row + 8, 8 * j + col, 4 * j + 2);
         }
+    }
+
+    // f(row, col, v0, v1) for each pair of adjacent outputs this thread holds.
+    template <int CONSUMERS, class F>
+    __device__ __forceinline__ void for_each_pair(const ConsumerThread<CONSUMERS>& who, F&& f) const {
+        each_pair_slot(who, [&](int row, int col, int i) { f(row, col, d[i], d[i + 1]); });
     }
 };
 
