@@ -411,7 +411,7 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
-         epilogue: str = "auto", split_k: int = 1, stream=None):
+         epilogue: str = "auto", split_k: int | None = None, stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
@@ -420,7 +420,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256; default:
     :func:`mkrt.kernels.gemm_rule.choose_tile`, a tuned table or the rule),
     ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
-    depth (default: as many as fit), ``split_k`` > 1: each tile's K split in that many parts
+    depth (default: as many as fit), ``split_k`` > 1 (default: the rule's): each tile's K in that many parts
     on different CTAs, added in a fixed order (results identical between calls; for shapes
     with fewer tiles than SMs; uses a float32 workspace of tiles x parts x tile).
     Returns out in the type of ``a`` (torch in, torch out).
@@ -534,16 +534,18 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
-               epilogue, split_k=1):
+               epilogue, split_k=None):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
-    if block_m is None or block_n is None:
+    if block_m is None or block_n is None or split_k is None:
         from mkrt.kernels.gemm_rule import choose_tile
-        (rule_m, rule_n), _ = choose_tile(m, n, k, sms=total_sms if sms is None else sms,
-                                          dtype=dtype, b_layout=b_layout)
+        (rule_m, rule_n, rule_split), _ = choose_tile(m, n, k, sms=total_sms if sms is None else sms,
+                                                      dtype=dtype, b_layout=b_layout)
         block_m = rule_m if block_m is None else block_m
         block_n = rule_n if block_n is None else block_n
+        # the rule's split-K goes with its tile and the automatic epilogue only
+        split_k = split_k if split_k is not None else (rule_split if epilogue == "auto" else 1)
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
              epilogue=epilogue, split_k=split_k)

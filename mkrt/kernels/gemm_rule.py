@@ -2,7 +2,7 @@
 
 1. A tuned table, when one exists: ``gemm_table.json`` in the JIT cache folder
    (``MKRT_JIT_CACHE_DIR``), written by ``experiments/gemm_tune.py --table``: the fastest
-   measured tile per exact (M, N, K, dtype, B layout, SMs).
+   measured tile (and split-K parts) per exact (M, N, K, dtype, B layout, SMs).
 2. Otherwise the rule below, from (M, N, K, SMs) alone. Today it is the engine's one
    measured tile, 128 x 256, for every shape: what the rule should be is what the sweep
    measures (experiments/gemm_tune.py: its FIT shapes choose the rule, its HELD_OUT
@@ -31,13 +31,15 @@ def _load_table(path: str, mtime: float) -> dict:
     with open(path) as handle:
         raw = json.load(handle)
     table = {}
-    for key, config in raw.items():       # "128x256_g8" as the sweep writes it
+    for key, config in raw.items():       # "128x256_g8" or "128x256_g8_sk4" as the sweep writes it
+        parts = str(config).split("_")
         try:
-            tile = tuple(int(x) for x in str(config).split("_")[0].split("x"))
+            tile = tuple(int(x) for x in parts[0].split("x"))
+            split_k = next((int(p[2:]) for p in parts[1:] if p.startswith("sk")), 1)
         except ValueError:
             continue
-        if tile in TILES:
-            table[key] = tile
+        if tile in TILES and 1 <= split_k <= 64:
+            table[key] = (*tile, split_k)
     return table
 
 
@@ -54,9 +56,9 @@ def tuned_table() -> dict:
 
 
 def choose_tile(m: int, n: int, k: int, *, sms: int, dtype: str = "bf16",
-                b_layout: str = "nk") -> tuple[tuple[int, int], str]:
-    """((block_m, block_n), why) for this problem."""
-    tile = tuned_table().get(table_key(m, n, k, dtype, b_layout, sms))
-    if tile is not None:
-        return tile, "tuned table"
-    return DEFAULT_TILE, "rule: default tile (no sweep has chosen a rule yet)"
+                b_layout: str = "nk") -> tuple[tuple[int, int, int], str]:
+    """((block_m, block_n, split_k), why) for this problem."""
+    choice = tuned_table().get(table_key(m, n, k, dtype, b_layout, sms))
+    if choice is not None:
+        return choice, "tuned table"
+    return (*DEFAULT_TILE, 1), "rule: default tile, no split-K (no sweep has chosen a rule yet)"
