@@ -131,23 +131,36 @@ def test_allgather_random_shapes_are_exact(layout, shape, dtype, group, ctas):
         assert np.array_equal(out.get(), expected), (layout, shape, dtype, group, ctas)
 
 
+def _operands(world, rows, n, k, b_layout):
+    """Per rank: A [rows, k] and B ([k, n] or [n, k]), bf16, seeded by the shape."""
+    import cupy
+
+    from mkrt.arrays import bfloat16
+    rng = cupy.random.default_rng(rows + 3 * n + 5 * k)
+    a = [rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    shape = (k, n) if b_layout == "kn" else (n, k)
+    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    return a, b
+
+
+#: the tensor-parallel pair's random options (rows: of A per rank for AllGather+GEMM, of
+#: the output per rank for GEMM+ReduceScatter)
+TP_OPTIONS = dict(layout=st.sampled_from(["1x2", "2x2", "1x4"]), rows=st.integers(1, 300), n=ODD,
+                  k=st.sampled_from([8, 24, 64, 200]), b_layout=st.sampled_from(["kn", "nk"]),
+                  fuse=st.sampled_from([None, True, False]))
+
+
 @SAMPLE
-@given(layout=st.sampled_from(["1x2", "2x2", "1x4"]), rows=st.integers(1, 300), n=ODD,
-       k=st.sampled_from([8, 24, 64, 200]), b_layout=st.sampled_from(["kn", "nk"]),
-       fuse=st.sampled_from([None, True, False]), controller=st.booleans())
+@given(**TP_OPTIONS, controller=st.booleans())
 def test_gemm_reducescatter_random_options_match_float64(layout, rows, n, k, b_layout, fuse,
                                                          controller):
     """m = rows * world size (the op's own rule); each rank's rows of the sum."""
     import cupy
 
     import mkrt
-    from mkrt.arrays import bfloat16
     world = world_of(layout)
     m = rows * world.size
-    rng = cupy.random.default_rng(m + 3 * n + 5 * k)
-    a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-    shape = (k, n) if b_layout == "kn" else (n, k)
-    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    a, b = _operands(world, m, n, k, b_layout)
     try:
         op = mkrt.GemmReduceScatter(world, b_layout=b_layout, fuse=fuse, timeout_ms=10000,
                                     controller=controller)
@@ -168,9 +181,7 @@ def test_gemm_reducescatter_random_options_match_float64(layout, rows, n, k, b_l
 
 
 @SAMPLE
-@given(layout=st.sampled_from(["1x2", "2x2", "1x4"]), rows=st.integers(1, 300), n=ODD,
-       k=st.sampled_from([8, 24, 64, 200]), b_layout=st.sampled_from(["kn", "nk"]),
-       fuse=st.sampled_from([None, True, False]), gathered=st.booleans())
+@given(**TP_OPTIONS, gathered=st.booleans())
 def test_allgather_gemm_random_options_match_float64(layout, rows, n, k, b_layout, fuse,
                                                      gathered):
     """Every rank's (A gathered) @ its own B; the gathered A returned exactly when asked."""
@@ -179,10 +190,7 @@ def test_allgather_gemm_random_options_match_float64(layout, rows, n, k, b_layou
     import mkrt
     from mkrt.arrays import bfloat16
     world = world_of(layout)
-    rng = cupy.random.default_rng(rows + 3 * n + 5 * k)
-    a = [rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-    shape = (k, n) if b_layout == "kn" else (n, k)
-    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    a, b = _operands(world, rows, n, k, b_layout)
     whole = [cupy.empty((rows * world.size, k), bfloat16) for _ in world.local] if gathered else None
     try:
         op = mkrt.AllGatherGemm(world, b_layout=b_layout, fuse=fuse, timeout_ms=10000)
