@@ -307,7 +307,10 @@ def _runtime_lines(rows):
     def family(row):
         if row.get("metric") != "host_us_per_rank":
             return None                      # graph replays: experiments/notes/runtime.md
-        label = " (code before the prepared path)" if row.get("label") == "before" else ""
+        label = str(row.get("label", ""))
+        if label.startswith("ab_"):          # an A/B run: old and new code side by side
+            return f"{row.get('op', '?')}: host time per call per rank, A/B run, {label[3:]}"
+        label = " (code before the prepared path)" if label == "before" else ""
         return f"{row.get('op', '?')}: host time per call per rank{label}"
     lines = family_lines(rows, family, show="value")
 
