@@ -182,14 +182,8 @@ allgather(const unsigned char* input, unsigned char* output, u64 nbytes,
 
     // The last CTA out publishes the epoch for the next launch.
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const u64 done = fetch_add_acq_rel_gpu(flags + L.finished(), 1) + 1;
-        if (done == all_ctas) {
-            st_release_gpu(flags + L.ctas_before(), all_ctas);
-            st_release_gpu(flags + L.launches(), epoch);
-        }
-    }
+    if (threadIdx.x == 0)
+        finish_launch(flags + L.finished(), flags + L.ctas_before(), flags + L.launches(), epoch, all_ctas);
 }
 """, requires=("sync", "copy", "queue", "gather"), register=False)
 

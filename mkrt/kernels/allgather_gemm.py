@@ -249,15 +249,9 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     // The last CTA out publishes the epoch (and the communication CTAs' count) for the
     // next launch.
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const u64 done = fetch_add_acq_rel_gpu(a.flags + L.finished(), 1) + 1;
-        if (done == all_ctas) {
-            st_release_gpu(a.flags + L.comm_before(), comm_all);
-            st_release_gpu(a.flags + L.ctas_before(), all_ctas);
-            st_release_gpu(a.flags + L.launches(), epoch);
-        }
-    }
+    if (threadIdx.x == 0 && finish_launch(a.flags + L.finished(), a.flags + L.ctas_before(),
+                                          a.flags + L.launches(), epoch, all_ctas))
+        st_release_gpu(a.flags + L.comm_before(), comm_all);
 }
 """, requires=("gemm_tile", "queue", "sync", "copy", "gather"), register=False)
 

@@ -591,13 +591,9 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
             if (!computing) atomicAdd((unsigned long long*)(a.control + CTL_REDUCE_WAIT),
                                       (unsigned long long)reduce_wait_ns);
         }
-        __threadfence();
-        const u64 done = fetch_add_acq_rel_gpu(a.flags + L.finished(), 1) + 1;
-        if (done == all_ctas) {
-            if (a.control) control_step(a.control, compute_ctas, gridDim.x);
-            st_release_gpu(a.flags + L.ctas_before(), all_ctas);
-            st_release_gpu(a.flags + L.launches(), epoch);
-        }
+        if (finish_launch(a.flags + L.finished(), a.flags + L.ctas_before(), a.flags + L.launches(),
+                          epoch, all_ctas) && a.control)
+            control_step(a.control, compute_ctas, gridDim.x);
     }
 }
 """, requires=("gemm_tile", "queue", "sync"), register=False)

@@ -108,5 +108,18 @@ __device__ bool cta_wait_at_least(const u64* flag, u64 expected, const Context& 
     __syncthreads();
     return ok;
 }
+
+// End of a launch, one thread per CTA (mkrt/DESIGN.md, "Epochs and bounded waits"): count
+// the CTA out of `finished`; the last CTA out (true) publishes `ctas_before` and the
+// launch's epoch for the next launch, which starts only once this one is complete.
+__device__ __forceinline__ bool finish_launch(u64* finished, u64* ctas_before, u64* launches,
+                                              u64 epoch, u64 all_ctas) {
+    __threadfence();
+    const u64 done = fetch_add_acq_rel_gpu(finished, 1) + 1;
+    if (done != all_ctas) return false;
+    st_release_gpu(ctas_before, all_ctas);
+    st_release_gpu(launches, epoch);
+    return true;
+}
 }  // namespace mkrt
 """, requires=("base",))
