@@ -11,10 +11,10 @@ import pytest
 
 import mkrt
 from mkrt.kernels import allgather_gemm as agg
+from tp_pair_checks import (REL_ERROR_BOUND, graph_replays_follow_new_inputs,
+                            hundred_calls_are_identical)
 
 pytestmark = pytest.mark.gpu
-
-REL_ERROR_BOUND = 1e-2
 
 
 def operands(world, rows, n, k, b_layout, dtype, seed=0):
@@ -68,16 +68,10 @@ def test_matches_float64_reference(make_world, case, fuse):
 
 @pytest.mark.parametrize("layout", ["1x2", "2x2"])
 def test_hundred_calls_without_sync_are_identical(make_world, layout):
-    import cupy
     world = make_world(layout)
     op = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=10000)
     a, b = operands(world, 256, 512, 64, "kn", "bf16", seed=3)
-    results = [op(a, b) for _ in range(100)]
-    world.synchronize()
-    assert worst_error(results[0], a, b, "kn") < REL_ERROR_BOUND
-    for call in results[1:]:
-        for first, again in zip(results[0], call):
-            assert cupy.array_equal(first.view(cupy.uint16), again.view(cupy.uint16))
+    hundred_calls_are_identical(world, op, a, b, worst_error)
 
 
 def test_graph_capture_and_replay(make_world):
@@ -86,24 +80,7 @@ def test_graph_capture_and_replay(make_world):
     op = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=10000)
     a, b = operands(world, 256, 512, 64, "kn", "bf16", seed=11)
     outs = [cupy.empty((1024, 512), a[0].dtype) for _ in world.local]
-    op(a, b, out=outs)
-    world.synchronize()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        op(a, b, out=outs)
-        graph = stream.end_capture()
-    for replay in range(3):
-        with stream:
-            fresh, _ = operands(world, 256, 512, 64, "kn", "bf16", seed=100 + replay)
-            for x, new in zip(a, fresh):
-                x[...] = new
-            for out in outs:
-                out.fill(0)
-        graph.launch(stream)
-        stream.synchronize()
-        world.synchronize()
-        assert worst_error(outs, a, b, "kn") < REL_ERROR_BOUND, f"replay {replay}"
+    graph_replays_follow_new_inputs(world, op, a, b, outs, 256, operands, worst_error)
 
 
 def test_bad_inputs_raise_before_launch(make_world):
