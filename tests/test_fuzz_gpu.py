@@ -73,6 +73,25 @@ def test_gemm_random_shapes_match_float64(m, n, k, dtype, b_layout):
     assert c.shape == (m, n) and error < 1e-2, (m, n, k, dtype, b_layout, error)
 
 
+def _operands(world, rows, n, k, b_layout):
+    """Per rank: A [rows, k] and B ([k, n] or [n, k]), bf16, seeded by the shape."""
+    import cupy
+
+    from mkrt.arrays import bfloat16
+    rng = cupy.random.default_rng(rows + 3 * n + 5 * k)
+    a = [rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    shape = (k, n) if b_layout == "kn" else (n, k)
+    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    return a, b
+
+
+def _sum_of_products(a, b, b_layout):
+    """sum_r A_r @ B_r in float64, and sum_r |A_r| @ |B_r|: rounding scales with the terms,
+    not with their sum (which may cancel), so errors are measured against the second."""
+    products = [(_float(x), _float(y) if b_layout == "kn" else _float(y).T) for x, y in zip(a, b)]
+    return sum(x @ y for x, y in products), sum(abs(x) @ abs(y) for x, y in products)
+
+
 @SAMPLE
 @given(layout=st.sampled_from(["1x2", "2x2", "1x4"]), m=ODD, n=ODD,
        k=st.sampled_from([8, 24, 64, 200]), b_layout=st.sampled_from(["kn", "nk"]),
@@ -81,12 +100,8 @@ def test_gemm_allreduce_random_options_match_float64(layout, m, n, k, b_layout, 
     import cupy
 
     import mkrt
-    from mkrt.arrays import bfloat16
     world = world_of(layout)
-    rng = cupy.random.default_rng(m + 3 * n + 5 * k)
-    a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-    shape = (k, n) if b_layout == "kn" else (n, k)
-    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
+    a, b = _operands(world, m, n, k, b_layout)
     try:
         op = mkrt.GemmAllReduce(world, b_layout=b_layout, fuse=fuse, reduce_ctas=reduce_ctas,
                                 timeout_ms=10000)
@@ -95,11 +110,8 @@ def test_gemm_allreduce_random_options_match_float64(layout, m, n, k, b_layout, 
     except Exception as error:          # noqa: BLE001
         assert refused(error), repr(error)
         return
-    products = [(_float(x), _float(y) if b_layout == "kn" else _float(y).T) for x, y in zip(a, b)]
-    reference = sum(x @ y for x, y in products)
-    # Rounding scales with the terms, not with their sum (which may cancel): measure the
-    # error against sum_r |A_r| @ |B_r|.
-    scale = max(float(cupy.linalg.norm(sum(abs(x) @ abs(y) for x, y in products))), 1e-30)
+    reference, magnitude = _sum_of_products(a, b, b_layout)
+    scale = max(float(cupy.linalg.norm(magnitude)), 1e-30)
     for out in outs:
         error = float(cupy.linalg.norm(_float(out) - reference)) / scale
         assert out.shape == (m, n) and error < 1e-2, (layout, m, n, k, b_layout, fuse, error)
@@ -131,18 +143,6 @@ def test_allgather_random_shapes_are_exact(layout, shape, dtype, group, ctas):
         assert np.array_equal(out.get(), expected), (layout, shape, dtype, group, ctas)
 
 
-def _operands(world, rows, n, k, b_layout):
-    """Per rank: A [rows, k] and B ([k, n] or [n, k]), bf16, seeded by the shape."""
-    import cupy
-
-    from mkrt.arrays import bfloat16
-    rng = cupy.random.default_rng(rows + 3 * n + 5 * k)
-    a = [rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-    shape = (k, n) if b_layout == "kn" else (n, k)
-    b = [(rng.standard_normal(shape, dtype=np.float32) / 4).astype(bfloat16) for _ in world.local]
-    return a, b
-
-
 #: the tensor-parallel pair's random options (rows: of A per rank for AllGather+GEMM, of
 #: the output per rank for GEMM+ReduceScatter)
 TP_OPTIONS = dict(layout=st.sampled_from(["1x2", "2x2", "1x4"]), rows=st.integers(1, 300), n=ODD,
@@ -169,9 +169,7 @@ def test_gemm_reducescatter_random_options_match_float64(layout, rows, n, k, b_l
     except Exception as error:          # noqa: BLE001
         assert refused(error), repr(error)
         return
-    products = [(_float(x), _float(y) if b_layout == "kn" else _float(y).T) for x, y in zip(a, b)]
-    reference = sum(x @ y for x, y in products)
-    scale = sum(abs(x) @ abs(y) for x, y in products)
+    reference, scale = _sum_of_products(a, b, b_layout)
     for info, out in zip(world.local, outs):
         mine = slice(info.rank * rows, (info.rank + 1) * rows)
         error = float(cupy.linalg.norm(_float(out) - reference[mine])) / max(
