@@ -45,6 +45,7 @@ from mkrt.proxy.atomics import (load_acquire, load_acquire_at, spin_pause, store
 from mkrt.proxy.transports import verbs_abi as A
 from mkrt.proxy.transports.verbs import (IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_RDMA_WRITE,
                                          PEER_SHIFT)
+from mkrt.proxy.verbs_proxy import check_arguments
 
 _HW = Q.HEADER_WORDS
 _SEQUENCE_MASK = np.uint64((1 << PEER_SHIFT) - 1)
@@ -567,18 +568,14 @@ def _raw_address(obj, kind: str) -> int:
 class CompiledVerbsProxy(P.Proxy):
     """One compiled proxy thread serving every queue of `queue_set` through a connected
     :class:`~mkrt.proxy.transports.verbs.VerbsTransport` (``regions``: the transport's
-    table), RC queue pairs or an EFA SRD endpoint. The transport's pyverbs objects (or the loopback stand-in's) made the device,
-    queue pairs, CQ and registrations; from then on only the compiled loop touches them,
-    so the transport's Python posting methods must not be used while this runs."""
+    table), RC queue pairs or an EFA SRD endpoint. The transport's pyverbs objects (or the
+    loopback stand-in's) made the device, queue pairs, CQ and registrations; from then on
+    only the compiled loop touches them, so the transport's Python posting methods must not
+    be used while this runs."""
 
     def __init__(self, queue_set: Q.QueueSet, regions: np.ndarray, transport, *,
                  batch: int = 64, start: bool = True):
-        if not getattr(transport, "connected", False):
-            raise MkrtError("mkrt.proxy: CompiledVerbsProxy needs a connected verbs transport "
-                            "(transport.connect(comm) first)")
-        if not (queue_set.ranks == transport.rank).all():
-            raise ValueError(f"mkrt.proxy: every queue of a verbs proxy must belong to rank "
-                             f"{transport.rank}; got ranks {queue_set.ranks.tolist()}")
+        check_arguments("CompiledVerbsProxy", queue_set, transport)
         if batch > 1024:
             raise ValueError(f"mkrt.proxy: batch must be <= 1024; got {batch}")
         ranks, depth = transport.ranks, transport.sq_depth

@@ -66,6 +66,16 @@ def read_acquire(words, index):
     return load_acquire(words, index)
 
 
+def check_arguments(kind: str, queue_set: Q.QueueSet, transport) -> None:
+    """What every verbs proxy needs: a connected transport, and queues of its rank only."""
+    if not getattr(transport, "connected", False):
+        raise MkrtError(f"mkrt.proxy: {kind} needs a connected verbs transport "
+                        "(transport.connect(comm) first)")
+    if not (queue_set.ranks == transport.rank).all():
+        raise ValueError(f"mkrt.proxy: every queue of a verbs proxy must belong to rank "
+                         f"{transport.rank}; got ranks {queue_set.ranks.tolist()}")
+
+
 class VerbsProxy(P.Proxy):
     """One Python proxy thread serving every queue of `queue_set` through a connected
     :class:`~mkrt.proxy.transports.verbs.VerbsTransport`. ``regions`` must be the
@@ -73,12 +83,7 @@ class VerbsProxy(P.Proxy):
 
     def __init__(self, queue_set: Q.QueueSet, regions: np.ndarray, transport, *,
                  batch: int = 64, start: bool = True, idle_sleep: float = 20e-6):
-        if not getattr(transport, "connected", False):
-            raise MkrtError("mkrt.proxy: VerbsProxy needs a connected verbs transport "
-                            "(transport.connect(comm) first)")
-        if not (queue_set.ranks == transport.rank).all():
-            raise ValueError(f"mkrt.proxy: every queue of a verbs proxy must belong to rank "
-                             f"{transport.rank}; got ranks {queue_set.ranks.tolist()}")
+        check_arguments("VerbsProxy", queue_set, transport)
         self.idle_sleep = idle_sleep
         super().__init__(queue_set, regions, transport, threads=1, batch=batch, start=start)
 
