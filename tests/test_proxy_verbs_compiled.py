@@ -100,9 +100,10 @@ def test_completion_fields_read_through_ctypes():
 def test_context_functions_read_the_ops_table():
     nic = L.LoopbackNic()
     index = nic.create_qp(4)
-    post, poll = A.context_functions(nic.qp_address(index))
+    post, poll, post_recv = A.context_functions(nic.qp_address(index))
     assert post == L.loopback_post_send.address and poll == L.loopback_poll_cq.address
-    assert A.context_functions(nic.cq_address) == (post, poll)
+    assert post_recv == L.loopback_post_recv.address
+    assert A.context_functions(nic.cq_address) == (post, poll, post_recv)
     with pytest.raises(ValueError, match="null"):
         A.context_functions(0)
 

@@ -626,8 +626,7 @@ class CompiledVerbsProxy(P.Proxy):
         self.config[CF_EFA_FLAG_REGION] = region
         self.config[CF_EFA_FLAGS] = address
         self.config[CF_EFA_FLAGS_SIZE] = local.size
-        self.config[CF_POST_RECV] = ctypes.c_uint64.from_address(
-            ctypes.c_uint64.from_address(qp).value + A.CONTEXT_POST_RECV).value
+        self.config[CF_POST_RECV] = A.context_functions(qp)[2]
         self.config[CF_RECV_QP] = qp
         self.config[CF_RECV_ID] = transport._recv_id
         self.config[CF_QKEY] = QKEY

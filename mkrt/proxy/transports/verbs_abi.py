@@ -135,19 +135,20 @@ def new_completions(count: int) -> np.ndarray:
     return np.zeros((count, WC_WORDS), dtype=np.uint64)
 
 
-def context_functions(object_address: int) -> tuple[int, int]:
-    """(post_send, poll_cq) of the device context an ibv_qp or ibv_cq at `object_address`
-    belongs to (its first word is its ``ibv_context *``)."""
+def context_functions(object_address: int) -> tuple[int, int, int]:
+    """(post_send, poll_cq, post_recv) of the device context an ibv_qp or ibv_cq at
+    `object_address` belongs to (its first word is its ``ibv_context *``)."""
     if not object_address:
         raise ValueError("mkrt.proxy: verbs object address is null")
     context = ctypes.c_uint64.from_address(object_address).value
     if not context:
         raise ValueError(f"mkrt.proxy: verbs object at {object_address:#x} has no context")
-    post_send = ctypes.c_uint64.from_address(context + CONTEXT_POST_SEND).value
-    poll_cq = ctypes.c_uint64.from_address(context + CONTEXT_POLL_CQ).value
+    post_send, poll_cq, post_recv = (ctypes.c_uint64.from_address(context + offset).value
+                                     for offset in (CONTEXT_POST_SEND, CONTEXT_POLL_CQ,
+                                                    CONTEXT_POST_RECV))
     if not post_send or not poll_cq:
         raise ValueError(f"mkrt.proxy: verbs context at {context:#x} has no post_send/poll_cq")
-    return post_send, poll_cq
+    return post_send, poll_cq, post_recv
 
 
 # ---- the extended QP API (EFA SRD endpoints post through it) ---------------------------------
