@@ -359,6 +359,7 @@ def test_credits_wrap_many_times_with_a_small_send_queue():
         ranks.post(0, records)
         ranks.wait_flag(1, 1, 3000)
         assert np.array_equal(ranks.data[1][:800], ranks.data[0][:800])
+        assert all(t.cq.nic.overflows == 0 for t in ranks.transports)   # no completion lost
     finally:
         assert ranks.close() == []
 
@@ -506,6 +507,7 @@ def test_efa_puts_with_flags_land_and_flags_never_go_backwards():
         for slot in range(64):                       # the largest value each slot was sent
             sent = [i + 1 for i in range(0, len(expected), 3) if i % 64 == slot]
             assert int(ranks.flags[1][slot]) == (max(sent) if sent else 0)
+        assert all(t.cq.nic.overflows == 0 for t in ranks.transports)   # no completion lost
     finally:
         assert ranks.close() == []
 
