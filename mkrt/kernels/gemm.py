@@ -373,23 +373,32 @@ _DESCRIPTORS: "collections.OrderedDict[tuple, TmaDescriptor]" = collections.Orde
 def tma_descriptor_2d(pointer: int, dtype: str, inner: int, outer: int, row_bytes: int,
                       box_inner: int, box_outer: int) -> TmaDescriptor:
     """Tensor map of a row-major [outer, inner] matrix, 128B swizzle, zeros outside (cached)."""
-    key = (pointer, dtype, inner, outer, row_bytes, box_inner, box_outer)
+    return tma_descriptor(pointer, dtype, (inner, outer), (row_bytes,), (box_inner, box_outer))
+
+
+def tma_descriptor(pointer: int, dtype: str, dims: tuple, strides: tuple,
+                   box: tuple) -> TmaDescriptor:
+    """Tensor map of an up-to-5-D tensor: ``dims`` innermost first (the innermost
+    contiguous), ``strides`` in bytes of dims 1.. (multiples of 16), ``box`` the elements
+    one load brings (innermost 64 two-byte elements = one 128-byte swizzle row); 128B
+    swizzle, zeros outside. Cached by its arguments."""
+    key = (pointer, dtype, tuple(dims), tuple(strides), tuple(box))
     descriptor = _DESCRIPTORS.get(key)
     if descriptor is not None:
         _DESCRIPTORS.move_to_end(key)
         return descriptor
+    rank = len(dims)
     descriptor = TmaDescriptor()
-    dims = (ctypes.c_uint64 * 2)(inner, outer)
-    strides = (ctypes.c_uint64 * 1)(row_bytes)
-    box = (ctypes.c_uint32 * 2)(box_inner, box_outer)
-    element_strides = (ctypes.c_uint32 * 2)(1, 1)
+    c_dims = (ctypes.c_uint64 * rank)(*dims)
+    c_strides = (ctypes.c_uint64 * max(rank - 1, 1))(*strides)
+    c_box = (ctypes.c_uint32 * rank)(*box)
+    element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
     result = _libcuda().cuTensorMapEncodeTiled(
-        descriptor.address, _TMA_DTYPE[dtype], 2, pointer, dims, strides, box, element_strides,
-        0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+        descriptor.address, _TMA_DTYPE[dtype], rank, pointer, c_dims, c_strides, c_box,
+        element_strides, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
     if result != 0:
-        raise RuntimeError(f"mkrt.gemm: cuTensorMapEncodeTiled failed with CUresult {result} "
-                           f"for {pointer=:#x}, {dtype=}, {inner=}, {outer=}, {row_bytes=}, "
-                           f"box=({box_inner}, {box_outer})")
+        raise RuntimeError(f"mkrt: cuTensorMapEncodeTiled failed with CUresult {result} "
+                           f"for {pointer=:#x}, {dtype=}, {dims=}, strides={strides}, {box=}")
     _DESCRIPTORS[key] = descriptor
     if len(_DESCRIPTORS) > 512:
         _DESCRIPTORS.popitem(last=False)

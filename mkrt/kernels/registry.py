@@ -14,6 +14,7 @@ KERNEL_MODULES = [
     "mkrt.kernels.gemm",
     "mkrt.kernels.gemm_allreduce",
     "mkrt.kernels.allgather_gemm",
+    "mkrt.kernels.attention",
 ]
 
 

@@ -88,6 +88,18 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const TmaDescript
         : "memory");
 }
 
+// The same for a 4-D tensor map (coordinates innermost first), e.g. one head's rows of a
+// [B, S, H, D] tensor: box (64, 1, rows, 1) lands as `rows` rows of 128 bytes.
+__device__ __forceinline__ void tma_load_4d(void* destination, const TmaDescriptor* descriptor,
+                                            int c0, int c1, int c2, int c3, u64* barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        :: "r"(smem_address(destination)), "l"(descriptor), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+           "r"(smem_address(barrier))
+        : "memory");
+}
+
 // Store the box at element coordinates (inner, outer) of a 2-D tensor map from shared
 // memory (laid out as the map's swizzle says). Out-of-range elements are not written,
 // so partial edge tiles need no masking. Tracked by bulk groups of the issuing thread.

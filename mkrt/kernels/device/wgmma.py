@@ -12,6 +12,10 @@ Vocabulary:
   -- one ``m64nNk16`` step of a warpgroup, fp32 accumulators in registers
   (``N / 2`` floats per thread). ``accumulate == 0`` overwrites the accumulators, so a
   tile needs no zeroing.
+* ``MmaRegA64<T, N, TRANSPOSE_B>::run(accumulator, a, descriptor_b, accumulate)`` -- the
+  same step with A from registers (``u32 a[4]``: 8 elements of a 64 x 16 slice of A, in
+  the layout of the accumulator's columns 16k..16k+15 packed in pairs). Attention feeds
+  its softmax probabilities this way, without a trip through shared memory.
 * ``wgmma_fence`` before the first MMA of a batch, ``wgmma_commit`` after it,
   ``wgmma_wait<N>`` until at most N batches are still in flight.
 
@@ -48,7 +52,27 @@ def _wrapper(ctype: str, ptx_type: str, width: int) -> str:
     )
 
 
+def _register_a_wrapper(ctype: str, ptx_type: str, width: int) -> str:
+    count = width // 2
+    registers = ", ".join(f"%{i}" for i in range(count))
+    outputs = ", ".join(f'"+f"(d[{i}])' for i in range(count))
+    a = ", ".join(f"%{count + i}" for i in range(4))
+    b, scale, transpose = count + 4, count + 5, count + 6
+    return (
+        f"template <int TRANSPOSE_B> struct MmaRegA64<{ctype}, {width}, TRANSPOSE_B> {{ "
+        f"__device__ static __forceinline__ void run(float (&d)[{count}], const u32 (&a)[4], "
+        f"u64 descriptor_b, int accumulate) {{ "
+        f'asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{scale}, 0; '
+        f"wgmma.mma_async.sync.aligned.m64n{width}k16.f32.{ptx_type}.{ptx_type} "
+        f'{{{registers}}}, {{{a}}}, %{b}, p, 1, 1, %{transpose}; }}" '
+        f': {outputs} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor_b), '
+        f'"r"(accumulate), "n"(TRANSPOSE_B)); }} }};'
+    )
+
+
 _WRAPPERS = "\n".join(_wrapper(c, p, w) for c, p in TYPES.items() for w in WIDTHS)
+_WRAPPERS += "\n" + "\n".join(_register_a_wrapper(c, p, w) for c, p in TYPES.items()
+                               for w in WIDTHS)
 
 WGMMA = cuda_source("wgmma", r"""
 namespace mkrt {
@@ -83,6 +107,7 @@ template <int REGISTERS> __device__ __forceinline__ void warpgroup_registers_dec
 }
 
 template <class T, int N, int TRANSPOSE_B> struct Mma64;
+template <class T, int N, int TRANSPOSE_B> struct MmaRegA64;
 """ + _WRAPPERS + r"""
 }  // namespace mkrt
 """, requires=("base",), headers=("cuda_bf16.h", "cuda_fp16.h"))

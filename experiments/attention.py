@@ -1,0 +1,154 @@
+"""mkrt.attention against every torch SDPA backend on one GPU, in the same run.
+
+For each shape ([B, S, Hq, D] queries, Hkv key/value heads, causal or not): checks
+mkrt's output against torch's (cuDNN when it runs, else the math backend on small
+shapes) and the float32 reference on small shapes, then times mkrt and torch's cuDNN,
+flash and memory-efficient backends with CUDA events (warm-up, median of --repeats
+batches of --iterations calls). TFLOP/s count 4 B Hq Sq Sk D (the visible half when
+causal). One row per shape: mkrt's TFLOP/s against the best torch backend, every
+backend's figure in the row.
+
+    PYTHONPATH=$PWD python3 experiments/attention.py --out experiments/results/attention.jsonl
+
+The suite: the ring-attention issue's sweep per rank (B 4, H 16, D 128, S 768 to 12288,
+causal and not), Llama-3 70B GQA (Hq 64, Hkv 8, causal), D 64, and odd lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from mkrt.bench import append_jsonl, record  # noqa: E402
+
+# (B, S, Hq, Hkv, D, causal)
+SUITE = [(4, s, 16, 16, 128, c) for s in (768, 1536, 3072, 4096, 6144, 12288) for c in (False, True)]
+SUITE += [(1, 8192, 64, 8, 128, True), (1, 4096, 64, 8, 128, True), (4, 4096, 16, 16, 64, False),
+          (4, 4096, 16, 16, 64, True), (2, 1000, 16, 4, 128, False), (1, 3000, 8, 1, 64, True)]
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
+    parser.add_argument("--shapes", default="suite", help="'suite' or B:S:Hq:Hkv:D:causal,...")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default="", help="append JSON lines here")
+    return parser.parse_args()
+
+
+def shapes(text):
+    if text == "suite":
+        return SUITE
+    out = []
+    for item in text.split(","):
+        b, s, hq, hkv, d, c = item.split(":")
+        out.append((int(b), int(s), int(hq), int(hkv), int(d), c in ("1", "True", "causal")))
+    return out
+
+
+def time_ms(fn, iterations, repeats, warmup):
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iterations):
+            fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) / iterations)
+    return median(samples)
+
+
+def main():
+    args = parse()
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import mkrt
+    from mkrt.kernels import attention as A
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    np_dtype = A.bfloat16 if args.dtype == "bf16" else np.dtype(np.float16)
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    rows = []
+    print(f"torch {torch.__version__}; shape | mkrt TFLOP/s | " + " | ".join(backends) + " | x best")
+    for B, S, Hq, Hkv, D, causal in shapes(args.shapes):
+        case = f"b{B}_s{S}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
+        gen = torch.Generator(device="cuda").manual_seed(S * 7 + Hq)
+        q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype, generator=gen)
+        k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+        problem = A.check_operands(q.shape, k.shape, v.shape, np_dtype, np_dtype, np_dtype,
+                                   causal=causal)
+        out = torch.empty_like(q)
+        lse = torch.empty(B, Hq, S, device="cuda", dtype=torch.float32)
+        out.fill_(float("nan"))
+        mkrt.attention(q, k, v, causal=causal, out=out, lse=lse)
+        # torch wants [B, H, S, D] and repeated heads for GQA (enable_gqa where it exists)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        gqa = Hq != Hkv
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                    enable_gqa=gqa)
+        expected, checked_by = None, None
+        for name in ("cudnn", "flash", "efficient"):
+            try:
+                with sdpa_kernel(backends[name]):
+                    expected = sdpa().transpose(1, 2).float()
+                checked_by = name
+                break
+            except RuntimeError:
+                continue
+        error = None
+        if expected is not None:
+            error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+        finite = bool(torch.isfinite(out).all().item())
+        ok = finite and error is not None and error < 2e-2
+        ms = time_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse),
+                     args.iterations, args.repeats, args.warmup)
+        tflops = problem.flops / ms / 1e9
+        theirs = {}
+        for name, backend in backends.items():
+            try:
+                with sdpa_kernel(backend):
+                    theirs[name] = problem.flops / time_ms(sdpa, args.iterations, args.repeats,
+                                                           args.warmup) / 1e9
+            except RuntimeError:
+                theirs[name] = None
+        best = max((t for t in theirs.values() if t), default=None)
+        best_name = max((n for n in theirs if theirs[n]), key=lambda n: theirs[n], default=None)
+        row = record("attention", case, "tflops", tflops, best, "TFLOP/s", ms=ms,
+                     best_backend=best_name, backends=theirs, correct=ok, max_rel_error=error,
+                     checked_against=checked_by, torch=torch.__version__, dtype=args.dtype,
+                     causal=causal)
+        rows.append(row)
+        cells = " | ".join("-" if t is None else f"{t:.0f}" for t in theirs.values())
+        ratio = f"{row['ratio']:.3f}" if row["ratio"] else "-"
+        print(f"{case} | {tflops:.0f} | {cells} | {ratio} {'ok' if ok else 'WRONG'} "
+              f"(err {error if error is None else round(error, 5)})", flush=True)
+        if args.out:
+            append_jsonl(args.out, [row])
+        torch.cuda.empty_cache()
+    ratios = [r["ratio"] for r in rows if r["ratio"]]
+    if ratios:
+        print(f"geomean x best torch backend: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}; "
+              f"min {min(ratios):.3f}; wrong: {sum(not r['correct'] for r in rows)}")
+
+
+if __name__ == "__main__":
+    main()

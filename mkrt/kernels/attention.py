@@ -1,0 +1,417 @@
+"""``mkrt.attention``: the Hopper attention engine as a world-free op (forward pass).
+
+    O, LSE = mkrt.attention(q, k, v, causal=False, scale=None)
+
+q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (the layout torch users have: batch, sequence,
+heads, head dim), bf16 or fp16, D 64 or 128, Hq a multiple of Hkv (GQA; MQA is Hkv = 1).
+O is [B, Sq, Hq, D] in q's dtype, LSE [B, Hq, Sq] float32 (natural log of each row's
+softmax denominator, scores scaled; -inf for a row that sees no key). ``causal``: query i
+sees keys j <= i (torch's ``is_causal``, aligned top-left when Sq != Sk).
+
+The device code is the shared engine ``mkrt::attention::run_tiles``
+(kernels/device/attention_tile.py); this module adds the kernel that drives it with a
+work list over (query block, batch, head) -- the query blocks with the most keys first,
+so that causal work spreads evenly over the persistent CTAs -- and an epilogue that
+stores O and LSE; the spec, the launcher and the reference.
+
+Inputs may be strided views (q, k, v out of a packed QKV projection, say) as long as the
+head dim is contiguous and the other strides are multiples of 16 bytes: the tensor maps
+read them in place. Only dtype, head dim, key block and stages are compiled in; shapes,
+strides, causal and scale are runtime arguments.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import math
+
+import numpy as np
+
+from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
+from mkrt.cuda import device_sm_count
+from mkrt.jit import cuda_source
+from mkrt.jit.spec import KernelSpec
+from mkrt.kernels.device import attention_tile, tma, wgmma  # noqa: F401  (register the pieces)
+from mkrt.kernels.gemm import SMEM_LIMIT, tma_descriptor, to_float32
+from mkrt.kernels.launcher import KernelLaunch, Parameters
+
+ATTENTION = cuda_source("attention", r"""
+typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES> Cfg;
+typedef mkrt::attention::Tile Tile;
+
+// Every (query block, batch, head) of the problem; CTA c takes tiles c, c + ctas, ...
+// Query blocks from the last (the most keys when causal) to the first; heads fastest, so
+// the query heads that share a key head run side by side (their K/V stay in L2).
+struct HeadWork {
+    int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas;
+    __device__ __forceinline__ bool get(int i, Tile& tile) const {
+        const int t = cta + i * ctas;
+        const int per_block = batches * heads;
+        if (t >= q_blocks * per_block) return false;
+        const int q_block = q_blocks - 1 - t / per_block;
+        const int bh = t - (t / per_block) * per_block;
+        tile.batch = bh / heads;
+        tile.head = bh - tile.batch * heads;
+        tile.kv_head = tile.head / group;
+        tile.q_row = q_block * Cfg::BQ;
+        tile.kv_first = 0;
+        const int last_query = min(sq, tile.q_row + Cfg::BQ) - 1;
+        tile.kv_last = causal ? min(kv_blocks, last_query / Cfg::BKV + 1) : kv_blocks;
+        tile.keys = sk;
+        tile.causal = causal;
+        tile.causal_shift = 0;
+        tile.index = t;
+        return true;
+    }
+    __device__ __forceinline__ bool wait(const Tile&) const { return true; }
+};
+
+// O [B, Sq, H, D] (contiguous) and LSE [B, H, Sq].
+struct StoreOutput {
+    $CTYPE* out;
+    float* lse;
+    int sq, heads;
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void operator()(const Tile& tile,
+                                               const mkrt::attention::RowState<Cfg>& state,
+                                               const mkrt::attention::ConsumerThread<CONSUMERS>& who) const {
+        $CTYPE* const base = out + ((long long)tile.batch * sq * heads + tile.head) * Cfg::D;
+        const long long row_stride = (long long)heads * Cfg::D;
+        state.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+            const int row = tile.q_row + r;
+            if (row >= sq) return;
+            *reinterpret_cast<mkrt::u32*>(base + row * row_stride + c) =
+                mkrt::attention::pack_pair<$CTYPE>(v0, v1);
+        });
+        if ((who.lane() & 3) == 0) {
+            float* const rows = lse + ((long long)tile.batch * heads + tile.head) * sq;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = tile.q_row + who.row() + 8 * h;
+                if (row < sq) rows[row] = state.lse[h];
+            }
+        }
+    }
+};
+
+// q, k, v: 4-D tensor maps over [B, S, H, D] (box 64 x 1 x rows x 1, 128B swizzle).
+extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
+                  const __grid_constant__ mkrt::TmaDescriptor tma_k,
+                  const __grid_constant__ mkrt::TmaDescriptor tma_v,
+                  $CTYPE* out, float* lse, int batches, int heads, int kv_heads, int sq, int sk,
+                  int causal, float scale_log2) {
+    extern __shared__ char dynamic_smem[];
+    const HeadWork work{batches, heads, heads / kv_heads, (sq + Cfg::BQ - 1) / Cfg::BQ,
+                        (sk + Cfg::BKV - 1) / Cfg::BKV, sq, sk, causal, (int)blockIdx.x,
+                        (int)gridDim.x};
+    const StoreOutput store{out, lse, sq, heads};
+    mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
+}
+""", requires=("attention_tile",), register=False)
+
+_CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+HEAD_DIMS = (64, 128)
+BLOCK_Q = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec(KernelSpec):
+    """Compile-time shape of one attention kernel (URI e.g. ``attention_bf16_d128_bkv128_s2_sm90a``)."""
+
+    family = "attention"
+    entry_points = ("attention_forward",)
+
+    dtype: str = "bf16"
+    head_dim: int = dataclasses.field(default=128, metadata={"short": "d"})
+    block_kv: int = dataclasses.field(default=128, metadata={"short": "bkv"})
+    stages: int = dataclasses.field(default=2, metadata={"short": "s"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dtype not in _CTYPES:
+            raise ValueError(f"mkrt.attention: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"mkrt.attention: head dim {self.head_dim}; expected 64 or 128")
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"mkrt.attention: block_kv={self.block_kv}; expected 64, 128, 192 or 256")
+        if self.stages < 2:
+            raise ValueError(f"mkrt.attention: stages={self.stages}; at least 2")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"mkrt.attention: {self.stages} stages of {self.block_kv} keys at head "
+                             f"dim {self.head_dim} need {self.smem_bytes} bytes of shared memory; "
+                             f"at most {SMEM_LIMIT}")
+
+    @property
+    def threads(self) -> int:
+        return 384
+
+    @property
+    def smem_bytes(self) -> int:      # mirrors attention::Config::SMEM_BYTES
+        q = BLOCK_Q * self.head_dim * 2
+        kv = self.block_kv * self.head_dim * 2
+        return 1024 + q + 2 * self.stages * kv + (2 + 3 * self.stages) * 8
+
+    def template(self):
+        return ATTENTION
+
+    def params(self):
+        return {"CTYPE": _CTYPES[self.dtype], "HEAD_DIM": self.head_dim,
+                "BLOCK_KV": self.block_kv, "STAGES": self.stages}
+
+
+def default_spec(dtype: str, head_dim: int) -> AttentionSpec:
+    return AttentionSpec(dtype, head_dim, 128, 2 if head_dim == 128 else 3)
+
+
+def default_specs() -> list[AttentionSpec]:
+    """The configurations ``mkrt.attention`` uses (``python -m mkrt compile --all``)."""
+    return [default_spec(dtype, d) for dtype in _CTYPES for d in HEAD_DIMS]
+
+
+# ---- checks and planning (pure Python, testable without a GPU) ------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    batches: int
+    sq: int
+    sk: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.sq // BLOCK_Q) * self.batches * self.heads
+
+    @property
+    def flops(self) -> float:
+        """Multiply-adds of QK^T and PV counted as 2 each, causal counting the visible half
+        (the convention of FlashAttention's and torch's benchmarks)."""
+        full = 4.0 * self.batches * self.heads * self.sq * self.sk * self.head_dim
+        if not self.causal:
+            return full
+        # query i sees min(i + 1, Sk) keys
+        sq, sk = self.sq, self.sk
+        visible = sq * (sq + 1) / 2 if sq <= sk else sk * (sk + 1) / 2 + (sq - sk) * sk
+        return full * visible / (self.sq * self.sk)
+
+
+def check_operands(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *, causal=False,
+                   area: str = "attention") -> AttentionProblem:
+    """The problem of valid operand shapes and dtypes; TypeError/ValueError naming the
+    constraint otherwise."""
+    allowed = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
+    for name, dtype in (("q", q_dtype), ("k", k_dtype), ("v", v_dtype)):
+        if np.dtype(dtype) not in allowed:
+            raise TypeError(f"mkrt.{area}: {name} has dtype {dtype_name(dtype)}; expected bf16 or f16")
+    if not (np.dtype(q_dtype) == np.dtype(k_dtype) == np.dtype(v_dtype)):
+        raise TypeError(f"mkrt.{area}: q, k, v have dtypes {dtype_name(q_dtype)}, "
+                        f"{dtype_name(k_dtype)}, {dtype_name(v_dtype)}; expected one dtype")
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) != 4:
+            raise ValueError(f"mkrt.{area}: {name} has shape {tuple(shape)}; expected 4 dimensions "
+                             "[batch, sequence, heads, head_dim]")
+    B, Sq, Hq, D = (int(x) for x in q_shape)
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"mkrt.{area}: k {tuple(k_shape)} and v {tuple(v_shape)} differ in shape")
+    Bk, Sk, Hkv, Dk = (int(x) for x in k_shape)
+    if Bk != B:
+        raise ValueError(f"mkrt.{area}: q has batch {B}, k and v batch {Bk}")
+    if Dk != D:
+        raise ValueError(f"mkrt.{area}: q has head dim {D}, k and v {Dk}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"mkrt.{area}: head dim {D}; supported: 64, 128")
+    if min(B, Sq, Hq, Sk, Hkv) < 1:
+        raise ValueError(f"mkrt.{area}: empty operands q {tuple(q_shape)}, k {tuple(k_shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"mkrt.{area}: {Hq} query heads are not a multiple of {Hkv} key/value "
+                         "heads (GQA needs Hq = g x Hkv)")
+    if max(B * Sq * Hq, B * Sk * Hkv) >= 2**31 or -(-Sq // BLOCK_Q) * B * Hq >= 2**31:
+        raise ValueError(f"mkrt.{area}: q {tuple(q_shape)}, k {tuple(k_shape)} exceed 2**31 rows")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"mkrt.{area}: causal must be True or False; got {causal!r}")
+    return AttentionProblem(B, Sq, Sk, Hq, Hkv, D, dtype_name(q_dtype), bool(causal))
+
+
+def check_strides(name: str, shape, strides, itemsize: int, area: str = "attention") -> None:
+    """TMA reads a [B, S, H, D] view in place if D is contiguous and the other strides are
+    positive multiples of 16 bytes."""
+    if strides[3] != itemsize:
+        raise ValueError(f"mkrt.{area}: {name} (shape {tuple(shape)}, strides {tuple(strides)} bytes) "
+                         "must have a contiguous head dim (its last stride equal to the element size)")
+    for axis in range(3):
+        if shape[axis] > 1 and (strides[axis] <= 0 or strides[axis] % 16):
+            raise ValueError(f"mkrt.{area}: {name} (shape {tuple(shape)}, strides {tuple(strides)} "
+                             f"bytes): stride of dimension {axis} must be a positive multiple of 16 "
+                             "bytes for the tensor map")
+
+
+def check_scale(scale, head_dim: int, area: str = "attention") -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"mkrt.{area}: scale must be a number; got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"mkrt.{area}: scale={scale}; expected a positive finite number")
+    return scale
+
+
+# ---- launcher ---------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+
+class _PreparedAttention:
+    """One signature of :func:`attention`: kernel, grid and packed parameters."""
+
+    def __init__(self, problem: AttentionProblem, spec: AttentionSpec, device: int, sms: int,
+                 scale: float):
+        self.problem, self.spec = problem, spec
+        params = Parameters([("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
+                             ("out", np.uint64, 8), ("lse", np.uint64, 8),
+                             ("batches", np.int32, 4), ("heads", np.int32, 4),
+                             ("kv_heads", np.int32, 4), ("sq", np.int32, 4), ("sk", np.int32, 4),
+                             ("causal", np.int32, 4), ("scale_log2", np.float32, 4)])
+        p = problem
+        params.set(batches=p.batches, heads=p.heads, kv_heads=p.kv_heads, sq=p.sq, sk=p.sk,
+                   causal=int(p.causal), scale_log2=scale * _LOG2E)
+        function = spec.function("attention_forward", device, spec.smem_bytes)
+        self.launch = KernelLaunch(function, min(p.tiles, sms), spec.threads, spec.smem_bytes, params)
+        self._out, self._lse = params.view("out"), params.view("lse")
+        self._maps = None
+
+    def patch(self, q, k, v, out, lse) -> None:
+        maps = (q.data.ptr, q.strides, k.data.ptr, k.strides, v.data.ptr, v.strides)
+        if maps != self._maps:
+            p, params = self.problem, self.launch.params
+            for name, x, rows in (("tma_q", q, BLOCK_Q), ("tma_k", k, self.spec.block_kv),
+                                  ("tma_v", v, self.spec.block_kv)):
+                B, S, H, D = x.shape
+                descriptor = tma_descriptor(x.data.ptr, p.dtype, (D, H, S, B),
+                                            (x.strides[2], x.strides[1], x.strides[0]),
+                                            (64, 1, rows, 1))
+                ctypes.memmove(params.address(name), descriptor.address, 128)
+            self._maps = maps
+        self._out[()] = out.data.ptr
+        self._lse[()] = lse.data.ptr
+
+
+_PREPARED: "collections.OrderedDict[tuple, _PreparedAttention]" = collections.OrderedDict()
+
+
+def _check_arrays(q, k, v, out, lse, problem: AttentionProblem, area: str = "attention"):
+    device = q.data.device_id
+    for name, x in (("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if x is not None and x.data.device_id != device:
+            raise ValueError(f"mkrt.{area}: {name} is on GPU {x.data.device_id} but q is on GPU {device}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_strides(name, x.shape, x.strides, x.itemsize, area)
+        if x.data.ptr % 16:
+            raise ValueError(f"mkrt.{area}: {name} starts at {x.data.ptr:#x}, not 16-byte aligned")
+    p = problem
+    if out is not None:
+        want = (p.batches, p.sq, p.heads, p.head_dim)
+        if tuple(out.shape) != want or out.dtype != q.dtype:
+            raise ValueError(f"mkrt.{area}: out is {tuple(out.shape)} {dtype_name(out.dtype)}; "
+                             f"expected {want} {dtype_name(q.dtype)}")
+        if not out.flags.c_contiguous or out.data.ptr % 16:
+            raise ValueError(f"mkrt.{area}: out must be C-contiguous and 16-byte aligned")
+    if lse is not None:
+        want = (p.batches, p.heads, p.sq)
+        if tuple(lse.shape) != want or lse.dtype != np.float32:
+            raise ValueError(f"mkrt.{area}: lse is {tuple(lse.shape)} {dtype_name(lse.dtype)}; "
+                             f"expected {want} f32")
+        if not lse.flags.c_contiguous or lse.data.ptr % 4:
+            raise ValueError(f"mkrt.{area}: lse must be C-contiguous")
+    return device
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=None, lse=None,
+              sms: int | None = None, stream=None):
+    """(O, LSE) of softmax(scale q k^T) v, scale defaulting to 1/sqrt(D).
+
+    q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] device arrays (CuPy, torch through DLPack, ...),
+    bf16/f16, D in {64, 128}, Hq a multiple of Hkv. Optional ``out`` [B, Sq, Hq, D] and
+    ``lse`` [B, Hq, Sq] float32 are written in place. ``sms`` caps the persistent grid.
+    Returns (out, lse) in the type of ``q`` (torch in, torch out).
+    """
+    import cupy
+
+    qv, kv, vv = (x if type(x) is cupy.ndarray else as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    out_view = out if out is None or type(out) is cupy.ndarray else as_cupy(out, "out")
+    lse_view = lse if lse is None or type(lse) is cupy.ndarray else as_cupy(lse, "lse")
+    problem = check_operands(qv.shape, kv.shape, vv.shape, qv.dtype, kv.dtype, vv.dtype,
+                             causal=causal)
+    device = _check_arrays(qv, kv, vv, out_view, lse_view, problem)
+    scale = check_scale(scale, problem.head_dim)
+    total_sms = device_sm_count(device)
+    if sms is None:
+        sms = total_sms
+    elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
+        raise ValueError(f"mkrt.attention: sms={sms!r}; expected an integer in [1, {total_sms}]")
+    key = (problem, scale, int(sms), device)
+    call = _PREPARED.get(key)
+    if call is None:
+        call = _PREPARED[key] = _PreparedAttention(problem, default_spec(problem.dtype, problem.head_dim),
+                                                   device, int(sms), scale)
+        if len(_PREPARED) > 256:
+            _PREPARED.popitem(last=False)
+    with cupy.cuda.Device(device):
+        if out_view is None:
+            out_view = cupy.empty((problem.batches, problem.sq, problem.heads, problem.head_dim),
+                                  dtype=qv.dtype)
+        if lse_view is None:
+            lse_view = cupy.empty((problem.batches, problem.heads, problem.sq), dtype=np.float32)
+        call.patch(qv, kv, vv, out_view, lse_view)
+        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+    return like_input(out_view, q), like_input(lse_view, q)
+
+
+# ---- reference --------------------------------------------------------------------------
+
+def reference(q, k, v, *, causal: bool, scale: float | None = None, q_offset: int = 0,
+              k_offset: int = 0, dtype=np.float32):
+    """(O, LSE) in `dtype` (NumPy in, NumPy out; CuPy in, CuPy out): q [B, Sq, Hq, D], k/v
+    [B, Sk, Hkv, D]; positions start at the offsets (causal: key position <= query
+    position); rows that see no key give O = 0 and LSE = -inf."""
+    xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+    q, k, v = (to_float32(x).astype(dtype) if x.dtype != dtype else x for x in (q, k, v))
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"mkrt.attention: {Hq} query heads are not a multiple of {Hkv} key heads")
+    k = xp.repeat(k, Hq // Hkv, axis=2)
+    v = xp.repeat(v, Hq // Hkv, axis=2)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = xp.einsum("bqhd,bkhd->bhqk", q, k) * dtype(scale)
+    if causal:
+        qpos = q_offset + xp.arange(Sq)[:, None]
+        kpos = k_offset + xp.arange(k.shape[1])[None, :]
+        scores = xp.where(kpos <= qpos, scores, -xp.inf)
+    m = xp.max(scores, axis=-1, keepdims=True)
+    m_safe = xp.where(xp.isfinite(m), m, 0.0)
+    p = xp.exp(scores - m_safe)
+    total = p.sum(axis=-1, keepdims=True)
+    out = xp.einsum("bhqk,bkhd->bqhd", p / xp.where(total > 0, total, 1.0), v)
+    seen = total[..., 0] > 0
+    lse = xp.where(seen, xp.log(xp.where(seen, total[..., 0], 1.0)) + m_safe[..., 0], -xp.inf)
+    return out.astype(dtype), lse.astype(dtype)
+
+
+def test_cases():
+    """(B, Sq, Sk, Hq, Hkv, D, causal, dtype) the GPU tests run: odd lengths, GQA/MQA,
+    both head dims and dtypes, a query block shorter than the key block and vice versa."""
+    cases = []
+    for dtype in ("bf16", "f16"):
+        for d in HEAD_DIMS:
+            cases += [(1, 128, 128, 1, 1, d, False, dtype), (2, 257, 257, 4, 2, d, True, dtype),
+                      (1, 1, 300, 2, 1, d, False, dtype), (1, 1000, 1000, 8, 1, d, True, dtype),
+                      (2, 77, 513, 4, 4, d, False, dtype), (1, 513, 77, 2, 2, d, True, dtype)]
+    return cases

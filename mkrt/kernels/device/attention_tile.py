@@ -1,0 +1,439 @@
+"""The attention engine: FlashAttention's forward pass as a persistent, warp-specialised
+tile loop on TMA + wgmma (sm_90a).
+
+Every attention-bearing kernel of mkrt computes its query tiles with
+``mkrt::attention::run_tiles``:
+
+    O[q] = sum_k softmax_k(scale * Q[q] . K[k]) V[k],   LSE[q] = log sum_k e^(scale Q[q].K[k])
+
+for one (batch, query head) at a time, over the keys of one (batch, key head) (GQA: several
+query heads read the same key head).
+
+One CTA = one producer warpgroup + two consumer warpgroups; a tile is 128 query rows
+(64 per consumer) against the keys in blocks of ``BKV``.
+
+* **producer** (warpgroup 0, one thread): per tile, loads Q once (when the consumers have
+  released the previous tile's Q), then streams K and V blocks through ``STAGES``
+  shared-memory stages, K and V on their own barriers so that QK^T can start while V
+  still lands.
+* **consumers**: per key block, S = Q K^T (wgmma, A and B from shared memory), the online
+  softmax in fp32 registers (running row maximum and sum, in log2 units), and
+  O += P V (wgmma with P straight from registers: the accumulator layout of S is the
+  register layout of wgmma's A operand). The QK^T of block j+1 is issued before the PV
+  of block j, so the tensor cores work while the softmax of the next block waits for its
+  scores.
+
+Rows are masked by a causal rule and by the key count: key ``k`` is visible to query
+``q`` iff ``k < tile.keys`` and (not causal, or ``k <= q + tile.causal_shift``), with q
+and k indices inside the tile's query and key ranges. A row that sees no key gets O = 0
+and LSE = -inf.
+
+Plugging in (what a kernel supplies), as for the GEMM engine:
+
+* a **work list**: ``__device__ bool get(int i, Tile& tile) const`` (the i-th tile of this
+  CTA, false past the end; a pure function of i) and
+  ``__device__ bool wait(const Tile&) const`` (the producer waits there for keys other
+  ranks write; false releases the tile's stages unloaded).
+* an **epilogue**: ``__device__ void operator()(const Tile&, const RowState<Cfg>&,
+  const ConsumerThread&) const``, called by every consumer thread once per tile with the
+  *normalised* output fragment and the rows' LSE (natural log).
+
+The kernel is launched with ``Config::THREADS`` threads and ``Config::SMEM_BYTES`` of
+dynamic shared memory, declared ``__launch_bounds__(Config::THREADS, 1)``.
+"""
+
+from mkrt.jit.render import cuda_source
+
+ATTENTION_TILE = cuda_source("attention_tile", r"""
+namespace mkrt {
+namespace attention {
+
+// Compile-time shape. T: __nv_bfloat16 or __half; D: head dim (64 or 128).
+template <class T_, int D_, int BKV_, int STAGES_>
+struct Config {
+    typedef T_ T;
+    static constexpr int D = D_;
+    static constexpr int BQ = 128;                  // query rows per tile, 64 per consumer
+    static constexpr int BKV = BKV_;                // keys per block (= wgmma N of QK^T)
+    static constexpr int STAGES = STAGES_;
+    static constexpr int CONSUMERS = 2;
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int CHUNKS = D / 64;           // 64-column boxes (one 128-byte swizzle row)
+    static constexpr int Q_BYTES = BQ * D * 2;
+    static constexpr int KV_BYTES = BKV * D * 2;    // K or V of one stage
+    // 1024 of slack to align the tiles (128B swizzle), then barriers: q full/empty,
+    // and per stage k full, v full, kv empty.
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 3 * STAGES) * 8;
+    static constexpr int PRODUCER_REGISTERS = 24;
+    static constexpr int CONSUMER_REGISTERS = 240;
+    static_assert(D == 64 || D == 128, "head dim 64 or 128");
+    static_assert(BKV % 64 == 0 && BKV <= 256, "BKV is 64, 128, 192 or 256");
+};
+
+// One query tile: 128 query rows of one (batch, head) against a range of key blocks.
+struct Tile {
+    int batch = 0, head = 0, kv_head = 0;
+    int q_row = 0;          // first query row of the tile (in Q's sequence)
+    int kv_first = 0;       // first key block (BKV keys each) and one past the last
+    int kv_last = 0;
+    int keys = 0;           // keys at index >= keys are invalid (masked)
+    int causal = 0;         // key k visible to query q iff k <= q + causal_shift
+    int causal_shift = 0;
+    int index = 0;          // the tile's id (for flags and epilogues)
+};
+
+template <int CONSUMERS>
+struct ConsumerThread {
+    int warpgroup;   // 0 .. CONSUMERS-1: which 64-row slice of the tile
+    int thread;      // 0 .. 128*CONSUMERS-1
+    __device__ __forceinline__ int lane() const { return thread & 31; }
+    // First of this thread's two rows inside the tile (the other is row + 8).
+    __device__ __forceinline__ int row() const {
+        return warpgroup * 64 + ((thread >> 5) & 3) * 16 + (lane() >> 2);
+    }
+};
+
+// A consumer thread's share of its warpgroup's 64 x D output and of its two rows' softmax
+// state. o[4j + r]: row row() + 8 (r / 2), column 8j + 2 (lane % 4) + r % 2.
+template <class Cfg>
+struct RowState {
+    float o[Cfg::D / 2];
+    float row_max[2];       // running maximum of scale * log2(e) * score; -inf: none yet
+    float row_sum[2];       // this thread's part of the sum until the end, then the row's
+    float lse[2];           // natural log, set at the end
+
+    // f(row, col, v0, v1) for each pair of adjacent outputs this thread holds.
+    template <int CONSUMERS, class F>
+    __device__ __forceinline__ void for_each_pair(const ConsumerThread<CONSUMERS>& who, F&& f) const {
+        const int row = who.row(), col = 2 * (who.lane() & 3);
+        #pragma unroll
+        for (int j = 0; j < Cfg::D / 8; ++j) {
+            f(row, 8 * j + col, o[4 * j], o[4 * j + 1]);
+            f(row + 8, 8 * j + col, o[4 * j + 2], o[4 * j + 3]);
+        }
+    }
+};
+
+// -inf (NVRTC has no INFINITY macro)
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+template <class T> __device__ __forceinline__ u32 pack_pair(float a, float b);
+template <> __device__ __forceinline__ u32 pack_pair<__nv_bfloat16>(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<u32*>(&v);
+}
+template <> __device__ __forceinline__ u32 pack_pair<__half>(float a, float b) {
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+// Shared memory of the pipeline, carved from the kernel's dynamic shared memory.
+// Each tile is CHUNKS boxes of [rows][64 columns], 128B-swizzled as TMA writes them.
+template <class Cfg>
+struct Pipeline {
+    char* q;        // [CHUNKS][BQ][64]
+    char* k;        // STAGES x [CHUNKS][BKV][64]
+    char* v;        // STAGES x [CHUNKS][BKV][64]
+    u64* q_full;
+    u64* q_empty;
+    u64* k_full;    // [STAGES]
+    u64* v_full;    // [STAGES]
+    u64* kv_empty;  // [STAGES]: both consumers done with the stage's K and V
+
+    __device__ __forceinline__ explicit Pipeline(char* dynamic_smem) {
+        char* base = reinterpret_cast<char*>(
+            (reinterpret_cast<unsigned long long>(dynamic_smem) + 1023) & ~1023ull);
+        q = base;
+        k = q + Cfg::Q_BYTES;
+        v = k + Cfg::STAGES * Cfg::KV_BYTES;
+        q_full = reinterpret_cast<u64*>(v + Cfg::STAGES * Cfg::KV_BYTES);
+        q_empty = q_full + 1;
+        k_full = q_empty + 1;
+        v_full = k_full + Cfg::STAGES;
+        kv_empty = v_full + Cfg::STAGES;
+    }
+    __device__ __forceinline__ char* k_stage(int s) const { return k + s * Cfg::KV_BYTES; }
+    __device__ __forceinline__ char* v_stage(int s) const { return v + s * Cfg::KV_BYTES; }
+};
+
+// Producer: one thread walks the work list. Q, K, V are 4-D maps over [B, S, H, D]
+// (coordinates d, head, row, batch), box (64, 1, rows, 1).
+template <class Cfg, class Work>
+__device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_q,
+                                        const TmaDescriptor* tma_k, const TmaDescriptor* tma_v,
+                                        const Work& work) {
+    int stage = 0;
+    u32 phase = 0, q_phase = 0;
+    Tile tile;
+    for (int i = 0; work.get(i, tile); ++i) {
+        const bool ready = work.wait(tile);
+        mbarrier_wait(pipe.q_empty, q_phase ^ 1);
+        q_phase ^= 1;
+        if (ready) {
+            mbarrier_arrive_expect_tx(pipe.q_full, Cfg::Q_BYTES);
+            #pragma unroll
+            for (int c = 0; c < Cfg::CHUNKS; ++c)
+                tma_load_4d(pipe.q + c * Cfg::BQ * 128, tma_q, c * 64, tile.head, tile.q_row,
+                            tile.batch, pipe.q_full);
+        } else {
+            mbarrier_arrive(pipe.q_full);
+        }
+        for (int kv = tile.kv_first; kv < tile.kv_last; ++kv) {
+            mbarrier_wait(&pipe.kv_empty[stage], phase ^ 1);
+            if (ready) {
+                mbarrier_arrive_expect_tx(&pipe.k_full[stage], Cfg::KV_BYTES);
+                #pragma unroll
+                for (int c = 0; c < Cfg::CHUNKS; ++c)
+                    tma_load_4d(pipe.k_stage(stage) + c * Cfg::BKV * 128, tma_k, c * 64,
+                                tile.kv_head, kv * Cfg::BKV, tile.batch, &pipe.k_full[stage]);
+                mbarrier_arrive_expect_tx(&pipe.v_full[stage], Cfg::KV_BYTES);
+                #pragma unroll
+                for (int c = 0; c < Cfg::CHUNKS; ++c)
+                    tma_load_4d(pipe.v_stage(stage) + c * Cfg::BKV * 128, tma_v, c * 64,
+                                tile.kv_head, kv * Cfg::BKV, tile.batch, &pipe.v_full[stage]);
+            } else {
+                // The keys never came (a bounded wait gave up): release unloaded so the
+                // consumers drain; the host raises the timeout.
+                mbarrier_arrive(&pipe.k_full[stage]);
+                mbarrier_arrive(&pipe.v_full[stage]);
+            }
+            if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+        }
+    }
+}
+
+// S = Q K^T for this warpgroup's 64 rows against one key block (issued, not waited).
+template <class Cfg>
+__device__ __forceinline__ void issue_scores(float (&s)[Cfg::BKV / 2], u32 q_address, u32 k_address) {
+    #pragma unroll
+    for (int kk = 0; kk < Cfg::D / 16; ++kk) {
+        const u32 chunk = kk / 4, step = (kk % 4) * 32;
+        const u64 da = smem_descriptor_sw128(q_address + chunk * Cfg::BQ * 128 + step, 16, 1024);
+        const u64 db = smem_descriptor_sw128(k_address + chunk * Cfg::BKV * 128 + step, 16, 1024);
+        Mma64<typename Cfg::T, Cfg::BKV, 0>::run(s, da, db, kk != 0);
+    }
+}
+
+// O += P V with P from registers (p[4kk..4kk+3]: keys 16kk..16kk+15). V is [keys][D]:
+// MN-major for this product, 64-column chunks BKV * 128 bytes apart.
+template <class Cfg>
+__device__ __forceinline__ void issue_values(float (&o)[Cfg::D / 2], const u32 (&p)[Cfg::BKV / 4],
+                                             u32 v_address) {
+    #pragma unroll
+    for (int kk = 0; kk < Cfg::BKV / 16; ++kk) {
+        const u64 db = smem_descriptor_sw128(v_address + kk * 16 * 128, Cfg::BKV * 128, 1024);
+        const u32 a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
+        MmaRegA64<typename Cfg::T, Cfg::D, 1>::run(o, a, db, 1);
+    }
+}
+
+// The online softmax of one block of scores, in place: s becomes the unnormalised
+// probabilities exp2(scale_log2 * s - row_max); returns through `rescale` the factor the
+// output accumulated so far must be multiplied by (the row maximum moved).
+template <class Cfg, int CONSUMERS>
+__device__ __forceinline__ void softmax_block(float (&s)[Cfg::BKV / 2], RowState<Cfg>& state,
+                                              float (&rescale)[2], const Tile& tile, int kv,
+                                              float scale_log2, const ConsumerThread<CONSUMERS>& who) {
+    const int key0 = kv * Cfg::BKV;
+    const int query0 = tile.q_row + who.row();
+    const bool mask = key0 + Cfg::BKV > tile.keys
+                      || (tile.causal && key0 + Cfg::BKV - 1 > tile.q_row + tile.causal_shift);
+    if (mask) {
+        const int col0 = 2 * (who.lane() & 3);
+        #pragma unroll
+        for (int j = 0; j < Cfg::BKV / 8; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int key = key0 + 8 * j + col0 + (r & 1);
+                const int query = query0 + 8 * (r >> 1);
+                if (key >= tile.keys || (tile.causal && key > query + tile.causal_shift))
+                    s[4 * j + r] = neg_inf();
+            }
+    }
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float block_max = neg_inf();
+        #pragma unroll
+        for (int j = 0; j < Cfg::BKV / 8; ++j)
+            block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        block_max = quad_max(block_max) * scale_log2;
+        const float old_max = state.row_max[h];
+        const float new_max = fmaxf(old_max, block_max);
+        // -inf - -inf is NaN: a row that has seen no key yet has nothing to rescale.
+        const float base = new_max == neg_inf() ? 0.f : new_max;
+        rescale[h] = old_max == neg_inf() ? 0.f : fast_exp2(old_max - base);
+        state.row_max[h] = new_max;
+        float sum = 0.f;
+        #pragma unroll
+        for (int j = 0; j < Cfg::BKV / 8; ++j) {
+            const float p0 = fast_exp2(fmaf(s[4 * j + 2 * h], scale_log2, -base));
+            const float p1 = fast_exp2(fmaf(s[4 * j + 2 * h + 1], scale_log2, -base));
+            s[4 * j + 2 * h] = p0;
+            s[4 * j + 2 * h + 1] = p1;
+            sum += p0 + p1;
+        }
+        state.row_sum[h] = state.row_sum[h] * rescale[h] + sum;
+    }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void to_operand(const float (&s)[Cfg::BKV / 2], u32 (&p)[Cfg::BKV / 4]) {
+    #pragma unroll
+    for (int i = 0; i < Cfg::BKV / 4; ++i) p[i] = pack_pair<typename Cfg::T>(s[2 * i], s[2 * i + 1]);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void rescale_output(RowState<Cfg>& state, const float (&rescale)[2]) {
+    #pragma unroll
+    for (int j = 0; j < Cfg::D / 8; ++j) {
+        state.o[4 * j] *= rescale[0];
+        state.o[4 * j + 1] *= rescale[0];
+        state.o[4 * j + 2] *= rescale[1];
+        state.o[4 * j + 3] *= rescale[1];
+    }
+}
+
+// One tile for one consumer warpgroup: every key block, then the normalised output.
+template <class Cfg, int CONSUMERS>
+__device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Tile& tile,
+                                             float scale_log2, RowState<Cfg>& state,
+                                             const ConsumerThread<CONSUMERS>& who,
+                                             int& stage, u32& phase, u32& q_phase) {
+    const bool warp_leader = who.lane() == 0;
+    const u32 q_address = smem_address(pipe.q) + who.warpgroup * 64 * 128;
+    #pragma unroll
+    for (int i = 0; i < Cfg::D / 2; ++i) state.o[i] = 0.f;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) { state.row_max[h] = neg_inf(); state.row_sum[h] = 0.f; }
+    float s[Cfg::BKV / 2];
+    u32 p[Cfg::BKV / 4];
+    float rescale[2];
+
+    mbarrier_wait(pipe.q_full, q_phase);
+    q_phase ^= 1;
+    const int blocks = tile.kv_last - tile.kv_first;
+    if (blocks == 0) {
+        if (warp_leader) mbarrier_arrive(pipe.q_empty);
+    } else {
+        // first block: scores, softmax
+        mbarrier_wait(&pipe.k_full[stage], phase);
+        wgmma_fence();
+        issue_scores<Cfg>(s, q_address, smem_address(pipe.k_stage(stage)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(s);
+        if (blocks == 1 && warp_leader) mbarrier_arrive(pipe.q_empty);
+        softmax_block<Cfg>(s, state, rescale, tile, tile.kv_first, scale_log2, who);
+        for (int kv = tile.kv_first + 1; kv < tile.kv_last; ++kv) {
+            const int previous = stage;
+            const u32 previous_phase = phase;
+            if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+            to_operand<Cfg>(s, p);
+            mbarrier_wait(&pipe.k_full[stage], phase);
+            // scores of this block, then the previous block's P V: the tensor cores run
+            // while this block's softmax waits for its scores
+            fence_accumulators(state.o);
+            wgmma_fence();
+            issue_scores<Cfg>(s, q_address, smem_address(pipe.k_stage(stage)));
+            wgmma_commit();
+            mbarrier_wait(&pipe.v_full[previous], previous_phase);
+            issue_values<Cfg>(state.o, p, smem_address(pipe.v_stage(previous)));
+            wgmma_commit();
+            wgmma_wait<1>();
+            fence_accumulators(s);
+            if (kv + 1 == tile.kv_last && warp_leader) mbarrier_arrive(pipe.q_empty);
+            softmax_block<Cfg>(s, state, rescale, tile, kv, scale_log2, who);
+            wgmma_wait<0>();
+            fence_accumulators(state.o);
+            if (warp_leader) mbarrier_arrive(&pipe.kv_empty[previous]);
+            rescale_output<Cfg>(state, rescale);
+        }
+        // the last block's P V
+        to_operand<Cfg>(s, p);
+        mbarrier_wait(&pipe.v_full[stage], phase);
+        fence_accumulators(state.o);
+        wgmma_fence();
+        issue_values<Cfg>(state.o, p, smem_address(pipe.v_stage(stage)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(state.o);
+        if (warp_leader) mbarrier_arrive(&pipe.kv_empty[stage]);
+        if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+    }
+    // normalise: the rows' sums over the quad of threads that share them
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float total = quad_sum(state.row_sum[h]);
+        state.row_sum[h] = total;
+        const float inverse = total > 0.f ? 1.f / total : 0.f;
+        state.lse[h] = total > 0.f ? (state.row_max[h] + __log2f(total)) * 0.6931471805599453f
+                                   : neg_inf();
+        #pragma unroll
+        for (int j = 0; j < Cfg::D / 8; ++j) {
+            state.o[4 * j + 2 * h] *= inverse;
+            state.o[4 * j + 2 * h + 1] *= inverse;
+        }
+    }
+}
+
+// The whole engine for one CTA. Every thread of the CTA calls it (Cfg::THREADS of them).
+// scale_log2: the softmax scale times log2(e).
+template <class Cfg, class Work, class Epilogue>
+__device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaDescriptor* tma_k,
+                                          const TmaDescriptor* tma_v, float scale_log2,
+                                          const Work& work, const Epilogue& epilogue,
+                                          char* dynamic_smem) {
+    const Pipeline<Cfg> pipe(dynamic_smem);
+    const int warpgroup = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbarrier_init(pipe.q_full, 1);
+        mbarrier_init(pipe.q_empty, Cfg::CONSUMERS * 4);
+        for (int s = 0; s < Cfg::STAGES; ++s) {
+            mbarrier_init(&pipe.k_full[s], 1);
+            mbarrier_init(&pipe.v_full[s], 1);
+            mbarrier_init(&pipe.kv_empty[s], Cfg::CONSUMERS * 4);
+        }
+        mbarrier_init_fence();
+        tma_prefetch_descriptor(tma_q);
+        tma_prefetch_descriptor(tma_k);
+        tma_prefetch_descriptor(tma_v);
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        warpgroup_registers_decrease<Cfg::PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) produce<Cfg>(pipe, tma_q, tma_k, tma_v, work);
+    } else {
+        warpgroup_registers_increase<Cfg::CONSUMER_REGISTERS>();
+        ConsumerThread<Cfg::CONSUMERS> who;
+        who.warpgroup = warpgroup - 1;
+        who.thread = threadIdx.x - 128;
+        RowState<Cfg> state;
+        int stage = 0;
+        u32 phase = 0, q_phase = 0;
+        Tile tile;
+        for (int i = 0; work.get(i, tile); ++i) {
+            consume_tile<Cfg>(pipe, tile, scale_log2, state, who, stage, phase, q_phase);
+            epilogue(tile, state, who);
+        }
+    }
+}
+
+}  // namespace attention
+}  // namespace mkrt
+""", requires=("tma", "wgmma", "base"), headers=("cuda_bf16.h", "cuda_fp16.h"))

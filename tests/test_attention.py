@@ -1,0 +1,198 @@
+"""The attention engine: compile checks, argument checks and the reference on the CPU;
+correctness, strided inputs and repeatability on a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mkrt.arrays import bfloat16
+from mkrt.kernels import attention as A
+from mkrt.kernels import ring_attention_plan as R
+
+BF16 = bfloat16
+
+
+# ---- CPU ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", A.default_specs(), ids=lambda s: s.uri)
+def test_default_specs_compile_without_spills(spec):
+    build = spec.build(check_spills=True)
+    resources = build.resources["attention_forward"]
+    assert resources.spills == 0 and resources.stack_frame == 0, resources
+    assert "serialized" not in build.log, build.log
+
+
+def test_spec_uri_and_shared_memory():
+    spec = A.AttentionSpec("bf16", 128, 128, 2)
+    assert spec.uri == "attention_bf16_d128_bkv128_s2_sm90a"
+    assert spec.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 8
+    for spec in A.default_specs():
+        assert spec.smem_bytes <= A.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="f32"), dict(head_dim=96), dict(block_kv=100),
+                                    dict(block_kv=320), dict(stages=1), dict(stages=4)])
+def test_spec_refuses_bad_configurations(kwargs):
+    with pytest.raises(ValueError, match="^mkrt.attention:"):
+        A.AttentionSpec(**kwargs)
+
+
+F16 = np.dtype(np.float16)
+
+
+@pytest.mark.parametrize("shapes,dtypes,match", [
+    (((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), (np.float32,) * 3, "q has dtype f32"),
+    (((1, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), (F16, F16, BF16), "one dtype"),
+    (((8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), (F16,) * 3, "4 dimensions"),
+    (((1, 8, 2, 64), (1, 8, 2, 64), (1, 9, 2, 64)), (F16,) * 3, "differ in shape"),
+    (((2, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), (F16,) * 3, "batch"),
+    (((1, 8, 2, 64), (1, 8, 2, 128), (1, 8, 2, 128)), (F16,) * 3, "head dim 64, k and v 128"),
+    (((1, 8, 2, 96), (1, 8, 2, 96), (1, 8, 2, 96)), (F16,) * 3, "head dim 96"),
+    (((1, 8, 3, 64), (1, 8, 2, 64), (1, 8, 2, 64)), (F16,) * 3, "not a multiple"),
+    (((1, 0, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), (F16,) * 3, "empty"),
+])
+def test_bad_operands_are_refused(shapes, dtypes, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        A.check_operands(*shapes, *dtypes)
+
+
+def test_causal_and_scale_are_checked():
+    shape = (1, 8, 2, 64)
+    with pytest.raises(TypeError, match="causal"):
+        A.check_operands(shape, shape, shape, F16, F16, F16, causal="yes")
+    assert A.check_scale(None, 128) == 1 / math.sqrt(128)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            A.check_scale(bad, 64)
+    with pytest.raises(TypeError, match="scale"):
+        A.check_scale("0.1", 64)
+
+
+def test_strides_a_tensor_map_can_read():
+    A.check_strides("q", (2, 16, 4, 64), (16384, 1024, 128, 2), 2)         # contiguous
+    A.check_strides("q", (2, 16, 4, 64), (3 * 16384, 3 * 1024, 128, 2), 2)  # out of packed QKV
+    with pytest.raises(ValueError, match="contiguous head dim"):
+        A.check_strides("k", (2, 16, 4, 64), (16384, 1024, 256, 4), 2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        A.check_strides("v", (2, 16, 4, 64), (16384, 1000, 128, 2), 2)
+
+
+def test_flops_count_the_visible_pairs():
+    p = A.check_operands((2, 100, 4, 64), (2, 100, 4, 64), (2, 100, 4, 64), F16, F16, F16)
+    assert p.flops == 4 * 2 * 4 * 100 * 100 * 64
+    c = A.check_operands((1, 100, 1, 64), (1, 100, 1, 64), (1, 100, 1, 64), F16, F16, F16, causal=True)
+    assert c.flops == 4 * 64 * (100 * 101 / 2)
+    tall = A.check_operands((1, 10, 1, 64), (1, 4, 1, 64), (1, 4, 1, 64), F16, F16, F16, causal=True)
+    assert tall.flops == 4 * 64 * (1 + 2 + 3 + 4 * 7)
+
+
+def test_reference_matches_the_float64_ring_reference():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 9, 4, 64))
+    k = rng.standard_normal((2, 13, 2, 64))
+    v = rng.standard_normal((2, 13, 2, 64))
+    for causal in (False, True):
+        o, lse = A.reference(q, k, v, causal=causal, dtype=np.float64)
+        o64, lse64 = R.attention(q, k, v, causal=causal)
+        np.testing.assert_allclose(o, o64, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, lse64, rtol=1e-12)
+    # a row that sees no key: O = 0, LSE = -inf
+    o, lse = A.reference(q, k, v, causal=True, q_offset=0, k_offset=5, dtype=np.float64)
+    assert np.all(o[:, :5] == 0) and np.all(np.isneginf(lse[:, :, :5]))
+
+
+# ---- GPU ------------------------------------------------------------------------------
+
+def _random(cupy, shape, dtype, seed):
+    from mkrt.kernels.gemm import from_float32
+    rng = cupy.random.default_rng(seed)
+    return from_float32(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+
+def _check(q, k, v, causal, out, lse, dtype, scale=None):
+    import cupy
+    from mkrt.kernels.gemm import to_float32
+    ref_o, ref_lse = A.reference(q, k, v, causal=causal, scale=scale)
+    got = to_float32(cupy.ascontiguousarray(out))
+    assert bool(cupy.isfinite(got).all()), "O has non-finite values (unwritten rows?)"
+    error = float(cupy.abs(got - ref_o).max()) / max(float(cupy.abs(ref_o).max()), 1e-3)
+    assert error < (2e-2 if dtype == "bf16" else 4e-3), error
+    lse_error = float(cupy.abs(lse - ref_lse).max())
+    assert lse_error < 2e-3 * max(1.0, float(cupy.abs(ref_lse).max())), lse_error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", A.test_cases(), ids=lambda c: "x".join(map(str, c[:6])) +
+                         ("_causal" if c[6] else "") + "_" + c[7])
+def test_matches_the_reference(case):
+    import cupy
+    from mkrt.kernels.gemm import poison
+    B, Sq, Sk, Hq, Hkv, D, causal, dtype_name = case
+    dtype = BF16 if dtype_name == "bf16" else np.float16
+    q = _random(cupy, (B, Sq, Hq, D), dtype, 1)
+    k = _random(cupy, (B, Sk, Hkv, D), dtype, 2)
+    v = _random(cupy, (B, Sk, Hkv, D), dtype, 3)
+    out = poison(cupy.empty((B, Sq, Hq, D), dtype=dtype))
+    lse = cupy.full((B, Hq, Sq), np.nan, dtype=np.float32)
+    A.attention(q, k, v, causal=causal, out=out, lse=lse)
+    cupy.cuda.Device().synchronize()
+    _check(q, k, v, causal, out, lse, dtype_name)
+
+
+@pytest.mark.gpu
+def test_strided_views_of_a_packed_projection_and_a_custom_scale():
+    import cupy
+    B, S, H, D = 2, 333, 4, 128
+    qkv = _random(cupy, (B, S, 3, H, D), BF16, 4)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert not q.flags.c_contiguous
+    out, lse = A.attention(q, k, v, causal=True, scale=0.05)
+    _check(q, k, v, True, out, lse, "bf16", scale=0.05)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_are_bit_identical_and_fewer_sms_agree():
+    import cupy
+    q = _random(cupy, (1, 1500, 8, 64), BF16, 5)
+    k = _random(cupy, (1, 1500, 2, 64), BF16, 6)
+    v = _random(cupy, (1, 1500, 2, 64), BF16, 7)
+    first, first_lse = A.attention(q, k, v, causal=True)
+    first = first.copy()
+    for _ in range(50):
+        out, lse = A.attention(q, k, v, causal=True)
+    assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
+    assert bool((lse == first_lse).all())
+    few, few_lse = A.attention(q, k, v, causal=True, sms=7)
+    assert bool((few.view(cupy.uint16) == first.view(cupy.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    q = torch.randn(2, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = A.attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and lse.dtype == torch.float32
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    assert (out.float() - expected.float()).abs().max().item() < 2e-2 * expected.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_bad_arrays_raise_before_launch():
+    import cupy
+    q = _random(cupy, (1, 64, 2, 64), BF16, 8)
+    with pytest.raises(ValueError, match="contiguous head dim"):
+        A.attention(q[..., ::2], q[..., ::2], q[..., ::2])
+    with pytest.raises(ValueError, match="out is"):
+        A.attention(q, q, q, out=cupy.empty((1, 64, 2, 32), dtype=BF16))
+    with pytest.raises(ValueError, match="lse is"):
+        A.attention(q, q, q, lse=cupy.empty((1, 64, 2), dtype=np.float32))
+    with pytest.raises(TypeError, match="host numpy array"):
+        A.attention(np.zeros((1, 64, 2, 64), np.float16), q, q)
+    with pytest.raises(ValueError, match="sms"):
+        A.attention(q, q, q, sms=0)
