@@ -64,8 +64,8 @@ struct Config {
     // 1024 of slack to align the tiles (128B swizzle), then barriers: q full/empty,
     // and per stage k full, v full, kv empty.
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 3 * STAGES) * 8;
-    static constexpr int PRODUCER_REGISTERS = 24;
-    static constexpr int CONSUMER_REGISTERS = 240;
+    static constexpr int PRODUCER_REGISTERS = 40;     // 128 x (40 + 2 x 232) fits the 64K registers
+    static constexpr int CONSUMER_REGISTERS = 232;
     static_assert(D == 64 || D == 128, "head dim 64 or 128");
     static_assert(BKV % 64 == 0 && BKV <= 256, "BKV is 64, 128, 192 or 256");
 };
