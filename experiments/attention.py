@@ -41,6 +41,8 @@ def parse():
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variants", default="",
+                        help="also time these configurations: bkv128_s2_pp1,... (rows per variant)")
     parser.add_argument("--out", default="", help="append JSON lines here")
     return parser.parse_args()
 
@@ -130,6 +132,29 @@ def main():
                                                            args.warmup) / 1e9
             except RuntimeError:
                 theirs[name] = None
+        for variant in filter(None, args.variants.split(",")):
+            bkv, st, pp = (int(part[len(prefix):]) for part, prefix in
+                           zip(variant.split("_"), ("bkv", "s", "pp")))
+            options = dict(block_kv=bkv, stages=st, pingpong=pp)
+            try:
+                check = torch.full_like(q, float("nan"))
+                mkrt.attention(q, k, v, causal=causal, out=check, lse=lse, **options)
+                variant_error = ((check.float() - expected).abs().max() / expected.abs().max()).item() \
+                    if expected is not None else None
+                variant_ms = time_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse,
+                                                            **options),
+                                     args.iterations, args.repeats, args.warmup)
+            except Exception as error_:          # a configuration that does not fit
+                print(f"  {variant}: {type(error_).__name__}: {str(error_)[:120]}")
+                continue
+            vrow = record("attention_variants", f"{case}_{variant}", "tflops",
+                          problem.flops / variant_ms / 1e9, tflops, "TFLOP/s", ms=variant_ms,
+                          variant=variant, max_rel_error=variant_error,
+                          correct=variant_error is not None and variant_error < 2e-2)
+            print(f"  {variant}: {vrow['value']:.0f} TFLOP/s ({vrow['ratio']:.3f}x default) "
+                  f"err {variant_error}")
+            if args.out:
+                append_jsonl(args.out.replace("attention.jsonl", "attention_variants.jsonl"), [vrow])
         best = max((t for t in theirs.values() if t), default=None)
         best_name = max((n for n in theirs if theirs[n]), key=lambda n: theirs[n], default=None)
         row = record("attention", case, "tflops", tflops, best, "TFLOP/s", ms=ms,

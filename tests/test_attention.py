@@ -27,14 +27,16 @@ def test_default_specs_compile_without_spills(spec):
 
 def test_spec_uri_and_shared_memory():
     spec = A.AttentionSpec("bf16", 128, 128, 2)
-    assert spec.uri == "attention_bf16_d128_bkv128_s2_sm90a"
+    assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_sm90a"
+    assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_sm90a"
     assert spec.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 8
     for spec in A.default_specs():
         assert spec.smem_bytes <= A.SMEM_LIMIT
 
 
 @pytest.mark.parametrize("kwargs", [dict(dtype="f32"), dict(head_dim=96), dict(block_kv=100),
-                                    dict(block_kv=320), dict(stages=1), dict(stages=4)])
+                                    dict(block_kv=320), dict(stages=1), dict(stages=4),
+                                    dict(pingpong=2)])
 def test_spec_refuses_bad_configurations(kwargs):
     with pytest.raises(ValueError, match="^mkrt.attention:"):
         A.AttentionSpec(**kwargs)
@@ -186,8 +188,12 @@ def test_torch_in_torch_out():
 def test_bad_arrays_raise_before_launch():
     import cupy
     q = _random(cupy, (1, 64, 2, 64), BF16, 8)
+    wide = _random(cupy, (1, 64, 2, 128), BF16, 9)
     with pytest.raises(ValueError, match="contiguous head dim"):
-        A.attention(q[..., ::2], q[..., ::2], q[..., ::2])
+        A.attention(wide[..., ::2], q, q)
+    A.attention(q, q, q, causal=True)
+    with pytest.raises(TypeError, match="causal"):      # a prepared signature checks afresh
+        A.attention(q, q, q, causal=1)
     with pytest.raises(ValueError, match="out is"):
         A.attention(q, q, q, out=cupy.empty((1, 64, 2, 32), dtype=BF16))
     with pytest.raises(ValueError, match="lse is"):
@@ -196,3 +202,20 @@ def test_bad_arrays_raise_before_launch():
         A.attention(np.zeros((1, 64, 2, 64), np.float16), q, q)
     with pytest.raises(ValueError, match="sms"):
         A.attention(q, q, q, sms=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(pingpong=1), dict(block_kv=64, stages=4),
+                                     dict(block_kv=64, stages=4, pingpong=1),
+                                     dict(block_kv=192, stages=3)])
+@pytest.mark.parametrize("case", [(2, 700, 700, 4, 2, 64, True), (1, 513, 1025, 2, 1, 128, False)])
+def test_other_configurations_match_the_reference(case, options):
+    import cupy
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    if D == 128 and options.get("block_kv") == 192:
+        pytest.skip("spills at head dim 128")
+    q = _random(cupy, (B, Sq, Hq, D), BF16, 10)
+    k = _random(cupy, (B, Sk, Hkv, D), BF16, 11)
+    v = _random(cupy, (B, Sk, Hkv, D), BF16, 12)
+    out, lse = A.attention(q, k, v, causal=causal, **options)
+    _check(q, k, v, causal, out, lse, "bf16")

@@ -38,7 +38,7 @@ from mkrt.kernels.gemm import SMEM_LIMIT, tma_descriptor, to_float32
 from mkrt.kernels.launcher import KernelLaunch, Parameters
 
 ATTENTION = cuda_source("attention", r"""
-typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES> Cfg;
+typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG> Cfg;
 typedef mkrt::attention::Tile Tile;
 
 // Every (query block, batch, head) of the problem; CTA c takes tiles c, c + ctas, ...
@@ -120,7 +120,10 @@ BLOCK_Q = 128
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
-    """Compile-time shape of one attention kernel (URI e.g. ``attention_bf16_d128_bkv128_s2_sm90a``)."""
+    """Compile-time shape of one attention kernel (URI e.g. ``attention_bf16_d128_bkv128_s2_pp0_sm90a``).
+
+    pingpong 1: the two consumer warpgroups take turns on the tensor cores (one's softmax
+    overlaps the other's MMAs)."""
 
     family = "attention"
     entry_points = ("attention_forward",)
@@ -129,6 +132,7 @@ class AttentionSpec(KernelSpec):
     head_dim: int = dataclasses.field(default=128, metadata={"short": "d"})
     block_kv: int = dataclasses.field(default=128, metadata={"short": "bkv"})
     stages: int = dataclasses.field(default=2, metadata={"short": "s"})
+    pingpong: int = dataclasses.field(default=0, metadata={"short": "pp"})   # 0 or 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -140,6 +144,8 @@ class AttentionSpec(KernelSpec):
             raise ValueError(f"mkrt.attention: block_kv={self.block_kv}; expected 64, 128, 192 or 256")
         if self.stages < 2:
             raise ValueError(f"mkrt.attention: stages={self.stages}; at least 2")
+        if self.pingpong not in (0, 1):
+            raise ValueError(f"mkrt.attention: pingpong={self.pingpong}; expected 0 or 1")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.attention: {self.stages} stages of {self.block_kv} keys at head "
                              f"dim {self.head_dim} need {self.smem_bytes} bytes of shared memory; "
@@ -160,7 +166,8 @@ class AttentionSpec(KernelSpec):
 
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "HEAD_DIM": self.head_dim,
-                "BLOCK_KV": self.block_kv, "STAGES": self.stages}
+                "BLOCK_KV": self.block_kv, "STAGES": self.stages,
+                "PINGPONG": "true" if self.pingpong else "false"}
 
 
 def default_spec(dtype: str, head_dim: int) -> AttentionSpec:
@@ -334,35 +341,38 @@ def _check_arrays(q, k, v, out, lse, problem: AttentionProblem, area: str = "att
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=None, lse=None,
-              sms: int | None = None, stream=None):
+              sms: int | None = None, block_kv: int | None = None, stages: int | None = None,
+              pingpong: int | None = None, stream=None):
     """(O, LSE) of softmax(scale q k^T) v, scale defaulting to 1/sqrt(D).
 
     q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] device arrays (CuPy, torch through DLPack, ...),
     bf16/f16, D in {64, 128}, Hq a multiple of Hkv. Optional ``out`` [B, Sq, Hq, D] and
-    ``lse`` [B, Hq, Sq] float32 are written in place. ``sms`` caps the persistent grid.
+    ``lse`` [B, Hq, Sq] float32 are written in place. ``sms`` caps the persistent grid;
+    ``block_kv``, ``stages``, ``pingpong`` override the compiled configuration (for
+    experiments: see :class:`AttentionSpec`; default :func:`default_spec`).
     Returns (out, lse) in the type of ``q`` (torch in, torch out).
     """
     import cupy
 
-    qv, kv, vv = (x if type(x) is cupy.ndarray else as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    qv = q if type(q) is cupy.ndarray else as_cupy(q, "q")
+    kv = k if type(k) is cupy.ndarray else as_cupy(k, "k")
+    vv = v if type(v) is cupy.ndarray else as_cupy(v, "v")
     out_view = out if out is None or type(out) is cupy.ndarray else as_cupy(out, "out")
     lse_view = lse if lse is None or type(lse) is cupy.ndarray else as_cupy(lse, "lse")
-    problem = check_operands(qv.shape, kv.shape, vv.shape, qv.dtype, kv.dtype, vv.dtype,
-                             causal=causal)
-    device = _check_arrays(qv, kv, vv, out_view, lse_view, problem)
-    scale = check_scale(scale, problem.head_dim)
-    total_sms = device_sm_count(device)
-    if sms is None:
-        sms = total_sms
-    elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
-        raise ValueError(f"mkrt.attention: sms={sms!r}; expected an integer in [1, {total_sms}]")
-    key = (problem, scale, int(sms), device)
+    device = qv.data.device_id
+    # Everything the checks look at except pointers and devices; the option values with
+    # their types, so that causal=1 after causal=True is checked (and refused) afresh.
+    key = (qv.shape, qv.strides, qv.dtype, kv.shape, kv.strides, kv.dtype,
+           vv.shape, vv.strides, vv.dtype,
+           None if out_view is None else (out_view.shape, out_view.strides, out_view.dtype),
+           None if lse_view is None else (lse_view.shape, lse_view.strides, lse_view.dtype),
+           type(causal), causal, type(scale), scale, type(sms), sms, block_kv, stages, pingpong,
+           device)
     call = _PREPARED.get(key)
-    if call is None:
-        call = _PREPARED[key] = _PreparedAttention(problem, default_spec(problem.dtype, problem.head_dim),
-                                                   device, int(sms), scale)
-        if len(_PREPARED) > 256:
-            _PREPARED.popitem(last=False)
+    if call is None or not _quick_checks(device, qv, kv, vv, out_view, lse_view):
+        call = _prepare(key, qv, kv, vv, out_view, lse_view, causal, scale, sms,
+                        (block_kv, stages, pingpong))
+    problem = call.problem
     with cupy.cuda.Device(device):
         if out_view is None:
             out_view = cupy.empty((problem.batches, problem.sq, problem.heads, problem.head_dim),
@@ -372,6 +382,39 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
         call.patch(qv, kv, vv, out_view, lse_view)
         call.launch((stream or cupy.cuda.get_current_stream()).ptr)
     return like_input(out_view, q), like_input(lse_view, q)
+
+
+def _quick_checks(device, q, k, v, out, lse) -> bool:
+    """What a prepared signature still checks per call: one GPU, aligned base pointers."""
+    for x in (q, k, v, out):
+        if x is not None and (x.data.device_id != device or x.data.ptr & 15):
+            return False
+    return lse is None or (lse.data.device_id == device and not lse.data.ptr & 3)
+
+
+def _prepare(key, q, k, v, out, lse, causal, scale, sms, overrides) -> _PreparedAttention:
+    """Every check of a signature (raising on the first that fails), then its launch."""
+    problem = check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal=causal)
+    device = _check_arrays(q, k, v, out, lse, problem)
+    scale = check_scale(scale, problem.head_dim)
+    total_sms = device_sm_count(device)
+    if sms is None:
+        sms = total_sms
+    elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
+        raise ValueError(f"mkrt.attention: sms={sms!r}; expected an integer in [1, {total_sms}]")
+    spec = default_spec(problem.dtype, problem.head_dim)
+    block_kv, stages, pingpong = overrides
+    if overrides != (None, None, None):      # the spec checks the values
+        spec = AttentionSpec(problem.dtype, problem.head_dim,
+                             spec.block_kv if block_kv is None else block_kv,
+                             spec.stages if stages is None else stages,
+                             spec.pingpong if pingpong is None else pingpong)
+    call = _PREPARED.get(key)
+    if call is None:
+        call = _PREPARED[key] = _PreparedAttention(problem, spec, device, int(sms), scale)
+        if len(_PREPARED) > 256:
+            _PREPARED.popitem(last=False)
+    return call
 
 
 # ---- reference --------------------------------------------------------------------------

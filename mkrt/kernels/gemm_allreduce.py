@@ -379,7 +379,10 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
             }
         }
         __syncthreads();
-        if (wait_ids[0] == -1) return;
+        const bool failed = wait_ids[0] == -1;
+        // every thread has read the word before thread 0 writes the next wait's ids
+        __syncthreads();
+        if (failed) return;
     }
     if (a.nodes == 1) return;
     // Pass 2: add the nodes' sums in node order (the same bits on every node), deliver

@@ -49,13 +49,16 @@ namespace mkrt {
 namespace attention {
 
 // Compile-time shape. T: __nv_bfloat16 or __half; D: head dim (64 or 128).
-template <class T_, int D_, int BKV_, int STAGES_>
+// PINGPONG: the two consumers take turns issuing their MMAs (named barriers 4 and 5), so
+// that one's softmax runs while the other's MMAs occupy the tensor cores.
+template <class T_, int D_, int BKV_, int STAGES_, bool PINGPONG_ = false>
 struct Config {
     typedef T_ T;
     static constexpr int D = D_;
     static constexpr int BQ = 128;                  // query rows per tile, 64 per consumer
     static constexpr int BKV = BKV_;                // keys per block (= wgmma N of QK^T)
     static constexpr int STAGES = STAGES_;
+    static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int CONSUMERS = 2;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int CHUNKS = D / 64;           // 64-column boxes (one 128-byte swizzle row)
@@ -217,6 +220,16 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
     }
 }
 
+// Pingpong turns: wait for this warpgroup's turn before issuing MMAs, pass it on after.
+template <class Cfg, int CONSUMERS>
+__device__ __forceinline__ void turn_wait(const ConsumerThread<CONSUMERS>& who) {
+    if constexpr (Cfg::PINGPONG) asm volatile("bar.sync %0, 256;" :: "r"(4 + who.warpgroup) : "memory");
+}
+template <class Cfg, int CONSUMERS>
+__device__ __forceinline__ void turn_pass(const ConsumerThread<CONSUMERS>& who) {
+    if constexpr (Cfg::PINGPONG) asm volatile("bar.arrive %0, 256;" :: "r"(5 - who.warpgroup) : "memory");
+}
+
 // S = Q K^T for this warpgroup's 64 rows against one key block (issued, not waited).
 template <class Cfg>
 __device__ __forceinline__ void issue_scores(float (&s)[Cfg::BKV / 2], u32 q_address, u32 k_address) {
@@ -332,9 +345,11 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Ti
     } else {
         // first block: scores, softmax
         mbarrier_wait(&pipe.k_full[stage], phase);
+        turn_wait<Cfg>(who);
         wgmma_fence();
         issue_scores<Cfg>(s, q_address, smem_address(pipe.k_stage(stage)));
         wgmma_commit();
+        turn_pass<Cfg>(who);
         wgmma_wait<0>();
         fence_accumulators(s);
         if (blocks == 1 && warp_leader) mbarrier_arrive(pipe.q_empty);
@@ -347,13 +362,15 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Ti
             mbarrier_wait(&pipe.k_full[stage], phase);
             // scores of this block, then the previous block's P V: the tensor cores run
             // while this block's softmax waits for its scores
+            mbarrier_wait(&pipe.v_full[previous], previous_phase);
+            turn_wait<Cfg>(who);
             fence_accumulators(state.o);
             wgmma_fence();
             issue_scores<Cfg>(s, q_address, smem_address(pipe.k_stage(stage)));
             wgmma_commit();
-            mbarrier_wait(&pipe.v_full[previous], previous_phase);
             issue_values<Cfg>(state.o, p, smem_address(pipe.v_stage(previous)));
             wgmma_commit();
+            turn_pass<Cfg>(who);
             wgmma_wait<1>();
             fence_accumulators(s);
             if (kv + 1 == tile.kv_last && warp_leader) mbarrier_arrive(pipe.q_empty);
@@ -366,10 +383,12 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Ti
         // the last block's P V
         to_operand<Cfg>(s, p);
         mbarrier_wait(&pipe.v_full[stage], phase);
+        turn_wait<Cfg>(who);
         fence_accumulators(state.o);
         wgmma_fence();
         issue_values<Cfg>(state.o, p, smem_address(pipe.v_stage(stage)));
         wgmma_commit();
+        turn_pass<Cfg>(who);
         wgmma_wait<0>();
         fence_accumulators(state.o);
         if (warp_leader) mbarrier_arrive(&pipe.kv_empty[stage]);
@@ -424,6 +443,8 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaD
         who.warpgroup = warpgroup - 1;
         who.thread = threadIdx.x - 128;
         RowState<Cfg> state;
+        // the first turn is the first consumer's
+        if (Cfg::PINGPONG && who.warpgroup == 1) asm volatile("bar.arrive 4, 256;" ::: "memory");
         int stage = 0;
         u32 phase = 0, q_phase = 0;
         Tile tile;
