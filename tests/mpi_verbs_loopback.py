@@ -3,6 +3,7 @@ rank (MKRT_WORLD_RANKS_PER_NODE=1) whose proxy is the verbs one over the loopbac
 (MKRT_TRANSPORT=verbs, MKRT_VERBS_PROVIDER=loopback): gemm_allreduce and a world
 allgather between processes, checked against float64 / exact references."""
 
+import os
 import sys
 
 import cupy
@@ -23,17 +24,41 @@ def operands(rank, call):
     return a, b
 
 
+TIMEOUT_MS = int(os.environ.get("MPI_VERBS_TIMEOUT_MS", "20000"))
+
+
+def diagnose(world, error):
+    """What each process saw when a call failed: its world, SM share and NIC counters."""
+    proxy = world.proxy()
+    lines = [f"rank {world.local[0].rank}: {world!r}; sm_count={world.sm_count(world.local[0].rank)}; "
+             f"proxy {proxy!r}; {type(error).__name__}: {str(error)[:300]}"]
+    for rank, transport in getattr(proxy, "transports", {}).items():
+        for peer, qp in transport.qps.items():
+            nic = getattr(qp, "nic", None)
+            if nic is not None:
+                words = [int(w) for w in nic.qps[qp.index][1][:6]]
+                lines.append(f"  rank {rank} -> {peer}: qp words (depth, posted, freed, fail_after, "
+                             f"error, peer_cq) {words}; outstanding {nic.outstanding(qp.index)}")
+        if hasattr(transport, "regions"):
+            lines.append(f"  regions registered: {int((transport.regions[:, :, 3] != 0).sum())}")
+    print("\n".join(lines), flush=True)
+
+
 world = mkrt.init()
 (me,) = world.local
-op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=20000)
-gather = mkrt.AllGather(world, timeout_ms=20000)
+op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=TIMEOUT_MS)
+gather = mkrt.AllGather(world, timeout_ms=TIMEOUT_MS)
 worst, gathered_exact = 0.0, True
 for call in range(3):
     a, b = operands(me.rank, call)
-    out = op(cupy.asarray(a), cupy.asarray(b))
-    x = cupy.arange(3000, dtype=np.float32) + 1000 * me.rank + call
-    rows = gather(x)
-    world.synchronize()
+    try:
+        out = op(cupy.asarray(a), cupy.asarray(b))
+        x = cupy.arange(3000, dtype=np.float32) + 1000 * me.rank + call
+        rows = gather(x)
+        world.synchronize()
+    except mkrt.MkrtError as error:
+        diagnose(world, error)
+        raise
     expected = sum(to_float32(p[0]).astype(np.float64) @ to_float32(p[1]).astype(np.float64).T
                    for p in (operands(r, call) for r in range(world.size)))
     worst = max(worst, float(np.linalg.norm(to_float32(out.get()) - expected) / np.linalg.norm(expected)))
