@@ -40,6 +40,7 @@ from mkrt.kernels.launcher import KernelLaunch, Parameters
 ATTENTION = cuda_source("attention", r"""
 typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG> Cfg;
 typedef mkrt::attention::Tile Tile;
+typedef mkrt::attention::KeyBlock KeyBlock;
 
 // Every (query block, batch, head) of the problem; CTA c takes tiles c, c + ctas, ...
 // Query blocks from the last (the most keys when causal) to the first; heads fastest, so
@@ -56,16 +57,21 @@ struct HeadWork {
         tile.head = bh - tile.batch * heads;
         tile.kv_head = tile.head / group;
         tile.q_row = q_block * Cfg::BQ;
-        tile.kv_first = 0;
-        const int last_query = min(sq, tile.q_row + Cfg::BQ) - 1;
-        tile.kv_last = causal ? min(kv_blocks, last_query / Cfg::BKV + 1) : kv_blocks;
-        tile.keys = sk;
+        tile.q_rows = min(Cfg::BQ, sq - tile.q_row);
+        tile.q_position = tile.q_row;
+        const int last_query = tile.q_row + tile.q_rows - 1;
+        tile.blocks = causal ? min(kv_blocks, last_query / Cfg::BKV + 1) : kv_blocks;
         tile.causal = causal;
-        tile.causal_shift = 0;
         tile.index = t;
         return true;
     }
-    __device__ __forceinline__ bool wait(const Tile&) const { return true; }
+    __device__ __forceinline__ KeyBlock key_block(const Tile&, int j) const {
+        KeyBlock block;
+        block.row = block.position = j * Cfg::BKV;
+        block.count = min(Cfg::BKV, sk - block.row);
+        return block;
+    }
+    __device__ __forceinline__ bool wait(const Tile&, const KeyBlock&) const { return true; }
 };
 
 // O [B, Sq, H, D] (contiguous) and LSE [B, H, Sq].
@@ -81,8 +87,8 @@ struct StoreOutput {
         $CTYPE* const base = out + ((long long)tile.batch * sq * heads + tile.head) * Cfg::D;
         const long long row_stride = (long long)heads * Cfg::D;
         state.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+            if (r >= tile.q_rows) return;
             const int row = tile.q_row + r;
-            if (row >= sq) return;
             *reinterpret_cast<mkrt::u32*>(base + row * row_stride + c) =
                 mkrt::attention::pack_pair<$CTYPE>(v0, v1);
         });
@@ -90,14 +96,15 @@ struct StoreOutput {
             float* const rows = lse + ((long long)tile.batch * heads + tile.head) * sq;
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = tile.q_row + who.row() + 8 * h;
-                if (row < sq) rows[row] = state.lse[h];
+                const int r = who.row() + 8 * h;
+                if (r < tile.q_rows) rows[tile.q_row + r] = state.lse[h];
             }
         }
     }
 };
 
-// q, k, v: 4-D tensor maps over [B, S, H, D] (box 64 x 1 x rows x 1, 128B swizzle).
+// q: a 4-D tensor map over [B, S, H, D] (box 64 x 1 x 128 x 1, 128B swizzle); k, v: 5-D
+// maps over [1][B, S, H, D] (box 64 x 1 x BKV x 1 x 1).
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
                   const __grid_constant__ mkrt::TmaDescriptor tma_k,
@@ -298,12 +305,9 @@ class _PreparedAttention:
         maps = (q.data.ptr, q.strides, k.data.ptr, k.strides, v.data.ptr, v.strides)
         if maps != self._maps:
             p, params = self.problem, self.launch.params
-            for name, x, rows in (("tma_q", q, BLOCK_Q), ("tma_k", k, self.spec.block_kv),
-                                  ("tma_v", v, self.spec.block_kv)):
-                B, S, H, D = x.shape
-                descriptor = tma_descriptor(x.data.ptr, p.dtype, (D, H, S, B),
-                                            (x.strides[2], x.strides[1], x.strides[0]),
-                                            (64, 1, rows, 1))
+            for name, x in (("tma_q", q), ("tma_k", k), ("tma_v", v)):
+                descriptor = head_major_map(x, p.dtype, BLOCK_Q if name == "tma_q" else self.spec.block_kv,
+                                            sources=None if name == "tma_q" else 1)
                 ctypes.memmove(params.address(name), descriptor.address, 128)
             self._maps = maps
         self._out[()] = out.data.ptr
@@ -311,6 +315,19 @@ class _PreparedAttention:
 
 
 _PREPARED: "collections.OrderedDict[tuple, _PreparedAttention]" = collections.OrderedDict()
+
+
+def head_major_map(x, dtype: str, rows: int, *, sources: int | None = None,
+                   source_stride: int = 0):
+    """Tensor map of a [B, S, H, D] view (strides in bytes from the array) read in boxes of
+    `rows` rows of one head: 4-D (d, head, row, batch), or with `sources` a 5-D map whose
+    outermost coordinate picks one of `sources` copies `source_stride` bytes apart."""
+    B, S, H, D = x.shape
+    dims, strides, box = (D, H, S, B), (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1)
+    if sources is not None:
+        dims, box = dims + (sources,), box + (1,)
+        strides = strides + (source_stride or B * x.strides[0],)
+    return tma_descriptor(x.data.ptr, dtype, dims, strides, box)
 
 
 def _check_arrays(q, k, v, out, lse, problem: AttentionProblem, area: str = "attention"):

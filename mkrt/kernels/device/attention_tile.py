@@ -23,17 +23,23 @@ One CTA = one producer warpgroup + two consumer warpgroups; a tile is 128 query 
   of block j, so the tensor cores work while the softmax of the next block waits for its
   scores.
 
-Rows are masked by a causal rule and by the key count: key ``k`` is visible to query
-``q`` iff ``k < tile.keys`` and (not causal, or ``k <= q + tile.causal_shift``), with q
-and k indices inside the tile's query and key ranges. A row that sees no key gets O = 0
+A tile visits ``tile.blocks`` key blocks, in the order its work list gives them: block j is
+a ``KeyBlock`` -- which source tensor (the outermost coordinate of the K/V maps: one for
+plain attention, the rank a chunk came from for ring attention), its first row there, the
+sequence position of that row, and how many of its BKV rows are keys of the block (the
+rest are masked). Key at position p is visible to the query at position P iff it is one
+of the counted rows and (not causal, or p <= P). Online softmax does not care about the
+order, so blocks may come in the order they arrive. A row that sees no key gets O = 0
 and LSE = -inf.
 
 Plugging in (what a kernel supplies), as for the GEMM engine:
 
 * a **work list**: ``__device__ bool get(int i, Tile& tile) const`` (the i-th tile of this
-  CTA, false past the end; a pure function of i) and
-  ``__device__ bool wait(const Tile&) const`` (the producer waits there for keys other
-  ranks write; false releases the tile's stages unloaded).
+  CTA, false past the end), ``__device__ KeyBlock key_block(const Tile&, int j) const``
+  (pure functions: producer and consumers call them independently) and
+  ``__device__ bool wait(const Tile&, const KeyBlock&) const``, which the producer calls
+  before loading a block (a ring waits there for the block's source to arrive); false
+  releases the block's stage unloaded, and the host raises the timeout.
 * an **epilogue**: ``__device__ void operator()(const Tile&, const RowState<Cfg>&,
   const ConsumerThread&) const``, called by every consumer thread once per tile with the
   *normalised* output fragment and the rows' LSE (natural log).
@@ -73,16 +79,21 @@ struct Config {
     static_assert(BKV % 64 == 0 && BKV <= 256, "BKV is 64, 128, 192 or 256");
 };
 
-// One query tile: 128 query rows of one (batch, head) against a range of key blocks.
+// One query tile: up to 128 query rows of one (batch, head) against `blocks` key blocks.
 struct Tile {
     int batch = 0, head = 0, kv_head = 0;
-    int q_row = 0;          // first query row of the tile (in Q's sequence)
-    int kv_first = 0;       // first key block (BKV keys each) and one past the last
-    int kv_last = 0;
-    int keys = 0;           // keys at index >= keys are invalid (masked)
-    int causal = 0;         // key k visible to query q iff k <= q + causal_shift
-    int causal_shift = 0;
+    int q_row = 0;          // first query row of the tile (in the Q tensor)
+    int q_rows = 0;         // rows of the tile that are queries of it (the epilogue stores these)
+    int q_position = 0;     // sequence position of row q_row (causal masking)
+    int blocks = 0;         // key blocks the tile visits
+    int causal = 0;
     int index = 0;          // the tile's id (for flags and epilogues)
+};
+
+// One block of keys: BKV rows of source `source` of the K/V maps from row `row`, the first
+// at sequence position `position`; rows past `count` are not keys of the block.
+struct KeyBlock {
+    int source = 0, row = 0, position = 0, count = 0;
 };
 
 template <int CONSUMERS>
@@ -174,8 +185,9 @@ struct Pipeline {
     __device__ __forceinline__ char* v_stage(int s) const { return v + s * Cfg::KV_BYTES; }
 };
 
-// Producer: one thread walks the work list. Q, K, V are 4-D maps over [B, S, H, D]
-// (coordinates d, head, row, batch), box (64, 1, rows, 1).
+// Producer: one thread walks the work list. Q is a 4-D map over [B, S, H, D] (coordinates
+// d, head, row, batch; box 64 x 1 x 128 x 1); K and V are 5-D maps over [sources][B, S, H, D]
+// (box 64 x 1 x BKV x 1 x 1).
 template <class Cfg, class Work>
 __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_q,
                                         const TmaDescriptor* tma_k, const TmaDescriptor* tma_v,
@@ -184,31 +196,28 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
     u32 phase = 0, q_phase = 0;
     Tile tile;
     for (int i = 0; work.get(i, tile); ++i) {
-        const bool ready = work.wait(tile);
         mbarrier_wait(pipe.q_empty, q_phase ^ 1);
         q_phase ^= 1;
-        if (ready) {
-            mbarrier_arrive_expect_tx(pipe.q_full, Cfg::Q_BYTES);
-            #pragma unroll
-            for (int c = 0; c < Cfg::CHUNKS; ++c)
-                tma_load_4d(pipe.q + c * Cfg::BQ * 128, tma_q, c * 64, tile.head, tile.q_row,
-                            tile.batch, pipe.q_full);
-        } else {
-            mbarrier_arrive(pipe.q_full);
-        }
-        for (int kv = tile.kv_first; kv < tile.kv_last; ++kv) {
+        mbarrier_arrive_expect_tx(pipe.q_full, Cfg::Q_BYTES);
+        #pragma unroll
+        for (int c = 0; c < Cfg::CHUNKS; ++c)
+            tma_load_4d(pipe.q + c * Cfg::BQ * 128, tma_q, c * 64, tile.head, tile.q_row,
+                        tile.batch, pipe.q_full);
+        for (int j = 0; j < tile.blocks; ++j) {
+            const KeyBlock block = work.key_block(tile, j);
+            const bool ready = work.wait(tile, block);
             mbarrier_wait(&pipe.kv_empty[stage], phase ^ 1);
             if (ready) {
                 mbarrier_arrive_expect_tx(&pipe.k_full[stage], Cfg::KV_BYTES);
                 #pragma unroll
                 for (int c = 0; c < Cfg::CHUNKS; ++c)
-                    tma_load_4d(pipe.k_stage(stage) + c * Cfg::BKV * 128, tma_k, c * 64,
-                                tile.kv_head, kv * Cfg::BKV, tile.batch, &pipe.k_full[stage]);
+                    tma_load_5d(pipe.k_stage(stage) + c * Cfg::BKV * 128, tma_k, c * 64,
+                                tile.kv_head, block.row, tile.batch, block.source, &pipe.k_full[stage]);
                 mbarrier_arrive_expect_tx(&pipe.v_full[stage], Cfg::KV_BYTES);
                 #pragma unroll
                 for (int c = 0; c < Cfg::CHUNKS; ++c)
-                    tma_load_4d(pipe.v_stage(stage) + c * Cfg::BKV * 128, tma_v, c * 64,
-                                tile.kv_head, kv * Cfg::BKV, tile.batch, &pipe.v_full[stage]);
+                    tma_load_5d(pipe.v_stage(stage) + c * Cfg::BKV * 128, tma_v, c * 64,
+                                tile.kv_head, block.row, tile.batch, block.source, &pipe.v_full[stage]);
             } else {
                 // The keys never came (a bounded wait gave up): release unloaded so the
                 // consumers drain; the host raises the timeout.
@@ -260,21 +269,22 @@ __device__ __forceinline__ void issue_values(float (&o)[Cfg::D / 2], const u32 (
 // output accumulated so far must be multiplied by (the row maximum moved).
 template <class Cfg, int CONSUMERS>
 __device__ __forceinline__ void softmax_block(float (&s)[Cfg::BKV / 2], RowState<Cfg>& state,
-                                              float (&rescale)[2], const Tile& tile, int kv,
-                                              float scale_log2, const ConsumerThread<CONSUMERS>& who) {
-    const int key0 = kv * Cfg::BKV;
-    const int query0 = tile.q_row + who.row();
-    const bool mask = key0 + Cfg::BKV > tile.keys
-                      || (tile.causal && key0 + Cfg::BKV - 1 > tile.q_row + tile.causal_shift);
+                                              float (&rescale)[2], const Tile& tile,
+                                              const KeyBlock& block, float scale_log2,
+                                              const ConsumerThread<CONSUMERS>& who) {
+    // positions relative to the block's first key: key k of the block is visible to this
+    // thread's query q iff k < count and (not causal, or k <= q_position + row - position)
+    const int reach = tile.q_position + who.row() - block.position;
+    const bool mask = block.count < Cfg::BKV
+                      || (tile.causal && block.position + Cfg::BKV - 1 > tile.q_position);
     if (mask) {
         const int col0 = 2 * (who.lane() & 3);
         #pragma unroll
         for (int j = 0; j < Cfg::BKV / 8; ++j)
             #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                const int key = key0 + 8 * j + col0 + (r & 1);
-                const int query = query0 + 8 * (r >> 1);
-                if (key >= tile.keys || (tile.causal && key > query + tile.causal_shift))
+                const int key = 8 * j + col0 + (r & 1);
+                if (key >= block.count || (tile.causal && key > reach + 8 * (r >> 1)))
                     s[4 * j + r] = neg_inf();
             }
     }
@@ -322,8 +332,8 @@ __device__ __forceinline__ void rescale_output(RowState<Cfg>& state, const float
 }
 
 // One tile for one consumer warpgroup: every key block, then the normalised output.
-template <class Cfg, int CONSUMERS>
-__device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Tile& tile,
+template <class Cfg, class Work, int CONSUMERS>
+__device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Work& work, const Tile& tile,
                                              float scale_log2, RowState<Cfg>& state,
                                              const ConsumerThread<CONSUMERS>& who,
                                              int& stage, u32& phase, u32& q_phase) {
@@ -339,7 +349,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Ti
 
     mbarrier_wait(pipe.q_full, q_phase);
     q_phase ^= 1;
-    const int blocks = tile.kv_last - tile.kv_first;
+    const int blocks = tile.blocks;
     if (blocks == 0) {
         if (warp_leader) mbarrier_arrive(pipe.q_empty);
     } else {
@@ -353,8 +363,8 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Ti
         wgmma_wait<0>();
         fence_accumulators(s);
         if (blocks == 1 && warp_leader) mbarrier_arrive(pipe.q_empty);
-        softmax_block<Cfg>(s, state, rescale, tile, tile.kv_first, scale_log2, who);
-        for (int kv = tile.kv_first + 1; kv < tile.kv_last; ++kv) {
+        softmax_block<Cfg>(s, state, rescale, tile, work.key_block(tile, 0), scale_log2, who);
+        for (int j = 1; j < blocks; ++j) {
             const int previous = stage;
             const u32 previous_phase = phase;
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
@@ -373,8 +383,8 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Ti
             turn_pass<Cfg>(who);
             wgmma_wait<1>();
             fence_accumulators(s);
-            if (kv + 1 == tile.kv_last && warp_leader) mbarrier_arrive(pipe.q_empty);
-            softmax_block<Cfg>(s, state, rescale, tile, kv, scale_log2, who);
+            if (j + 1 == blocks && warp_leader) mbarrier_arrive(pipe.q_empty);
+            softmax_block<Cfg>(s, state, rescale, tile, work.key_block(tile, j), scale_log2, who);
             wgmma_wait<0>();
             fence_accumulators(state.o);
             if (warp_leader) mbarrier_arrive(&pipe.kv_empty[previous]);
@@ -449,7 +459,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaD
         u32 phase = 0, q_phase = 0;
         Tile tile;
         for (int i = 0; work.get(i, tile); ++i) {
-            consume_tile<Cfg>(pipe, tile, scale_log2, state, who, stage, phase, q_phase);
+            consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase);
             epilogue(tile, state, who);
         }
     }

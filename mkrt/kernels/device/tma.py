@@ -100,6 +100,17 @@ __device__ __forceinline__ void tma_load_4d(void* destination, const TmaDescript
         : "memory");
 }
 
+// And 5-D (e.g. [sources][B, S, H, D]: which rank's copy of a tensor is the outermost).
+__device__ __forceinline__ void tma_load_5d(void* destination, const TmaDescriptor* descriptor,
+                                            int c0, int c1, int c2, int c3, int c4, u64* barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
+        :: "r"(smem_address(destination)), "l"(descriptor), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+           "r"(c4), "r"(smem_address(barrier))
+        : "memory");
+}
+
 // Store the box at element coordinates (inner, outer) of a 2-D tensor map from shared
 // memory (laid out as the map's swizzle says). Out-of-range elements are not written,
 // so partial edge tiles need no masking. Tracked by bulk groups of the issuing thread.
