@@ -54,21 +54,7 @@ typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR, 0> Cfg;
 constexpr int BM = Cfg::BM, BN = Cfg::BN;
 constexpr int MAX_NODE_RANKS = $MAX_NODE_RANKS;
 
-// Where each flag word of a rank lives (mirrors FlagLayout in Python).
-struct Layout {
-    int G, N;
-    __device__ int arrive(int p) const { return p; }                 // node peer p's launch began
-    __device__ int node_arrive(int n) const { return G + n; }        // rank (n, me) began (proxy)
-    __device__ int landed(int n) const { return G + N + n; }         // rank (n, me)'s block is here
-    __device__ int ready(int b) const { return G + 2 * N + b; }      // block b is in our buffer
-    __device__ int sent() const { return G + 2 * N + N * G; }        // communication CTA counters
-    __device__ int pushed() const { return sent() + 1; }
-    __device__ int forwarded(int n) const { return sent() + 2 + n; }
-    __device__ int comm_before() const { return sent() + 2 + N; }    // comm CTAs of earlier launches
-    __device__ int finished() const { return comm_before() + 1; }    // every CTA, all launches
-    __device__ int ctas_before() const { return finished() + 1; }
-    __device__ int launches() const { return finished() + 2; }
-};
+typedef GatheredFlags Layout;      // the flag words (mirror: FlagLayout)
 
 struct Args {
     const T* input;             // A_r [rows, k]
@@ -129,88 +115,6 @@ struct GatheredWork {
     }
 };
 
-// ---- communication role (CTAs compute_ctas ..): mkrt.allgather's steps into `gathered` --
-__device__ __noinline__ void communicate(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
-                            int comm, int comm_ctas, u64 comm_all, bool muted) {
-    __shared__ unsigned char* targets[MAX_NODE_RANKS];
-    const u64 nbytes = (u64)a.rows * a.k * sizeof(T);
-    const int mine = a.node * a.G + a.me;
-    const u64 worker = (u64)comm * blockDim.x + threadIdx.x;
-    const u64 workers = (u64)comm_ctas * blockDim.x;
-    unsigned char* gathered = (unsigned char*)a.gathered;
-
-    // 1. arrive: node peers may now write into our buffer (our previous GEMM has read it);
-    // rank `me` of every other node may send into it.
-    if (comm == 0 && threadIdx.x < a.G) {
-        st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
-    }
-    if (a.N > 1 && comm == 0 && threadIdx.x == blockDim.x - 1) {
-        const Queue q = *a.queue;
-        for (int step = 1; step < a.N; ++step) {
-            const int other = (a.node + step) % a.N;
-            if (post_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.flags_region,
-                            (u64)L.node_arrive(a.node) * 8, epoch, ROLE_INTER, mine) == POST_FAILED) break;
-        }
-    }
-
-    // 2. send (several nodes): our block into our own buffer (the puts read it there),
-    // then one put of it to rank `me` of every other node, once that rank has arrived.
-    if (a.N > 1) {
-        if (!cta_wait_words(a.flags, L.node_arrive(0), 1, a.N, a.node, epoch, ctx, ROLE_INTER,
-                            mine, 0, a.queue))
-            return;
-        copy_span(gathered + (u64)mine * nbytes, a.input, nbytes, worker, workers);
-        if (last_cta_done(a.flags + L.sent(), comm_all) && !muted) {
-            const Queue q = *a.queue;
-            for (int step = 1; step < a.N; ++step) {
-                const int other = (a.node + step) % a.N;
-                if (post_put_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.gathered_region,
-                                    (u64)mine * nbytes, (unsigned)a.gathered_region, (u64)mine * nbytes,
-                                    nbytes, (unsigned)a.flags_region, (u64)L.landed(a.node) * 8, epoch,
-                                    ROLE_INTER, mine) == POST_FAILED) break;
-            }
-        }
-    }
-
-    // 3. push: our block into every node rank's buffer once it has arrived.
-    if (!cta_wait_words(a.flags, L.arrive(0), 1, a.G, -1, epoch, ctx, ROLE_INTRA, a.node * a.G, 1,
-                        nullptr))
-        return;
-    if (threadIdx.x < a.G) {
-        const int p = threadIdx.x;
-        // several nodes: step 2 already wrote our own buffer
-        targets[p] = (p == a.me && a.N > 1) ? nullptr
-                                            : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes;
-    }
-    __syncthreads();
-    if (!muted) scatter_span(targets, a.G, (a.me + 1) % a.G, (const unsigned char*)a.input, nbytes,
-                             worker, workers);
-    if (last_cta_done(a.flags + L.pushed(), comm_all) && !muted) {
-        for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(mine), epoch);
-    }
-
-    // 4. forward: the block of rank `me` of each other node, once it has landed in our
-    // buffer, to every other rank of the node.
-    for (int step = 1; step < a.N; ++step) {
-        const int other = (a.node + a.N - step) % a.N;
-        const int block = other * a.G + a.me;
-        if (!cta_wait_words(a.flags, L.landed(other), 0, 1, -1, epoch, ctx, ROLE_INTER, block, 0,
-                            a.queue))
-            return;
-        __syncthreads();      // targets is rewritten below
-        if (threadIdx.x < a.G) {
-            const int p = threadIdx.x;
-            targets[p] = p == a.me ? nullptr : (unsigned char*)a.peer_gathered[p] + (u64)block * nbytes;
-        }
-        __syncthreads();
-        scatter_span(targets, a.G, (a.me + 1) % a.G, gathered + (u64)block * nbytes, nbytes,
-                     worker, workers);
-        if (last_cta_done(a.flags + L.forwarded(other), comm_all)) {
-            for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(block), epoch);
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
                const __grid_constant__ TmaDescriptor tma_b,
@@ -242,7 +146,11 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
         const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
         gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem);
     } else {
-        communicate(a, L, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, comm_all,
+        const GatherArgs gather{(const unsigned char*)a.input, (u64)a.rows * a.k * sizeof(T),
+                                nullptr, 0, (unsigned char*)a.gathered, a.flags, a.peer_flags,
+                                a.peer_gathered, a.queue, a.me, a.node, a.G, a.N,
+                                a.gathered_region, a.flags_region};
+        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, comm_all,
                     rank == muted_rank);
     }
 
@@ -253,7 +161,7 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
                                           a.flags + L.launches(), epoch, all_ctas))
         st_release_gpu(a.flags + L.comm_before(), comm_all);
 }
-""", requires=("gemm_tile", "queue", "sync", "copy", "gather"), register=False)
+""", requires=("gemm_tile", "gather_role"), register=False)
 
 KERNEL_ID = kernel_id("allgather_gemm")
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}

@@ -1,6 +1,8 @@
 """Pieces of an all-gather that a kernel's communication CTAs share: waiting for a set of
 flag words as one CTA, spreading one span to several peers' memory, and counting the
-CTAs of a launch that finished a step (mkrt.allgather and AllGather+GEMM use them)."""
+CTAs of a launch that finished a step (mkrt.allgather and AllGather+GEMM use them); and
+the whole gathering role of a fused kernel (``gather_role``: AllGather+GEMM gathers A,
+ring attention K and V) with its flag words (``GatheredFlags``)."""
 
 from mkrt.jit.render import cuda_source
 
@@ -66,3 +68,137 @@ __device__ __forceinline__ bool last_cta_done(u64* counter, u64 all_ctas) {
 }
 }  // namespace mkrt
 """, requires=("sync", "queue"))
+
+
+GATHER_ROLE = cuda_source("gather_role", r"""
+namespace mkrt {
+// The flag words of a kernel that gathers one block per rank into every rank's symmetric
+// `gathered` buffer (mirror: mkrt.kernels.allgather_gemm.FlagLayout). G ranks per node,
+// N nodes.
+struct GatheredFlags {
+    int G, N;
+    __device__ int arrive(int p) const { return p; }                 // node peer p's launch began
+    __device__ int node_arrive(int n) const { return G + n; }        // rank (n, me) began (proxy)
+    __device__ int landed(int n) const { return G + N + n; }         // rank (n, me)'s block is here
+    __device__ int ready(int b) const { return G + 2 * N + b; }      // block b is in our buffer
+    __device__ int sent() const { return G + 2 * N + N * G; }        // communication CTA counters
+    __device__ int pushed() const { return sent() + 1; }
+    __device__ int forwarded(int n) const { return sent() + 2 + n; }
+    __device__ int comm_before() const { return sent() + 2 + N; }    // comm CTAs of earlier launches
+    __device__ int finished() const { return comm_before() + 1; }    // every CTA, all launches
+    __device__ int ctas_before() const { return finished() + 1; }
+    __device__ int launches() const { return finished() + 2; }
+};
+
+// What the gathering role needs. A rank's block is its two input spans back to back
+// (input1 may be empty): block b of the gathered buffer is at b * (bytes0 + bytes1).
+struct GatherArgs {
+    const unsigned char* input0;
+    u64 bytes0;
+    const unsigned char* input1;
+    u64 bytes1;
+    unsigned char* gathered;    // this rank's gathered buffer (symmetric)
+    u64* flags;                 // this rank's flag words
+    const u64* peer_flags;      // [G] node peers' flag words
+    const u64* peer_gathered;   // [G] node peers' gathered buffers
+    const Queue* queue;         // the proxy queue (several nodes)
+    int me, node, G, N;
+    int gathered_region, flags_region;
+};
+
+constexpr int GATHER_MAX_NODE_RANKS = 32;
+
+// The communication CTAs (comm of comm_ctas) of one launch: mkrt.allgather's steps into
+// `gathered`. Each block crosses to each other node once, through the proxy, to the rank
+// with the same local index, and is spread inside the node with peer stores; ready(b) at
+// every receiving rank says block b is in place. A rank writes into a peer's buffer only
+// after the peer's launch has begun (arrive), so the peer's previous call has read it.
+__device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const Context& ctx,
+                                         int comm, int comm_ctas, u64 comm_all, bool muted) {
+    const GatheredFlags L{a.G, a.N};
+    __shared__ unsigned char* targets[GATHER_MAX_NODE_RANKS];
+    const u64 nbytes = a.bytes0 + a.bytes1;
+    const int mine = a.node * a.G + a.me;
+    const u64 worker = (u64)comm * blockDim.x + threadIdx.x;
+    const u64 workers = (u64)comm_ctas * blockDim.x;
+    unsigned char* gathered = a.gathered;
+
+    // 1. arrive: node peers may now write into our buffer (our previous call has read it);
+    // rank `me` of every other node may send into it.
+    if (comm == 0 && threadIdx.x < a.G) {
+        st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
+    }
+    if (a.N > 1 && comm == 0 && threadIdx.x == blockDim.x - 1) {
+        const Queue q = *a.queue;
+        for (int step = 1; step < a.N; ++step) {
+            const int other = (a.node + step) % a.N;
+            if (post_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.flags_region,
+                            (u64)L.node_arrive(a.node) * 8, epoch, ROLE_INTER, mine) == POST_FAILED) break;
+        }
+    }
+
+    // 2. send (several nodes): our block into our own buffer (the puts read it there),
+    // then one put of it to rank `me` of every other node, once that rank has arrived.
+    if (a.N > 1) {
+        if (!cta_wait_words(a.flags, L.node_arrive(0), 1, a.N, a.node, epoch, ctx, ROLE_INTER,
+                            mine, 0, a.queue))
+            return;
+        copy_span(gathered + (u64)mine * nbytes, a.input0, a.bytes0, worker, workers);
+        if (a.bytes1) copy_span(gathered + (u64)mine * nbytes + a.bytes0, a.input1, a.bytes1, worker, workers);
+        if (last_cta_done(a.flags + L.sent(), comm_all) && !muted) {
+            const Queue q = *a.queue;
+            for (int step = 1; step < a.N; ++step) {
+                const int other = (a.node + step) % a.N;
+                if (post_put_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.gathered_region,
+                                    (u64)mine * nbytes, (unsigned)a.gathered_region, (u64)mine * nbytes,
+                                    nbytes, (unsigned)a.flags_region, (u64)L.landed(a.node) * 8, epoch,
+                                    ROLE_INTER, mine) == POST_FAILED) break;
+            }
+        }
+    }
+
+    // 3. push: our block into every node rank's buffer once it has arrived.
+    if (!cta_wait_words(a.flags, L.arrive(0), 1, a.G, -1, epoch, ctx, ROLE_INTRA, a.node * a.G, 1,
+                        nullptr))
+        return;
+    for (int span = 0; span < 2; ++span) {
+        const u64 offset = span == 0 ? 0 : a.bytes0, bytes = span == 0 ? a.bytes0 : a.bytes1;
+        if (bytes == 0) continue;
+        __syncthreads();      // targets is rewritten below
+        if (threadIdx.x < a.G) {
+            const int p = threadIdx.x;
+            // several nodes: step 2 already wrote our own buffer
+            targets[p] = (p == a.me && a.N > 1) ? nullptr
+                         : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes + offset;
+        }
+        __syncthreads();
+        if (!muted) scatter_span(targets, a.G, (a.me + 1) % a.G, span == 0 ? a.input0 : a.input1,
+                                 bytes, worker, workers);
+    }
+    if (last_cta_done(a.flags + L.pushed(), comm_all) && !muted) {
+        for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(mine), epoch);
+    }
+
+    // 4. forward: the block of rank `me` of each other node, once it has landed in our
+    // buffer, to every other rank of the node.
+    for (int step = 1; step < a.N; ++step) {
+        const int other = (a.node + a.N - step) % a.N;
+        const int block = other * a.G + a.me;
+        if (!cta_wait_words(a.flags, L.landed(other), 0, 1, -1, epoch, ctx, ROLE_INTER, block, 0,
+                            a.queue))
+            return;
+        __syncthreads();      // targets is rewritten below
+        if (threadIdx.x < a.G) {
+            const int p = threadIdx.x;
+            targets[p] = p == a.me ? nullptr : (unsigned char*)a.peer_gathered[p] + (u64)block * nbytes;
+        }
+        __syncthreads();
+        scatter_span(targets, a.G, (a.me + 1) % a.G, gathered + (u64)block * nbytes, nbytes,
+                     worker, workers);
+        if (last_cta_done(a.flags + L.forwarded(other), comm_all)) {
+            for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(block), epoch);
+        }
+    }
+}
+}  // namespace mkrt
+""", requires=("gather", "copy", "sync", "queue"))
