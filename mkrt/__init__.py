@@ -22,6 +22,7 @@ from mkrt.errors import CommTimeout, CompileError, MkrtError, WaitRecord
 from mkrt.kernels.allgather import AllGather, allgather
 from mkrt.kernels.allgather_gemm import AllGatherGemm, allgather_gemm
 from mkrt.kernels.attention import attention
+from mkrt.kernels.ring_attention import RingAttention, ring_attention
 from mkrt.kernels.gemm import gemm
 from mkrt.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce
 from mkrt.kernels.gemm_reducescatter import GemmReduceScatter, gemm_reducescatter
@@ -31,7 +32,7 @@ from mkrt.world import World, current_world, init
 __version__ = "0.1.0"
 
 __all__ = ["init", "current_world", "World", "SymmetricBuffer", "AllGather", "allgather", "gemm",
-           "AllGatherGemm", "allgather_gemm", "attention",
+           "AllGatherGemm", "allgather_gemm", "attention", "RingAttention", "ring_attention",
            "GemmAllReduce", "gemm_allreduce", "GemmReduceScatter", "gemm_reducescatter",
            "CommTimeout", "CompileError", "MkrtError", "WaitRecord"]
 

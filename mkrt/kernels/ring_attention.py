@@ -1,0 +1,574 @@
+"""Ring attention: sequence-parallel attention, the whole ring in one persistent kernel.
+
+Every rank holds two chunks of the sequence (the sequence is cut into 2W chunks of c
+rows): causal attention shards them zigzag (rank r holds chunks r and 2W-1-r, so every
+rank has the same work), non-causal attention contiguously (chunks 2r and 2r+1). A rank
+passes its q [B, 2c, Hq, D] and k, v [B, 2c, Hkv, D] -- its two chunks back to back (see
+:func:`shard`) -- and gets O [B, 2c, Hq, D] and LSE [B, Hq, 2c] of its queries attending
+to the whole sequence.
+
+One persistent kernel per rank, two roles (the plan: mkrt/kernels/ring_attention_plan.py):
+
+* **communication** CTAs gather every rank's K and V into the rank's symmetric
+  ``gathered`` buffer with the shared gathering role (``gather_role``, as AllGather+GEMM
+  gathers A): each K/V block crosses to each other node once, through the proxy, to the
+  rank with the same local index, which spreads it inside its node by peer stores; a
+  ``ready[source]`` flag says a source's K and V are in place.
+* **compute** CTAs run the attention engine (kernels/device/attention_tile.py) over the
+  rank's query tiles, heaviest first. A tile visits its key blocks source by source in
+  the plan's order -- its own K/V first, then its node peers', then other nodes' -- and
+  the engine's producer waits for each source's flag before loading its blocks. Chunk
+  pairs that the causal mask hides entirely are never visited; the diagonal chunk only up
+  to the tile's last query. Partial results never leave the registers: the online softmax
+  merges source after source in fp32, so the error does not grow with the world size.
+
+The gathered buffer holds every rank's K and V (W x the local K/V); it is reused by the
+next call once every rank's launch has begun. Epochs on the device, bounded waits
+(mkrt.CommTimeout), CUDA-graph capturable, like the other fused kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+
+from mkrt import checks
+from mkrt.arrays import like_input
+from mkrt.jit import cuda_source
+from mkrt.kernels import attention as attention_module
+from mkrt.kernels import ring_attention_plan as ring_plan
+from mkrt.kernels.allgather_gemm import FlagLayout
+from mkrt.kernels.device import attention_tile, gather  # noqa: F401  (register the pieces)
+from mkrt.kernels.gemm import tma_descriptor
+from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
+from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
+from mkrt.memory import SymmetricBuffer, flags as flag_buffer
+from mkrt.status import kernel_id
+
+RING_ATTENTION = cuda_source("ring_attention", r"""
+using namespace mkrt;
+typedef $CTYPE T;
+typedef attention::Config<T, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG> Cfg;
+typedef attention::Tile Tile;
+typedef attention::KeyBlock KeyBlock;
+typedef GatheredFlags Layout;
+
+struct Args {
+    const T* k;                 // this rank's K and V [B, 2c, Hkv, D]
+    const T* v;
+    T* out;                     // O [B, 2c, Hq, D]
+    float* lse;                 // LSE [B, Hq, 2c]
+    T* gathered;                // [W][K | V] (symmetric)
+    u64* flags;                 // this rank's flag words
+    const u64* peer_flags;      // [G] node peers' flag words
+    const u64* peer_gathered;   // [G] node peers' gathered buffers
+    const Queue* queue;         // the proxy queue (several nodes)
+    int batches, heads, kv_heads, chunk;
+    int me, node, G, N, compute_ctas, causal;
+    int gathered_region, flags_region;
+    float scale_log2;
+};
+$ARGS_CHECKS
+
+// The compute role's tiles and key blocks (mirror: tile_order, source_order, key_blocks).
+struct RingWork {
+    int batches, heads, group, chunk, q_blocks, kv_blocks;   // q/kv blocks per chunk
+    int G, N, node, me, causal, cta, ctas;
+    const u64* flags;
+    Layout L;
+    u64 epoch;
+    Context ctx;
+
+    __device__ __forceinline__ int world() const { return G * N; }
+    // Global chunk id of slot 0 or 1 of rank r: zigzag when causal.
+    __device__ __forceinline__ int chunk_of(int r, int slot) const {
+        return causal ? (slot == 0 ? r : 2 * world() - 1 - r) : 2 * r + slot;
+    }
+    // The source rank of step `step`: node peers from this rank on, then the other nodes.
+    __device__ __forceinline__ int source_at(int step) const {
+        if (step < G) return node * G + (me + step) % G;
+        const int i = (step - G) / G + 1, j = (step - G) % G;
+        return ((node + i) % N) * G + (me + j) % G;
+    }
+    // Key blocks of chunk kc a tile of query chunk qc visits.
+    __device__ __forceinline__ int blocks_of(const Tile& tile, int qc, int kc) const {
+        if (!causal || kc < qc) return kv_blocks;
+        if (kc > qc) return 0;
+        const int last = tile.q_position + tile.q_rows - 1 - kc * chunk;   // diagonal
+        return min(kv_blocks, last / Cfg::BKV + 1);
+    }
+    __device__ __forceinline__ bool get(int i, Tile& tile) const {
+        const int t = cta + i * ctas;
+        const int per_block = batches * heads;
+        if (t >= 2 * q_blocks * per_block) return false;
+        const int order = t / per_block;
+        // heaviest first: causal, the later chunk (slot 1) before the earlier; last blocks first
+        const int slot = causal ? (order < q_blocks ? 1 : 0) : order / q_blocks;
+        const int q_block = q_blocks - 1 - order % q_blocks;
+        const int bh = t - order * per_block;
+        tile.batch = bh / heads;
+        tile.head = bh - tile.batch * heads;
+        tile.kv_head = tile.head / group;
+        tile.q_row = slot * chunk + q_block * Cfg::BQ;
+        tile.q_rows = min(Cfg::BQ, chunk - q_block * Cfg::BQ);
+        const int qc = chunk_of(node * G + me, slot);
+        tile.q_position = qc * chunk + q_block * Cfg::BQ;
+        tile.causal = causal;
+        tile.index = t;
+        int blocks = 0;
+        for (int step = 0; step < world(); ++step) {
+            const int s = source_at(step);
+            blocks += blocks_of(tile, qc, chunk_of(s, 0)) + blocks_of(tile, qc, chunk_of(s, 1));
+        }
+        tile.blocks = blocks;
+        return true;
+    }
+    __device__ __forceinline__ KeyBlock key_block(const Tile& tile, int j) const {
+        const int qc = tile.q_position / chunk;
+        KeyBlock block;
+        for (int step = 0; step < world(); ++step) {
+            const int s = source_at(step);
+            for (int slot = 0; slot < 2; ++slot) {
+                const int kc = chunk_of(s, slot);
+                const int n = blocks_of(tile, qc, kc);
+                if (j < n) {
+                    block.source = s;
+                    block.row = slot * chunk + j * Cfg::BKV;
+                    block.position = kc * chunk + j * Cfg::BKV;
+                    block.count = min(Cfg::BKV, chunk - j * Cfg::BKV);
+                    return block;
+                }
+                j -= n;
+            }
+        }
+        return block;
+    }
+    // Before loading a block: its source's K and V are in our gathered buffer.
+    __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
+        const u64* flag = flags + L.ready(block.source);
+        u64 seen = ld_acquire_sys(flag);
+        if (seen < epoch) {
+            const u64 start = global_timer_ns();
+            u32 backoff = 0;
+            for (unsigned spin = 0; seen < epoch; ++spin) {
+                if ((spin & 63) == 63) {
+                    if (aborted(ctx)) return false;
+                    if (global_timer_ns() - start > ctx.timeout_ns) {
+                        report_timeout(ctx, ROLE_COMPUTE, tile.index, L.ready(block.source), epoch, seen);
+                        return false;
+                    }
+                    backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
+                }
+                if (backoff) sleep_ns(backoff);
+                seen = ld_acquire_sys(flag);
+            }
+        }
+        fence_proxy_async_global();      // peers wrote it with generic stores; TMA reads it
+        return true;
+    }
+};
+
+// O and LSE rows of the rank's two chunks.
+struct StoreRows {
+    T* out;
+    float* lse;
+    int rows, heads;            // rows = 2c
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void operator()(const Tile& tile, const attention::RowState<Cfg>& state,
+                                               const attention::ConsumerThread<CONSUMERS>& who) const {
+        T* const base = out + ((long long)tile.batch * rows * heads + tile.head) * Cfg::D;
+        const long long row_stride = (long long)heads * Cfg::D;
+        state.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+            if (r >= tile.q_rows) return;
+            *reinterpret_cast<u32*>(base + (tile.q_row + r) * row_stride + c) =
+                attention::pack_pair<T>(v0, v1);
+        });
+        if ((who.lane() & 3) == 0) {
+            float* const row_lse = lse + ((long long)tile.batch * heads + tile.head) * rows;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = who.row() + 8 * h;
+                if (r < tile.q_rows) row_lse[tile.q_row + r] = state.lse[h];
+            }
+        }
+    }
+};
+
+// q: 4-D map over this rank's Q; k, v: 5-D maps over the gathered [W][K | V].
+extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+ring_attention(const __grid_constant__ TmaDescriptor tma_q,
+               const __grid_constant__ TmaDescriptor tma_k,
+               const __grid_constant__ TmaDescriptor tma_v,
+               const __grid_constant__ Args args, int muted_rank,
+               u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
+    extern __shared__ char dynamic_smem[];
+    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
+    const Args& a = args;
+    const Layout L{a.G, a.N};
+    const int comm_ctas = gridDim.x - a.compute_ctas;
+
+    // The previous launch on this stream is complete, so these words are stable.
+    __shared__ u64 epoch_shared, base_shared, comm_base_shared;
+    if (threadIdx.x == 0) {
+        epoch_shared = ld_acquire_gpu(a.flags + L.launches()) + 1;
+        base_shared = ld_acquire_gpu(a.flags + L.ctas_before());
+        comm_base_shared = ld_acquire_gpu(a.flags + L.comm_before());
+    }
+    __syncthreads();
+    const u64 epoch = epoch_shared;
+    const u64 all_ctas = base_shared + gridDim.x;
+    const u64 comm_all = comm_base_shared + comm_ctas;
+
+    if ((int)blockIdx.x < a.compute_ctas) {
+        const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk,
+                            (a.chunk + Cfg::BQ - 1) / Cfg::BQ, (a.chunk + Cfg::BKV - 1) / Cfg::BKV,
+                            a.G, a.N, a.node, a.me, a.causal, (int)blockIdx.x, a.compute_ctas,
+                            a.flags, L, epoch, ctx};
+        const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
+        attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
+    } else {
+        const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);
+        const GatherArgs gather{(const unsigned char*)a.k, kv_bytes, (const unsigned char*)a.v,
+                                kv_bytes, (unsigned char*)a.gathered, a.flags, a.peer_flags,
+                                a.peer_gathered, a.queue, a.me, a.node, a.G, a.N,
+                                a.gathered_region, a.flags_region};
+        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, comm_all,
+                    rank == muted_rank);
+    }
+
+    // The last CTA out publishes the epoch (and the communication CTAs' count) for the
+    // next launch.
+    __syncthreads();
+    if (threadIdx.x == 0 && finish_launch(a.flags + L.finished(), a.flags + L.ctas_before(),
+                                          a.flags + L.launches(), epoch, all_ctas))
+        st_release_gpu(a.flags + L.comm_before(), comm_all);
+}
+""", requires=("attention_tile", "gather_role"), register=False)
+
+KERNEL_ID = kernel_id("ring_attention")
+MAX_NODE_RANKS = 32
+
+ARGS_DTYPE = np.dtype([
+    ("k", "<u8"), ("v", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("gathered", "<u8"),
+    ("flags", "<u8"), ("peer_flags", "<u8"), ("peer_gathered", "<u8"), ("queue", "<u8"),
+    ("batches", "<i4"), ("heads", "<i4"), ("kv_heads", "<i4"), ("chunk", "<i4"),
+    ("me", "<i4"), ("node", "<i4"), ("G", "<i4"), ("N", "<i4"), ("compute_ctas", "<i4"),
+    ("causal", "<i4"), ("gathered_region", "<i4"), ("flags_region", "<i4"),
+    ("scale_log2", "<f4"),
+], align=True)
+
+#: kernel parameters, in order (tensor maps 64-byte aligned)
+LAUNCH_PARAMETERS = [("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
+                     ("args", ARGS_DTYPE, 8), ("muted_rank", np.int32, 4), *CONTEXT_PARAMETERS]
+
+
+@dataclasses.dataclass(frozen=True)
+class RingAttentionSpec(attention_module.AttentionSpec):
+    """The attention engine's configuration, in the ring kernel (URI e.g.
+    ``ring_attention_bf16_d128_bkv128_s2_pp0_sm90a``)."""
+
+    family = "ring_attention"
+    entry_points = ("ring_attention",)
+
+    def template(self):
+        return RING_ATTENTION
+
+    def params(self):
+        return {**super().params(), "KERNEL_ID": f"{KERNEL_ID}ull",
+                "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
+
+
+def spec_for(dtype: str, head_dim: int) -> RingAttentionSpec:
+    base = attention_module.default_spec(dtype, head_dim)
+    return RingAttentionSpec(dtype, head_dim, base.block_kv, base.stages, base.pingpong)
+
+
+def default_specs() -> list[RingAttentionSpec]:
+    return [spec_for(dtype, d) for dtype in ("bf16", "f16") for d in attention_module.HEAD_DIMS]
+
+
+# ---- what the kernel does, in Python (mirrors of RingWork, checked on the CPU) -----------
+
+def source_order(node: int, me: int, G: int, N: int) -> list[int]:
+    """The sources rank (node, me) visits, in order (RingWork::source_at)."""
+    order = [node * G + (me + step) % G for step in range(G)]
+    order += [((node + i) % N) * G + (me + j) % G for i in range(1, N) for j in range(G)]
+    return order
+
+
+def tile_blocks(rank: int, G: int, N: int, chunk: int, q_row: int, q_rows: int, causal: bool,
+                block_kv: int = 128) -> list[tuple[int, int, int, int]]:
+    """The key blocks (source, row, position, count) the tile of query rows
+    [q_row, q_row + q_rows) of `rank` visits (RingWork::key_block for j = 0, 1, ...)."""
+    W = G * N
+    slot = q_row // chunk
+    qc = ring_plan.chunks_of(rank, W, causal)[slot]
+    q_position = qc * chunk + (q_row - slot * chunk)
+    kv_blocks = -(-chunk // block_kv)
+    blocks = []
+    for s in source_order(rank // G, rank % G, G, N):
+        for kslot, kc in enumerate(ring_plan.chunks_of(s, W, causal)):
+            if not causal or kc < qc:
+                n = kv_blocks
+            elif kc > qc:
+                n = 0
+            else:
+                n = min(kv_blocks, (q_position + q_rows - 1 - kc * chunk) // block_kv + 1)
+            blocks += [(s, kslot * chunk + j * block_kv, kc * chunk + j * block_kv,
+                        min(block_kv, chunk - j * block_kv)) for j in range(n)]
+    return blocks
+
+
+def shard(x, rank: int, world: int, *, causal: bool):
+    """Rank `rank`'s two chunks of a full-sequence [B, S, H, D] array, back to back (what
+    it passes to ring attention); S must be a multiple of 2 x world."""
+    S = x.shape[1]
+    if S % (2 * world):
+        raise ValueError(f"mkrt.ring_attention: sequence {S} is not a multiple of 2 x world "
+                         f"({2 * world})")
+    c = S // (2 * world)
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    return xp.ascontiguousarray(xp.concatenate(
+        [x[:, i * c:(i + 1) * c] for i in ring_plan.chunks_of(rank, world, causal)], axis=1))
+
+
+def unshard(parts, *, causal: bool, axis: int = 1):
+    """The full sequence back from every rank's two chunks (rank order), along `axis`
+    (1 for O [B, 2c, H, D], 2 for LSE [B, H, 2c])."""
+    world = len(parts)
+    xp = np if isinstance(parts[0], np.ndarray) else __import__("cupy")
+    c = parts[0].shape[axis] // 2
+    chunks = [None] * (2 * world)
+    for rank, part in enumerate(parts):
+        for slot, i in enumerate(ring_plan.chunks_of(rank, world, causal)):
+            index = [slice(None)] * part.ndim
+            index[axis] = slice(slot * c, (slot + 1) * c)
+            chunks[i] = part[tuple(index)]
+    return xp.concatenate(chunks, axis=axis)
+
+
+# ---- the op --------------------------------------------------------------------------------
+
+class RingAttention(Op):
+    """``out, lse = op(q, k, v, causal=...)``: each rank's queries attend to the whole
+    sequence, whose K and V are spread over the world.
+
+    Per rank: q [B, 2c, Hq, D], k and v [B, 2c, Hkv, D] -- its two chunks of the sequence
+    back to back, zigzag when causal (:func:`shard` cuts them from a full sequence);
+    bf16/f16, D 64 or 128, Hq a multiple of Hkv. Returns per rank O [B, 2c, Hq, D] and
+    LSE [B, Hq, 2c] (fp32, natural log). ``scale`` defaults to 1/sqrt(D). ``ctas``
+    (default: the rank's SM share) and ``comm_ctas`` split the CTAs between the roles.
+    """
+
+    name = "ring_attention"
+
+    def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
+                 timeout_ms: float | None = None, muted_rank: int | None = None):
+        super().__init__(world, timeout_ms=timeout_ms)
+        area = self.name
+        self.ctas = checks.integer(ctas, "ctas", area, low=2, high=checks.MAX_GRID, optional=True)
+        self.comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, optional=True)
+        muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=self.world.size - 1,
+                               optional=True)
+        self.muted_rank = -1 if muted is None else muted
+        sizes = {len(self.world.node_ranks(n)) for n in range(self.world.nodes)}
+        if len(sizes) != 1:
+            raise ValueError(f"mkrt.ring_attention: nodes of different sizes ({self.world.layout}) "
+                             "are not supported")
+        if self.world.ranks_per_node > MAX_NODE_RANKS:
+            raise ValueError(f"mkrt.ring_attention: at most {MAX_NODE_RANKS} ranks per node")
+        devices = [info for info in self.world.local if info.device is not None]
+        if self.ctas is not None and devices:
+            share = min(self.world.sm_count(info.rank) for info in devices)
+            if self.ctas > share:
+                raise ValueError(f"mkrt.ring_attention: ctas={self.ctas} exceeds this rank's "
+                                 f"share of {share} SMs (every CTA must be resident)")
+        self.layout = FlagLayout(self.world.ranks_per_node, self.world.nodes)
+        self._flags = None
+        self._gathered: SymmetricBuffer | None = None
+        self._generation = 0
+        self._prepared: dict = {}
+
+    def split(self) -> tuple[int, int]:
+        """(CTAs per rank, communication CTAs among them)."""
+        info = self.world.local[0]
+        ctas = self.ctas or (self.world.sm_count(info.rank) if info.device is not None else 132)
+        want = 2 + (self.world.ranks_per_node > 2) * 2 + (self.world.nodes > 1) * 2
+        comm = self.comm_ctas if self.comm_ctas is not None else max(1, min(want, ctas // 4))
+        if not 1 <= comm < ctas:
+            raise ValueError(f"mkrt.ring_attention: comm_ctas={comm} must be in [1, {ctas - 1}]")
+        return ctas, comm
+
+    # -- the call --
+    def _prepared_call(self, q_list, k_list, v_list, causal, scale):
+        key = (q_list[0].shape, q_list[0].dtype, k_list[0].shape, v_list[0].shape,
+               type(causal), causal, type(scale), scale)
+        call = self._prepared.get(key)
+        if call is None:
+            for arrays, name in ((q_list, "q"), (k_list, "k"), (v_list, "v")):
+                self.per_rank(arrays, name)
+                self.same_everywhere(arrays, name)
+            problem = attention_module.check_operands(
+                q_list[0].shape, k_list[0].shape, v_list[0].shape, q_list[0].dtype,
+                k_list[0].dtype, v_list[0].dtype, causal=causal, area=self.name)
+            if problem.sq != problem.sk:
+                raise ValueError(f"mkrt.ring_attention: q has {problem.sq} rows per rank, k and v "
+                                 f"{problem.sk}; every rank holds the same chunks of all three")
+            if problem.sq % 2:
+                raise ValueError(f"mkrt.ring_attention: {problem.sq} rows per rank; a rank holds two "
+                                 "chunks of equal length (2c rows)")
+            scale = attention_module.check_scale(scale, problem.head_dim, self.name)
+            ctas, comm = self.split()
+            call = _PreparedCall(problem, scale, ctas, comm, q_list[0].dtype,
+                                 tuple(q_list[0].shape), tuple(k_list[0].shape))
+            self._prepared[key] = call
+        for arrays, name, shape in ((q_list, "q", call.q_shape), (k_list, "k", call.kv_shape),
+                                    (v_list, "v", call.kv_shape)):
+            self.check_arrays(arrays, name, shape, call.dtype, aligned=True)
+        return call
+
+    def __call__(self, q, k, v, *, causal: bool = False, scale: float | None = None,
+                 out=None, lse=None):
+        q_list, as_list = self.arrays(q, "q")
+        k_list, _ = self.arrays(k, "k")
+        v_list, _ = self.arrays(v, "v")
+        call = self._prepared_call(q_list, k_list, v_list, causal, scale)
+        p = call.problem
+        outs = self.arrays(out, "out")[0] if out is not None else None
+        lses = self.arrays(lse, "lse")[0] if lse is not None else None
+        if outs is not None:
+            self.check_arrays(outs, "out", call.q_shape, call.dtype, aligned=True)
+        if lses is not None:
+            self.check_arrays(lses, "lse", (p.batches, p.heads, p.sq), np.dtype(np.float32))
+        self.before_launch()
+        if outs is None:
+            outs = self.new_outputs(call.q_shape, call.dtype)
+        if lses is None:
+            lses = self.new_outputs((p.batches, p.heads, p.sq), np.float32)
+        if self.world.size == 1:
+            # one rank holds the whole sequence in order: the engine alone
+            attention_module.attention(q_list[0], k_list[0], v_list[0], causal=p.causal,
+                                       scale=call.scale, out=outs[0], lse=lses[0])
+        else:
+            self._run(call, q_list, k_list, v_list, outs, lses)
+        self.after_launch()
+        if as_list:
+            return outs, lses
+        return like_input(outs[0], q), like_input(lses[0], q)
+
+    def _ensure_buffers(self, call) -> None:
+        need = self.world.size * 2 * call.kv_bytes
+        grow = self._gathered is None or self._gathered.nbytes < need
+        if grow or self._flags is None:
+            # Allocations wait for the device: never while other calls' kernels may wait
+            # for the proxy (mkrt/DESIGN.md, "Runtime hazards").
+            self.world.synchronize()
+        if self._flags is None:
+            self._flags = flag_buffer(self.world, self.layout.words, name="ring_attention.flags")
+        if grow:
+            if self._gathered is not None:
+                self._gathered.close()
+            self._gathered = SymmetricBuffer(self.world, need, name="ring_attention.gathered",
+                                             zero=False)
+            self._generation += 1
+        if self.world.nodes > 1:
+            self.world.proxy()
+
+    def _launches(self, call) -> list:
+        if call.launches is not None and call.generation == self._generation:
+            return call.launches
+        self._ensure_buffers(call)
+        p, spec = call.problem, spec_for(call.problem.dtype, call.problem.head_dim)
+        launches, words = [], []
+        for info in self.world.local:
+            function = spec.function("ring_attention", info.device, spec.smem_bytes)
+            params = Parameters(LAUNCH_PARAMETERS)
+            params.set(args=self._args(call, info), muted_rank=self.muted_rank,
+                       **self.context_params(info.rank))
+            base = self._gathered.local_ptr(info.rank)
+            head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2      # strides in bytes
+            for name, offset in (("tma_k", 0), ("tma_v", call.kv_bytes)):
+                # [W][K | V]: source s's K at s * 2 kv_bytes, its V kv_bytes after
+                descriptor = tma_descriptor(
+                    base + offset, p.dtype, (p.head_dim, p.kv_heads, p.sk, p.batches, self.world.size),
+                    (head, row, p.sk * row, 2 * call.kv_bytes), (64, 1, spec.block_kv, 1, 1))
+                ctypes.memmove(params.address(name), descriptor.address, 128)
+            launches.append(KernelLaunch(function, call.ctas, spec.threads, spec.smem_bytes, params))
+            words.append(tuple(params.field_view("args", f) for f in ("k", "v", "out", "lse")))
+        call.launches, call.generation, call.words = launches, self._generation, words
+        call.q_pointers = {}
+        return launches
+
+    def _args(self, call, info) -> np.ndarray:
+        p, rank = call.problem, info.rank
+        args = np.zeros((), ARGS_DTYPE)
+        args["gathered"] = self._gathered.local_ptr(rank)
+        args["flags"] = self._flags.local_ptr(rank)
+        args["peer_flags"] = self._flags.peer_table(rank).data.ptr
+        args["peer_gathered"] = self._gathered.peer_table(rank).data.ptr
+        if self.world.nodes > 1:
+            args["queue"] = self.world.proxy().queue_pointer(rank)
+        args["batches"], args["heads"], args["kv_heads"] = p.batches, p.heads, p.kv_heads
+        args["chunk"] = p.sq // 2
+        args["me"], args["node"] = info.local_rank, info.node
+        args["G"], args["N"] = self.world.ranks_per_node, self.world.nodes
+        args["compute_ctas"] = call.ctas - call.comm_ctas
+        args["causal"] = int(p.causal)
+        args["gathered_region"], args["flags_region"] = self._gathered.region, self._flags.region
+        args["scale_log2"] = call.scale * 1.4426950408889634
+        return args
+
+    def _run(self, call, q_list, k_list, v_list, outs, lses) -> None:
+        launches = self._launches(call)
+        p = call.problem
+        for i, launch in enumerate(launches):
+            q = q_list[i]
+            if call.q_pointers.get(i) != q.data.ptr:
+                descriptor = attention_module.head_major_map(q, p.dtype, attention_module.BLOCK_Q)
+                ctypes.memmove(launch.params.address("tma_q"), descriptor.address, 128)
+                call.q_pointers[i] = q.data.ptr
+            for word, x in zip(call.words[i], (k_list[i], v_list[i], outs[i], lses[i])):
+                word[()] = x.data.ptr
+        self.launch(launches)
+
+    def close(self) -> None:
+        for buffer in (self._flags, self._gathered):
+            if buffer is not None:
+                buffer.close()
+        self._flags = self._gathered = None
+
+
+@dataclasses.dataclass(eq=False)
+class _PreparedCall:
+    problem: attention_module.AttentionProblem
+    scale: float
+    ctas: int
+    comm_ctas: int
+    dtype: np.dtype
+    q_shape: tuple
+    kv_shape: tuple
+    launches: list | None = None
+    generation: int = -1
+    words: list | None = None
+    q_pointers: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(np.prod(self.kv_shape)) * 2
+
+
+def ring_attention(q, k, v, *, causal: bool = False, scale: float | None = None, world=None,
+                   out=None, lse=None, **options):
+    """Each rank's (O, LSE) of its queries over the whole sequence; see :class:`RingAttention`."""
+    return shared_op(RingAttention, world, **options)(q, k, v, causal=causal, scale=scale,
+                                                      out=out, lse=lse)
+
+
+def test_cases():
+    """(layout, B, rows per chunk, Hq, Hkv, D, causal, dtype) the GPU tests run."""
+    return [("1x2", 1, 256, 2, 2, 128, False, "bf16"), ("1x2", 2, 200, 4, 2, 64, True, "bf16"),
+            ("1x4", 1, 384, 4, 1, 128, True, "bf16"), ("2x2", 1, 256, 2, 2, 128, True, "f16"),
+            ("2x2", 2, 130, 4, 4, 64, False, "bf16"), ("3x1", 1, 128, 2, 1, 128, True, "bf16")]

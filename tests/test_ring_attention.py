@@ -1,0 +1,112 @@
+"""Ring attention on the CPU: the kernel's Python mirrors (source order, the key blocks a
+tile visits) against the plan, sharding, compile checks; GPU tests in
+tests/test_ring_attention_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mkrt.kernels import attention as A
+from mkrt.kernels import ring_attention as RA
+from mkrt.kernels import ring_attention_plan as R
+
+LAYOUTS = [(1, 2), (1, 4), (2, 2), (3, 1), (2, 4), (4, 8)]
+
+
+@pytest.mark.parametrize("spec", RA.default_specs(), ids=lambda s: s.uri)
+def test_default_specs_compile_without_spills(spec):
+    build = spec.build(check_spills=True)
+    resources = build.resources["ring_attention"]
+    assert resources.spills == 0, resources
+    assert "serialized" not in build.log, build.log
+    assert spec.uri.startswith("ring_attention_")
+
+
+@pytest.mark.parametrize("nodes,G", LAYOUTS)
+def test_sources_follow_the_plan(nodes, G):
+    for causal in (False, True):
+        p = R.plan(nodes, G, causal=causal)
+        for rank in range(nodes * G):
+            assert RA.source_order(rank // G, rank % G, G, nodes) == list(p.order[rank])
+
+
+@pytest.mark.parametrize("nodes,G", LAYOUTS[:5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk", [128, 200, 384])
+def test_every_tile_visits_exactly_the_keys_it_may_see(nodes, G, causal, chunk):
+    W = nodes * G
+    for rank in range(W):
+        for slot in range(2):
+            for start in range(0, chunk, 128):
+                q_row, q_rows = slot * chunk + start, min(128, chunk - start)
+                qc = R.chunks_of(rank, W, causal)[slot]
+                last_query = qc * chunk + start + q_rows - 1
+                blocks = RA.tile_blocks(rank, G, nodes, chunk, q_row, q_rows, causal)
+                keys = [b[2] + i for b in blocks for i in range(b[3])]
+                assert len(keys) == len(set(keys)), "a key visited twice"
+                limit = last_query + 1 if causal else 2 * W * chunk
+                assert set(range(limit)) <= set(keys), "a visible key never visited"
+                # nothing past the tile's reach beyond one diagonal block's slack
+                assert all(k < limit + 128 for k in keys)
+                # the rows read from a source are that source's rows of the key chunk
+                for source, row, position, count in blocks:
+                    kslot = row // chunk
+                    kc = R.chunks_of(source, W, causal)[kslot]
+                    assert position == kc * chunk + row - kslot * chunk and count <= 128
+                # own K/V first
+                assert blocks[0][0] == rank
+
+
+@pytest.mark.parametrize("nodes,G", [(1, 2), (2, 2), (1, 4)])
+def test_causal_work_is_the_same_on_every_rank(nodes, G):
+    W, chunk = nodes * G, 512
+    work = []
+    for rank in range(W):
+        work.append(sum(len(RA.tile_blocks(rank, G, nodes, chunk, slot * chunk + s, 128, True))
+                        for slot in range(2) for s in range(0, chunk, 128)))
+    assert len(set(work)) == 1, work
+
+
+def test_shard_and_unshard_round_trip():
+    x = np.arange(2 * 24 * 3 * 2).reshape(2, 24, 3, 2)
+    for causal in (False, True):
+        parts = [RA.shard(x, r, 3, causal=causal) for r in range(3)]
+        assert parts[0].shape == (2, 8, 3, 2)
+        assert np.array_equal(RA.unshard(parts, causal=causal), x)
+        lse = np.moveaxis(x, 1, 2)
+        lse_parts = [np.moveaxis(p, 1, 2) for p in parts]
+        assert np.array_equal(RA.unshard(lse_parts, causal=causal, axis=2), lse)
+    with pytest.raises(ValueError, match="multiple of 2 x world"):
+        RA.shard(x, 0, 5, causal=True)
+    assert [int(v) for v in RA.shard(x, 1, 3, causal=True)[0, :, 0, 0] // 6] == \
+        [4, 5, 6, 7, 16, 17, 18, 19]      # chunks 1 and 4 (zigzag) of 6 chunks of 4 rows
+
+
+def test_the_ring_reference_is_attention_over_the_whole_sequence():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 16, 2, 8)) for _ in range(3))
+    for causal in (False, True):
+        full_o, full_lse = A.reference(q, k, v, causal=causal, dtype=np.float64)
+        results = R.ring_reference(q, k, v, nodes=2, ranks_per_node=2, causal=causal)
+        for rank, chunks in enumerate(results):
+            o = np.concatenate([o for _, o, _ in chunks], axis=1)
+            lse = np.concatenate([lse for _, _, lse in chunks], axis=2)
+            np.testing.assert_allclose(o, RA.shard(full_o, rank, 4, causal=causal), atol=1e-12)
+            np.testing.assert_allclose(
+                lse, np.moveaxis(RA.shard(np.moveaxis(full_lse, 2, 1), rank, 4, causal=causal), 1, 2),
+                atol=1e-12)
+
+
+def test_op_checks_before_launch():
+    import mkrt
+    world = mkrt.init(emulate="2x2", gpus=0)
+    try:
+        op = mkrt.RingAttention(world)
+        assert op.split()[1] >= 1
+        with pytest.raises(ValueError, match="comm_ctas"):
+            mkrt.RingAttention(world, comm_ctas=500).split()
+        with pytest.raises(ValueError, match="muted_rank"):
+            mkrt.RingAttention(world, muted_rank=4)
+    finally:
+        world.close()

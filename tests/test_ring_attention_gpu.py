@@ -1,0 +1,135 @@
+"""Ring attention on emulated worlds on one GPU: every rank's O and LSE against attention
+over the whole sequence (float32 reference), causal and not, GQA, odd chunk lengths;
+repeated calls identical; graph replay; bad inputs; a silent rank ends in CommTimeout."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mkrt
+from mkrt.arrays import bfloat16
+from mkrt.kernels import attention as A
+from mkrt.kernels import ring_attention as RA
+
+pytestmark = pytest.mark.gpu
+
+
+def sequence(B, S, Hq, Hkv, D, dtype, seed):
+    import cupy
+
+    from mkrt.kernels.gemm import from_float32
+    np_dtype = bfloat16 if dtype == "bf16" else np.float16
+    rng = cupy.random.default_rng(seed)
+    return [from_float32(rng.standard_normal(shape, dtype=np.float32), np_dtype)
+            for shape in ((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D))]
+
+
+def shards(world, x, causal):
+    return [RA.shard(x, info.rank, world.size, causal=causal) for info in world.local]
+
+
+def check(world, q, k, v, outs, lses, causal, dtype):
+    import cupy
+
+    from mkrt.kernels.gemm import to_float32
+    ref_o, ref_lse = A.reference(q, k, v, causal=causal)
+    worst = 0.0
+    for info, out, lse in zip(world.local, outs, lses):
+        want_o = RA.shard(ref_o, info.rank, world.size, causal=causal)
+        want_lse = cupy.moveaxis(RA.shard(cupy.moveaxis(ref_lse, 2, 1), info.rank, world.size,
+                                          causal=causal), 1, 2)
+        got = to_float32(out)
+        assert bool(cupy.isfinite(got).all()), f"rank {info.rank}: rows left unwritten"
+        worst = max(worst, float(cupy.abs(got - want_o).max()) / float(cupy.abs(want_o).max()))
+        assert float(cupy.abs(lse - want_lse).max()) < 2e-3 * max(1.0, float(cupy.abs(want_lse).max()))
+    assert worst < (2e-2 if dtype == "bf16" else 4e-3), worst
+
+
+@pytest.mark.parametrize("case", RA.test_cases(), ids=lambda c: "-".join(map(str, c)))
+def test_matches_attention_over_the_whole_sequence(make_world, case):
+    import cupy
+
+    from mkrt.kernels.gemm import poison
+    layout, B, chunk, Hq, Hkv, D, causal, dtype = case
+    world = make_world(layout)
+    op = mkrt.RingAttention(world, timeout_ms=10000)
+    q, k, v = sequence(B, 2 * world.size * chunk, Hq, Hkv, D, dtype, seed=chunk + Hq)
+    qs, ks, vs = (shards(world, x, causal) for x in (q, k, v))
+    outs = [poison(cupy.empty_like(x)) for x in qs]
+    lses = [cupy.full((B, Hq, 2 * chunk), np.nan, np.float32) for _ in qs]
+    op(qs, ks, vs, causal=causal, out=outs, lse=lses)
+    world.synchronize()
+    check(world, q, k, v, outs, lses, causal, dtype)
+
+
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_fifty_calls_without_sync_are_identical(make_world, layout):
+    import cupy
+    world = make_world(layout)
+    op = mkrt.RingAttention(world, timeout_ms=10000)
+    q, k, v = sequence(1, 2 * world.size * 256, 4, 2, 128, "bf16", seed=7)
+    qs, ks, vs = (shards(world, x, True) for x in (q, k, v))
+    results = [op(qs, ks, vs, causal=True) for _ in range(50)]
+    world.synchronize()
+    check(world, q, k, v, *results[0], True, "bf16")
+    for outs, _ in results[1:]:
+        for first, again in zip(results[0][0], outs):
+            assert cupy.array_equal(first.view(cupy.uint16), again.view(cupy.uint16))
+
+
+def test_graph_capture_and_replay(make_world):
+    import cupy
+    world = make_world("2x2")
+    op = mkrt.RingAttention(world, timeout_ms=10000)
+    q, k, v = sequence(1, 2 * 4 * 128, 2, 2, 64, "bf16", seed=9)
+    qs, ks, vs = (shards(world, x, True) for x in (q, k, v))
+    outs = [cupy.empty_like(x) for x in qs]
+    lses = [cupy.empty((1, 2, 256), np.float32) for _ in qs]
+    op(qs, ks, vs, causal=True, out=outs, lse=lses)
+    world.synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        op(qs, ks, vs, causal=True, out=outs, lse=lses)
+        graph = stream.end_capture()
+    for replay in range(3):
+        q2, k2, v2 = sequence(1, 2 * 4 * 128, 2, 2, 64, "bf16", seed=20 + replay)
+        with stream:
+            for dst, src in zip(qs + ks + vs, shards(world, q2, True) + shards(world, k2, True)
+                                + shards(world, v2, True)):
+                dst[...] = src
+        graph.launch(stream)
+        stream.synchronize()
+        world.synchronize()
+        check(world, q2, k2, v2, outs, lses, True, "bf16")
+
+
+def test_bad_inputs_raise_before_launch(make_world):
+    world = make_world("1x2")
+    op = mkrt.RingAttention(world, timeout_ms=2000)
+    q, k, v = sequence(1, 512, 2, 2, 64, "bf16", seed=1)
+    qs, ks, vs = (shards(world, x, False) for x in (q, k, v))
+    with pytest.raises(ValueError, match="rows per rank"):
+        op(qs, [x[:, :128] for x in ks], [x[:, :128] for x in vs])
+    with pytest.raises(ValueError, match="two\\s+chunks|2c rows"):
+        op([x[:, :255] for x in qs], [x[:, :255] for x in ks], [x[:, :255] for x in vs])
+    with pytest.raises(TypeError, match="causal"):
+        op(qs, ks, vs, causal="yes")
+    with pytest.raises(ValueError):
+        op([qs[0], qs[1][:, :128]], ks, vs)                # ranks disagree on shapes
+
+
+@pytest.mark.parametrize("layout,muted", [("1x2", 1), ("2x2", 3)])
+def test_a_rank_that_never_signals_raises_comm_timeout(make_world, layout, muted):
+    world = make_world(layout)
+    op = mkrt.RingAttention(world, timeout_ms=300, muted_rank=muted)
+    q, k, v = sequence(1, 2 * world.size * 128, 2, 2, 64, "bf16", seed=2)
+    qs, ks, vs = (shards(world, x, True) for x in (q, k, v))
+    start = time.perf_counter()
+    with pytest.raises(mkrt.CommTimeout):
+        op(qs, ks, vs, causal=True)
+        world.synchronize()
+    assert time.perf_counter() - start < 10
