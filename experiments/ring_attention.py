@@ -1,0 +1,173 @@
+"""Ring attention on an emulated world on one GPU, against its baselines in the same run.
+
+For each shape (B, sequence per rank, Hq, Hkv, D, causal) and layout, the whole world's
+call is timed on the caller's stream (CUDA events, warm-up, median):
+
+* ``ring``: mkrt.RingAttention (one persistent kernel per rank);
+* ``(a) allgather+sdpa``: mkrt.allgather of K and V, each rank's K/V put back in sequence
+  order, then torch SDPA per query chunk on the full K/V with the fastest backend that
+  runs (cuDNN, flash, efficient: each tried, the best kept);
+* ``(c) floor``: mkrt.attention on the whole sequence in one call (the same work, no
+  communication).
+
+On one GPU the emulated ranks share the SMs: the figures are the world's aggregate
+throughput (all ranks' FLOPs over the world's time), not per-GPU figures of a real ring.
+Rows: experiments/results/ring_attention.jsonl (value: ring TFLOP/s, baseline: (a)),
+with the floor's figure in each row.
+
+    PYTHONPATH=$PWD python3 experiments/ring_attention.py --layouts 1x2 1x4 2x2 \
+        --out experiments/results/ring_attention.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mkrt.bench import append_jsonl, record  # noqa: E402
+
+# (B, rows per rank, Hq, Hkv, D, causal): the reference's sweep and Llama-3 70B GQA
+SUITE = [(4, s, 16, 16, 128, c) for s in (768, 3072, 6144, 12288) for c in (False, True)]
+SUITE += [(1, 4096, 64, 8, 128, True)]
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=["1x2", "1x4", "2x2"])
+    parser.add_argument("--shapes", default="suite", help="'suite' or B:S:Hq:Hkv:D:causal,...")
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="")
+    return parser.parse_args()
+
+
+def shapes(text):
+    if text == "suite":
+        return SUITE
+    out = []
+    for item in text.split(","):
+        b, s, hq, hkv, d, c = item.split(":")
+        out.append((int(b), int(s), int(hq), int(hkv), int(d), c in ("1", "True", "causal")))
+    return out
+
+
+def time_ms(fn, iterations, repeats):
+    import cupy
+    fn()
+    cupy.cuda.get_current_stream().synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(iterations):
+            fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
+    return median(samples)
+
+
+def main():
+    args = parse()
+    import cupy
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    import mkrt
+    from mkrt.kernels import attention as A
+    from mkrt.kernels import ring_attention as RA
+    from mkrt.kernels import ring_attention_plan as R
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for layout in args.layouts:
+        world = mkrt.init(emulate=layout)
+        W = world.size
+        op = mkrt.RingAttention(world, timeout_ms=20000)
+        gather = mkrt.AllGather(world, timeout_ms=20000)
+        for B, rows, Hq, Hkv, D, causal in shapes(args.shapes):
+            c, S = rows // 2, rows * W
+            case = f"{layout}_b{B}_s{rows}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
+            gen = torch.Generator(device="cuda").manual_seed(rows + Hq)
+            full = [torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    for h in (Hq, Hkv, Hkv)]
+            q, k, v = (cupy.from_dlpack(x) for x in full)
+            qs, ks, vs = ([RA.shard(x, r, W, causal=causal) for r in range(W)] for x in (q, k, v))
+            outs = [cupy.empty_like(x) for x in qs]
+            lses = [cupy.empty((B, Hq, rows), cupy.float32) for _ in qs]
+            problem = A.check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                                       causal=causal)
+            flops = problem.flops
+
+            # correctness of this run's ring against the engine on the whole sequence
+            op(qs, ks, vs, causal=causal, out=outs, lse=lses)
+            whole, _ = mkrt.attention(q, k, v, causal=causal)
+            world.synchronize()
+            got = RA.unshard(outs, causal=causal)
+            error = float(cupy.abs(got.astype(cupy.float32) - whole.astype(cupy.float32)).max()
+                          / cupy.abs(whole.astype(cupy.float32)).max())
+            ring_ms = time_ms(lambda: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                              args.iterations, args.repeats)
+            floor_ms = time_ms(lambda: mkrt.attention(q, k, v, causal=causal),
+                               args.iterations, args.repeats)
+
+            # (a): gather K and V, each rank's copy back in sequence order, SDPA per chunk
+            order = [i for r in range(W) for i in R.chunks_of(r, W, causal)]   # gathered chunk -> seq chunk
+            inverse = torch.tensor([order.index(i) for i in range(2 * W)], device="cuda")
+            flat_k = [x.reshape(-1) for x in ks]
+            flat_v = [x.reshape(-1) for x in vs]
+            q_torch = [torch.from_dlpack(x).transpose(1, 2) for x in qs]
+
+            def baseline(backend):
+                gk, gv = gather(flat_k), gather(flat_v)
+                for r in range(W):
+                    kk, vv = (torch.from_dlpack(g[r]).view(W, B, 2, c, Hkv, D)
+                              .permute(1, 0, 2, 3, 4, 5).reshape(B, 2 * W, c, Hkv, D)
+                              .index_select(1, inverse).reshape(B, S, Hkv, D).transpose(1, 2)
+                              for g in (gk, gv))
+                    for slot, qc in enumerate(R.chunks_of(r, W, causal)):
+                        qq = q_torch[r][:, :, slot * c:(slot + 1) * c]
+                        if causal:
+                            keys = (qc + 1) * c
+                            mask = causal_lower_right(c, keys)
+                            torch.nn.functional.scaled_dot_product_attention(
+                                qq, kk[:, :, :keys], vv[:, :, :keys], attn_mask=mask,
+                                enable_gqa=Hq != Hkv)
+                        else:
+                            torch.nn.functional.scaled_dot_product_attention(
+                                qq, kk, vv, enable_gqa=Hq != Hkv)
+            theirs = {}
+            for name, backend in backends.items():
+                try:
+                    with sdpa_kernel(backend):
+                        theirs[name] = time_ms(lambda: baseline(backend), args.iterations,
+                                               args.repeats)
+                except RuntimeError:
+                    theirs[name] = None
+            best = min((t for t in theirs.values() if t), default=None)
+            ring_tflops = flops / ring_ms / 1e9
+            row = record("ring_attention", case, "tflops", ring_tflops,
+                         flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms,
+                         baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
+                         floor_tflops=flops / floor_ms / 1e9, of_floor=floor_ms / ring_ms,
+                         max_rel_error=error, correct=error < 2e-2, layout=layout,
+                         note="emulated ranks share one GPU: aggregate throughput")
+            print(f"{case}: ring {ring_tflops:.0f} TFLOP/s, (a) "
+                  f"{'-' if not best else f'{flops / best / 1e9:.0f}'} "
+                  f"({', '.join(f'{n} {t:.2f} ms' for n, t in theirs.items() if t)}), floor "
+                  f"{flops / floor_ms / 1e9:.0f}; x(a) {row['ratio'] or float('nan'):.3f}, "
+                  f"of floor {row['of_floor']:.3f}, err {error:.4f}", flush=True)
+            if args.out:
+                append_jsonl(args.out, [row])
+        op.close()
+        gather.close()
+        world.close()
+
+
+if __name__ == "__main__":
+    main()
