@@ -96,8 +96,8 @@ def test_graph_capture_and_replay(make_world):
         op(qs, ks, vs, causal=True, out=outs, lse=lses)
         graph = stream.end_capture()
     for replay in range(3):
-        q2, k2, v2 = sequence(1, 2 * 4 * 128, 2, 2, 64, "bf16", seed=20 + replay)
-        with stream:
+        with stream:      # new inputs made and copied on the replay's stream (no race)
+            q2, k2, v2 = sequence(1, 2 * 4 * 128, 2, 2, 64, "bf16", seed=20 + replay)
             for dst, src in zip(qs + ks + vs, shards(world, q2, True) + shards(world, k2, True)
                                 + shards(world, v2, True)):
                 dst[...] = src

@@ -282,8 +282,9 @@ class RingAttentionSpec(attention_module.AttentionSpec):
 
 
 def spec_for(dtype: str, head_dim: int) -> RingAttentionSpec:
-    base = attention_module.default_spec(dtype, head_dim)
-    return RingAttentionSpec(dtype, head_dim, base.block_kv, base.stages, base.pingpong)
+    """The engine configuration the ring was measured with (128-key blocks, no pingpong);
+    mkrt.attention's default at head dim 128 differs (see attention.default_spec)."""
+    return RingAttentionSpec(dtype, head_dim, 128, 2 if head_dim == 128 else 3, 0)
 
 
 def default_specs() -> list[RingAttentionSpec]:
