@@ -57,7 +57,9 @@ def ops(world, args):
     from mkrt.arrays import bfloat16
     from mkrt.kernels import allgather_gemm as agg
     from mkrt.kernels import gemm_allreduce as gar
+    from mkrt.kernels import attention as attention_module
     from mkrt.kernels import gemm_reducescatter as grs
+    from mkrt.kernels import ring_attention as ra
     from mkrt.kernels.gemm import to_float32
     rng = cupy.random.default_rng(11)
     m, n, k = args.shape
@@ -93,12 +95,23 @@ def ops(world, args):
         return all(np.array_equal(o.get(), x_host[world.node_ranks(info.node)])
                    for o, info in zip(outs, world.local))
 
+    # ring attention, causal (zigzag), 256 rows per chunk, GQA 4 query heads on 2
+    S = 2 * world.size * 256
+    q_full, k_full, v_full = (rng.standard_normal((1, S, h, 64), dtype=np.float32).astype(bfloat16)
+                              for h in (4, 2, 2))
+    ring_parts = [[ra.shard(t, info.rank, world.size, causal=True) for info in world.local]
+                  for t in (q_full, k_full, v_full)]
+    ring_lse = [cupy.empty((1, 4, 512), np.float32) for _ in world.local]
+    ring_full, _ = attention_module.reference(q_full, k_full, v_full, causal=True)
+    ring_references = [ra.shard(ring_full, info.rank, world.size, causal=True) for info in world.local]
+
     fused = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     auto = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=args.timeout_ms)
     gather = mkrt.AllGather(world, timeout_ms=args.timeout_ms)
     node = mkrt.AllGather(world, group="node", timeout_ms=args.timeout_ms)
     scatter = mkrt.GemmReduceScatter(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     gather_gemm = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
+    ring = mkrt.RingAttention(world, timeout_ms=args.timeout_ms)
     gar_outs = lambda: [cupy.empty((m, n), bfloat16) for _ in world.local]          # noqa: E731
     table = {
         "gemm_allreduce_fused": (lambda out: fused(a, b, out=out), gar_outs(), gar_check),
@@ -120,6 +133,10 @@ def ops(world, args):
             lambda out: gather_gemm.unfused(a_rows, b, out=out),
             [cupy.empty((m_tp, n), bfloat16) for _ in world.local],
             lambda outs: close_to(outs, ag_references)),
+        "ring_attention": (
+            lambda out: ring(*ring_parts, causal=True, out=out, lse=ring_lse),
+            [cupy.empty((1, 512, 4, 64), bfloat16) for _ in world.local],
+            lambda outs: close_to(outs, ring_references)),
         "allgather_world": (lambda out: gather(x, out=out),
                             [cupy.empty((world.size, args.gather_elems), np.float32)
                              for _ in world.local], gather_check),

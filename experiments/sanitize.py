@@ -185,6 +185,57 @@ def _proxy_ce():
     return case
 
 
+def _attention(head_dim=64, causal=True):
+    """mkrt.attention at an odd length (a partial query tile and key block), GQA."""
+    def case():
+        import cupy
+        import numpy as np
+
+        from mkrt.arrays import bfloat16
+        from mkrt.kernels import attention as A
+        from mkrt.kernels.gemm import from_float32
+        rng = cupy.random.default_rng(4)
+        q, k, v = (from_float32(rng.standard_normal((1, 200, h, head_dim), dtype=np.float32), bfloat16)
+                   for h in (4, 2, 2))
+        out, lse = A.attention(q, k, v, causal=causal)
+        ref, _ = A.reference(q, k, v, causal=causal)
+        cupy.cuda.Device().synchronize()
+        error = float(cupy.abs(out.astype(cupy.float32) - ref).max() / cupy.abs(ref).max())
+        return error < 2e-2
+    return case
+
+
+def _ring(layout):
+    """mkrt.RingAttention, causal, two calls (a second epoch)."""
+    def case():
+        import cupy
+        import numpy as np
+
+        import mkrt
+        from mkrt.arrays import bfloat16
+        from mkrt.kernels import attention as A
+        from mkrt.kernels import ring_attention as RA
+        from mkrt.kernels.gemm import from_float32
+        world = mkrt.init(emulate=layout)
+        rng = cupy.random.default_rng(5)
+        S = 2 * world.size * 130
+        q, k, v = (from_float32(rng.standard_normal((1, S, h, 64), dtype=np.float32), bfloat16)
+                   for h in (2, 1, 1))
+        parts = [[RA.shard(x, info.rank, world.size, causal=True) for info in world.local]
+                 for x in (q, k, v)]
+        op = mkrt.RingAttention(world, timeout_ms=TIMEOUT_MS)
+        op(*parts, causal=True)
+        outs, _ = op(*parts, causal=True)                 # a second epoch
+        world.synchronize()
+        ref, _ = A.reference(q, k, v, causal=True)
+        got = RA.unshard(outs, causal=True)
+        error = float(cupy.abs(got.astype(cupy.float32) - ref).max() / cupy.abs(ref).max())
+        op.close()
+        world.close()
+        return error < 2e-2
+    return case
+
+
 CASES = {
     "gemm_300x520x64_kn": _gemm(),
     "gemm_129x127x24_nk": _gemm(129, 127, 24, "nk"),
@@ -201,6 +252,10 @@ CASES = {
     "allgather_node_2x2": _allgather("2x2", group="node"),
     "probe_wait_timeout": _probe_timeout(),
     "proxy_ce_puts": _proxy_ce(),
+    "attention_d64_causal": _attention(64, True),
+    "attention_d128": _attention(128, False),
+    "ring_attention_1x2": _ring("1x2"),
+    "ring_attention_2x2": _ring("2x2"),
 }
 
 
