@@ -375,18 +375,28 @@ def _determinism_text(run):
 
 
 def _sanitize_text(run):
+    # the newest row of each (tool, case); "_ce_each" names the same case run with the
+    # proxy's cuMemcpyAsync copies
+    newest = {}
+    for r in run:
+        newest[(str(r.get("tool")), str(r.get("case")).replace("_ce_each", ""))] = r
+    rows = list(newest.values())
     parts = []
-    for tool in dict.fromkeys(str(r.get("tool")) for r in run if r.get("tool") != "none"):
-        mine = [r for r in run if r.get("tool") == tool]
-        errors = sum(int(_number(r.get("errors")) or 0) for r in mine)
-        unfinished = sum(r.get("errors") is None for r in mine)
+    for tool in dict.fromkeys(str(r.get("tool")) for r in rows if r.get("tool") != "none"):
+        mine = [r for r in rows if r.get("tool") == tool]
+        key = "hazards" if tool == "racecheck" else "errors"
+        counted = [r for r in mine if r.get(key) is not None]
+        found = sum(int(_number(r.get(key)) or 0) for r in counted)
         # A case that did not finish under the tool (its own check failed: a timeout,
-        # typically) is named: 0 errors there covers only what ran.
+        # typically) is named: its count covers only what ran.
         unfinished_cases = [str(r.get("case")) for r in mine if not r.get("case_ok")]
-        parts.append(f"{tool} {errors} errors in {len(mine) - unfinished} cases"
-                     + (f" ({unfinished} without a summary)" if unfinished else "")
-                     + (f", of which {len(unfinished_cases)} did not finish under the tool "
-                        f"({', '.join(unfinished_cases)})" if unfinished_cases else ""))
+        text = f"{tool} {found} {key} in {len(counted)} cases"
+        if tool == "initcheck" and found:
+            text += " (reads of outputs that TMA stores wrote, which initcheck does not track)"
+        if unfinished_cases:
+            text += (f", of which {len(unfinished_cases)} did not finish under the tool "
+                     f"({', '.join(unfinished_cases)})")
+        parts.append(text)
     return "; ".join(parts) or "no sanitizer rows"
 
 
@@ -408,7 +418,27 @@ def _verbs_rate_text(run):
         kind = "compiled verbs loop" if "compiled" in str(r.get("case")) else "Python verbs proxy"
         parts.append(f"{kind} {_number(r.get('value')) / 1e6:.2f} M commands/s, "
                      f"{_number(r.get('ratio')):.2g}x the host transport")
-    return "put+signal of 64 B, CPU only (a 2-core VM, noisy): " + "; ".join(parts)
+    where = ("on the GPU machine's CPUs" if run and run[0].get("gpu") not in (None, "none")
+             else "CPU only (a 2-core VM, noisy)")
+    return f"put+signal of 64 B, {where}: " + "; ".join(parts)
+
+
+def _attention_lines(rows):
+    def family(row):
+        case = _case(row)
+        d = "head dim 64" if "_d64" in case else "head dim 128"
+        return f"{d}, {'causal' if case.endswith('_causal') else 'non-causal'}"
+    return family_lines(rows, family, against="of the best torch SDPA backend (cuDNN here), same run")
+
+
+def _attention_variant_lines(rows):
+    return family_lines(rows, lambda r: f"configuration {r.get('variant')}",
+                        against="of the default configuration's TFLOP/s, same run")
+
+
+def _ring_lines(rows):
+    return family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated on one GPU",
+                        against="of all-gather K/V + SDPA (best backend), same run")
 
 
 def _described(label, text, *, same_commit=False, latest_per_case=False):
@@ -421,8 +451,8 @@ PIECES = [
           "`sm_90a` (also on machines without a GPU), disk cache, register/spill report"),
     Piece("worlds", "`mkrt.init()` under mpiexec (a node per host, or `MKRT_WORLD_RANKS_PER_NODE` "
           "ranks); emulated `NxG` worlds in one process; worlds across hosts: the `verbs` proxy "
-          "service, built, CPU-tested over mkrt's loopback NIC, not yet run with GPU kernels, "
-          "never on RDMA hardware"),
+          "service, run with GPU kernels over mkrt's loopback NIC (emulated 2x2, and two "
+          "processes under mpiexec), never on RDMA hardware"),
     Piece("memory, waits", "symmetric buffers, peer pointers (CUDA IPC), epoch flags, bounded "
           "waits that end in `mkrt.CommTimeout`"),
     Piece("`mkrt.gemm`", "TMA + wgmma persistent engine, bf16/f16, both B layouts",
@@ -439,7 +469,8 @@ PIECES = [
     Piece("planner", "`fuse=None` picks fused or unfused per shape (`mkrt/controller/cost.py`); "
           "`experiments/planner.py` times its picks against both paths", "planner", _planner_lines),
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
-          "`verbs` (RC, EFA SRD) CPU-tested on a fake device only, never on RDMA hardware",
+          "`verbs` (RC, EFA SRD): the compiled loop posts through the provider's function pointers; "
+          "run over mkrt's loopback NIC with GPU kernels, never on RDMA hardware",
           "proxy", _proxy_lines),
     Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in a few "
           "communication CTAs, the GEMM engine in the rest, each tile row loaded once its blocks "
@@ -459,7 +490,7 @@ PIECES = [
           "determinism", _described("determinism", _determinism_text, latest_per_case=True)),
     Piece("reliability: sanitizers", "compute-sanitizer memcheck, racecheck, synccheck, initcheck "
           "over every kernel at small shapes (`experiments/sanitize.py`)", "sanitize",
-          _described("sanitizers", _sanitize_text)),
+          _described("sanitizers", _sanitize_text, latest_per_case=True)),
     Piece("reliability: host stalls", "a host call that waits for the device while fused kernels "
           "wait for the proxy (mkrt/DESIGN.md, \"Runtime hazards\"; `experiments/proxy_stall.py`)",
           "proxy_stall", _described("proxy stall", _proxy_stall_text, same_commit=True)),
@@ -469,7 +500,19 @@ PIECES = [
           _described("verbs rate", _verbs_rate_text, same_commit=True)),
     Piece("one multi-GPU host", "mkrt vs NCCL + cuBLAS over NVLink (`experiments/multi_gpu.py`)",
           "multi_gpu", _multi_gpu_lines),
-    Piece("not yet", "Ring Attention, MoE, the SM-partition controller within a launch "
+    Piece("`mkrt.attention`", "the Hopper attention engine alone (forward): TMA + wgmma, softmax "
+          "probabilities fed to the second MMA from registers, pingpong between the consumer "
+          "warpgroups, GQA/MQA, causal, head dim 64/128, [B, S, H, D] strided views "
+          "(`experiments/attention.py`)", "attention", _attention_lines),
+    Piece("`mkrt.ring_attention`", "the whole ring in one persistent kernel per rank: K/V "
+          "gathered hierarchically (each chunk crosses to each node once), the engine visiting "
+          "key blocks source by source as they arrive, merged in fp32 registers; zigzag causal "
+          "with masked chunk pairs skipped (`experiments/ring_attention.py`)",
+          "ring_attention", _ring_lines),
+    Piece("attention configurations", "other engine configurations (key block, stages, "
+          "pingpong) against the default of the same run", "attention_variants",
+          _attention_variant_lines),
+    Piece("not yet", "MoE, the SM-partition controller within a launch "
           "(gemm_allreduce's `controller=True` moves its split between launches: built, "
           "not yet run on a GPU), a run on RDMA hardware, worlds on EFA"),
 ]
