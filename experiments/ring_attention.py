@@ -7,6 +7,9 @@ call is timed on the caller's stream (CUDA events, warm-up, median):
 * ``(a) allgather+sdpa``: mkrt.allgather of K and V, each rank's K/V put back in sequence
   order, then torch SDPA per query chunk on the full K/V with the fastest backend that
   runs (cuDNN, flash, efficient: each tried, the best kept);
+* ``(b) per-step ring``: the ring-flash-attn scheme without its transfers (the chunks are
+  already on the GPU): per rank, per visible (query chunk, key chunk) pair one
+  mkrt.attention call returning (O, LSE), merged step by step in fp32 (CuPy);
 * ``(c) floor``: mkrt.attention on the whole sequence in one call (the same work, no
   communication).
 
@@ -42,7 +45,35 @@ def parse():
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
+    parser.add_argument("--plot", default="", help="write a PNG of TFLOP/s against rows per rank")
     return parser.parse_args()
+
+
+def plot(rows, path):
+    """TFLOP/s of the ring, (a) and the floor against rows per rank, one panel per layout
+    and causal/non-causal."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
+    panels = sorted({(r["layout"], bool(r["causal"])) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    for ax, (layout, causal) in zip(axes[0], panels):
+        mine = sorted((r for r in rows if r["layout"] == layout and bool(r["causal"]) == causal),
+                      key=lambda r: r["rows"])
+        x = [r["rows"] for r in mine]
+        for key, label in (("value", "ring"), ("baseline", "(a) all-gather + SDPA"),
+                           ("per_step_tflops", "(b) per-step ring"), ("floor_tflops", "floor")):
+            ax.plot(x, [r.get(key) or float("nan") for r in mine], marker="o", label=label)
+        ax.set_title(f"{layout} {'causal' if causal else 'non-causal'}")
+        ax.set_xlabel("rows per rank")
+        ax.set_ylabel("TFLOP/s (world, one GPU)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def shapes(text):
@@ -85,6 +116,7 @@ def main():
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    recorded = []
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
         W = world.size
@@ -141,6 +173,31 @@ def main():
                         else:
                             torch.nn.functional.scaled_dot_product_attention(
                                 qq, kk, vv, enable_gqa=Hq != Hkv)
+            # (b): per-step calls and LSE merges, no transfers
+            def per_step():
+                for r in range(W):
+                    for slot, qc in enumerate(R.chunks_of(r, W, causal)):
+                        qq = qs[r][:, slot * c:(slot + 1) * c]
+                        o_acc = lse_acc = None
+                        for source in R.plan(world.nodes, world.ranks_per_node, causal=causal).order[r]:
+                            for kslot, kc in enumerate(R.chunks_of(source, W, causal)):
+                                kind = R.mask_kind(qc, kc, causal)
+                                if kind == R.SKIPPED:
+                                    continue
+                                o, lse = mkrt.attention(qq, ks[source][:, kslot * c:(kslot + 1) * c],
+                                                        vs[source][:, kslot * c:(kslot + 1) * c],
+                                                        causal=kind == R.DIAGONAL)
+                                o = o.astype(cupy.float32)
+                                if o_acc is None:
+                                    o_acc, lse_acc = o, lse
+                                    continue
+                                top = cupy.maximum(lse_acc, lse)
+                                w1, w2 = cupy.exp(lse_acc - top), cupy.exp(lse - top)
+                                total = w1 + w2
+                                o_acc = (o_acc * cupy.moveaxis(w1 / total, 1, 2)[..., None]
+                                         + o * cupy.moveaxis(w2 / total, 1, 2)[..., None])
+                                lse_acc = top + cupy.log(total)
+            per_step_ms = time_ms(per_step, args.iterations, args.repeats)
             theirs = {}
             for name, backend in backends.items():
                 try:
@@ -155,18 +212,24 @@ def main():
                          flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms,
                          baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
                          floor_tflops=flops / floor_ms / 1e9, of_floor=floor_ms / ring_ms,
+                         per_step_tflops=flops / per_step_ms / 1e9, x_per_step=per_step_ms / ring_ms,
                          max_rel_error=error, correct=error < 2e-2, layout=layout,
+                         rows=rows, causal=causal,
                          note="emulated ranks share one GPU: aggregate throughput")
             print(f"{case}: ring {ring_tflops:.0f} TFLOP/s, (a) "
                   f"{'-' if not best else f'{flops / best / 1e9:.0f}'} "
                   f"({', '.join(f'{n} {t:.2f} ms' for n, t in theirs.items() if t)}), floor "
-                  f"{flops / floor_ms / 1e9:.0f}; x(a) {row['ratio'] or float('nan'):.3f}, "
+                  f"{flops / floor_ms / 1e9:.0f}, (b) {flops / per_step_ms / 1e9:.0f}; "
+                  f"x(a) {row['ratio'] or float('nan'):.3f}, x(b) {row['x_per_step']:.3f}, "
                   f"of floor {row['of_floor']:.3f}, err {error:.4f}", flush=True)
+            recorded.append(row)
             if args.out:
                 append_jsonl(args.out, [row])
         op.close()
         gather.close()
         world.close()
+    if args.plot and recorded:
+        plot(recorded, args.plot)
 
 
 if __name__ == "__main__":
