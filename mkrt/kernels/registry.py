@@ -15,6 +15,7 @@ KERNEL_MODULES = [
     "mkrt.kernels.gemm_allreduce",
     "mkrt.kernels.allgather_gemm",
     "mkrt.kernels.attention",
+    "mkrt.kernels.grouped_gemm",
     "mkrt.kernels.ring_attention",
 ]
 

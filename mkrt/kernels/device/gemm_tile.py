@@ -78,11 +78,17 @@ struct Config {
 // (m * tiles_n + n), which fused kernels use to name flags.
 // A work item: an output tile, and which of its k-blocks (kb_end < 0: all of them; split:
 // which part of a split-K tile this is).
+// a_row / b_row >= 0: the first row of A / of B ([N, K] storage) the tile reads, where it
+// is not m * BM / n * BN (a grouped GEMM's tiles start where their group does).
 struct Tile {
     int m = 0, n = 0, index = 0;
     int kb_begin = 0, kb_end = -1, split = 0;
+    int a_row = -1, b_row = -1;
+    int group = -1;                                  // a grouped GEMM's group
     __device__ __forceinline__ int k_first() const { return kb_begin; }
     __device__ __forceinline__ int k_last(int k_blocks) const { return kb_end < 0 ? k_blocks : kb_end; }
+    __device__ __forceinline__ int a_first(int bm) const { return a_row >= 0 ? a_row : m * bm; }
+    __device__ __forceinline__ int b_first(int bn) const { return b_row >= 0 ? b_row : n * bn; }
 };
 
 // ---- work lists ----------------------------------------------------------------------
@@ -391,9 +397,9 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
             } else {
                 mbarrier_arrive_expect_tx(&pipe.full[stage], Cfg::STAGE_BYTES);
                 const int k = kb * Cfg::BK;
-                tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.m * Cfg::BM, &pipe.full[stage]);
+                tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.a_first(Cfg::BM), &pipe.full[stage]);
                 if (Cfg::B_K_MAJOR) {
-                    tma_load_2d(pipe.b_stage(stage), tma_b, k, tile.n * Cfg::BN, &pipe.full[stage]);
+                    tma_load_2d(pipe.b_stage(stage), tma_b, k, tile.b_first(Cfg::BN), &pipe.full[stage]);
                 } else {
                     // [K, N] storage: boxes of 64 n x 64 k, one per 64-column chunk.
                     #pragma unroll

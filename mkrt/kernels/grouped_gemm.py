@@ -1,0 +1,358 @@
+"""``mkrt.grouped_gemm``: one GEMM per group of rows, in one persistent launch (MoE's experts).
+
+    out[o_g : o_g+1] = x[o_g : o_g+1] @ w[g]^T      for g = 0 .. G-1
+
+x [R, K] (rows of every group, group by group), w [G, N, K] (each group's weight in the
+``nn.Linear`` layout, [N, K]: what an MoE layer holds per expert), offsets [G + 1] int32
+(group g's rows are offsets[g] .. offsets[g+1]); out [R, N]. Rows outside
+[offsets[0], offsets[G]) are left as they are. bf16/fp16 in and out, fp32 accumulation.
+
+The device code is the GEMM engine (kernels/device/gemm_tile.py) with a work list over
+every group's tiles: group g has ceil(rows_g / BM) x ceil(N / BN) tiles, its m-tiles
+starting at its first row (not at a multiple of BM: the engine loads A from ``a_row`` and
+B from ``b_row``, and the store clips at the group's last row). The m-tiles per group are
+summed once per CTA into shared memory (a warp scan of ``offsets``), so ``offsets`` may be
+written by an earlier kernel on the device (MoE's dispatch) with no host round trip;
+offsets out of [0, R] are clamped, empty groups have no tiles.
+
+Offsets given as a host sequence are checked (nondecreasing, within [0, R]) and uploaded
+once per distinct value; a device int32 array is used as it is (checked for dtype, shape
+and device only: its values live on the GPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+
+import numpy as np
+
+from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
+from mkrt.cuda import device_sm_count
+from mkrt.jit import cuda_source
+from mkrt.jit.spec import KernelSpec
+from mkrt.kernels import gemm as gemm_module
+from mkrt.kernels.launcher import KernelLaunch, Parameters
+
+MAX_GROUPS = 1024
+
+GROUPED_GEMM = cuda_source("grouped_gemm", r"""
+using namespace mkrt;
+typedef $CTYPE T;
+typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, 0> Cfg;
+constexpr int MAX_GROUPS = $MAX_GROUPS;
+
+__device__ __forceinline__ int clamp_row(int v, int rows) { return min(max(v, 0), rows); }
+
+// Every group's tiles, m-tile major, n-tiles fastest (a group's weight tiles stay in L2
+// while its rows go by); CTA c takes c, c + ctas, ... tile_prefix[g]: m-tiles before group g.
+struct GroupedWork {
+    const int* offsets;
+    const int* tile_prefix;             // shared memory
+    int groups, rows, n, tiles_n, cta, ctas;
+
+    __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
+        const int t = cta + i * ctas;
+        if (t >= tile_prefix[groups] * tiles_n) return false;
+        const int m_tile = t / tiles_n, n_tile = t - m_tile * tiles_n;
+        // the group holding m-tile m_tile: tile_prefix[g] <= m_tile < tile_prefix[g + 1]
+        int lo = 0, hi = groups;
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (tile_prefix[mid] <= m_tile) lo = mid; else hi = mid;
+        }
+        tile.m = m_tile;
+        tile.n = n_tile;
+        tile.index = t;
+        tile.group = lo;
+        tile.a_row = clamp_row(offsets[lo], rows) + (m_tile - tile_prefix[lo]) * Cfg::BM;
+        tile.b_row = lo * n + n_tile * Cfg::BN;
+        return true;
+    }
+    __device__ __forceinline__ bool wait(const gemm::Tile&) const { return true; }
+};
+
+// The engine's bounded store, moved to the tile's group: rows from a_row up to the group's
+// end, columns up to n.
+struct GroupedStore {
+    T* out;
+    const int* offsets;
+    int rows, n;
+    bool pairs_aligned;
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const gemm::ConsumerThread<CONSUMERS>&) const {}
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const gemm::ConsumerThread<CONSUMERS>&) const {}
+
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void operator()(const gemm::Tile& tile, const Acc& acc,
+                                               const gemm::ConsumerThread<CONSUMERS>& who) const {
+        const int end = clamp_row(offsets[tile.group + 1], rows);
+        // StoreEpilogue puts tile row 0 at m * BM: shift the matrix so it lands at a_row
+        const long long shift = (long long)(tile.a_row - tile.m * Cfg::BM) * n;
+        const gemm::StoreEpilogue<T, Cfg::BM, Cfg::BN> store{
+            out + shift, end - tile.a_row + tile.m * Cfg::BM, n, n, pairs_aligned};
+        store(tile, acc, who);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
+             const __grid_constant__ TmaDescriptor tma_b,
+             T* out, const int* offsets, int groups, int rows, int n, int k) {
+    extern __shared__ char dynamic_smem[];
+    __shared__ int tile_prefix[MAX_GROUPS + 1];
+    // m-tiles per group, scanned by one warp: lane l sums a run of groups, the runs are
+    // scanned across the warp, then each lane writes its run's prefixes.
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x, per = (groups + 31) / 32;
+        const int g0 = min(groups, lane * per), g1 = min(groups, g0 + per);
+        auto m_tiles = [&](int g) {
+            const int count = clamp_row(offsets[g + 1], rows) - clamp_row(offsets[g], rows);
+            return count > 0 ? (count + Cfg::BM - 1) / Cfg::BM : 0;
+        };
+        int local = 0;
+        for (int g = g0; g < g1; ++g) local += m_tiles(g);
+        int inclusive = local;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+            if (lane >= d) inclusive += v;
+        }
+        int running = inclusive - local;
+        for (int g = g0; g < g1; ++g) { tile_prefix[g] = running; running += m_tiles(g); }
+        if (lane == 31) tile_prefix[groups] = inclusive;
+    }
+    __syncthreads();
+    const GroupedWork work{offsets, tile_prefix, groups, rows, n, (n + Cfg::BN - 1) / Cfg::BN,
+                           (int)blockIdx.x, (int)gridDim.x};
+    const GroupedStore store{out, offsets, rows, n, (n % 2) == 0};
+    gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+}
+""", requires=("gemm_tile",), register=False)
+
+_CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
+    """URI e.g. ``grouped_gemm_bf16_nk_bm128_bn256_s4_sm90a`` (B is always [N, K] per group)."""
+
+    family = "grouped_gemm"
+    entry_points = ("grouped_gemm",)
+
+    dtype: str = "bf16"
+    b_layout: str = "nk"
+    block_m: int = dataclasses.field(default=128, metadata={"short": "bm"})
+    block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
+    stages: int = dataclasses.field(default=4, metadata={"short": "s"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.b_layout != "nk":
+            raise ValueError("mkrt.grouped_gemm: weights are [G, N, K] (b_layout 'nk'); "
+                             f"got {self.b_layout!r}")
+        self.engine                   # the engine's checks (dtype, tile, shared memory)
+
+    def template(self):
+        return GROUPED_GEMM
+
+    def params(self):
+        return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "STAGES": self.stages, "MAX_GROUPS": MAX_GROUPS}
+
+
+def spec_for(dtype: str, block_m: int) -> GroupedGemmSpec:
+    return GroupedGemmSpec(dtype, "nk", block_m, 256,
+                           gemm_module.max_stages(block_m, 256, "direct"))
+
+
+def default_specs() -> list[GroupedGemmSpec]:
+    return [spec_for(dtype, bm) for dtype in _CTYPES for bm in (64, 128)]
+
+
+def choose_block_m(rows: int, groups: int) -> int:
+    """64-row tiles when groups average fewer than 128 rows (MoE decode, many experts):
+    less of each group's last tile is padding."""
+    return 64 if rows < 128 * groups else 128
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+def check_operands(x_shape, w_shape, x_dtype, w_dtype, groups_from_offsets: int | None = None):
+    """(rows, n, k, groups, dtype) of valid operands; TypeError/ValueError otherwise."""
+    allowed = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
+    for name, dtype in (("x", x_dtype), ("w", w_dtype)):
+        if np.dtype(dtype) not in allowed:
+            raise TypeError(f"mkrt.grouped_gemm: {name} has dtype {dtype_name(dtype)}; expected bf16 or f16")
+    if np.dtype(x_dtype) != np.dtype(w_dtype):
+        raise TypeError(f"mkrt.grouped_gemm: x is {dtype_name(x_dtype)}, w {dtype_name(w_dtype)}; "
+                        "expected one dtype")
+    if len(x_shape) != 2 or len(w_shape) != 3:
+        raise ValueError(f"mkrt.grouped_gemm: x {tuple(x_shape)} must be [R, K] and w {tuple(w_shape)} "
+                         "[G, N, K]")
+    rows, k = (int(v) for v in x_shape)
+    groups, n, kw = (int(v) for v in w_shape)
+    if kw != k:
+        raise ValueError(f"mkrt.grouped_gemm: x has K={k}, w has K={kw}")
+    if k < 8 or k % 8:
+        raise ValueError(f"mkrt.grouped_gemm: K={k} must be a positive multiple of 8 (TMA needs "
+                         "16-byte rows)")
+    if n < 1 or groups < 1:
+        raise ValueError(f"mkrt.grouped_gemm: w {tuple(w_shape)} has no groups or no columns")
+    if groups > MAX_GROUPS:
+        raise ValueError(f"mkrt.grouped_gemm: {groups} groups; at most {MAX_GROUPS}")
+    if groups_from_offsets is not None and groups_from_offsets != groups:
+        raise ValueError(f"mkrt.grouped_gemm: offsets name {groups_from_offsets} groups, w has {groups}")
+    if rows >= 2**31 or groups * n >= 2**31:
+        raise ValueError(f"mkrt.grouped_gemm: x {tuple(x_shape)}, w {tuple(w_shape)} exceed 2**31 rows")
+    return rows, n, k, groups, dtype_name(x_dtype)
+
+
+def check_host_offsets(offsets, groups: int, rows: int) -> np.ndarray:
+    """Host offsets as int32, after checking length, order and range."""
+    array = np.asarray(offsets)
+    if array.ndim != 1 or array.shape[0] != groups + 1:
+        raise ValueError(f"mkrt.grouped_gemm: offsets must be {groups + 1} values (group g's rows "
+                         f"are offsets[g] .. offsets[g+1]); got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"mkrt.grouped_gemm: offsets must be integers; got {array.dtype}")
+    if np.any(np.diff(array) < 0) or array[0] < 0 or array[-1] > rows:
+        raise ValueError(f"mkrt.grouped_gemm: offsets must be nondecreasing within [0, {rows}]; "
+                         f"got {array.tolist()[:8]}{'...' if len(array) > 8 else ''}")
+    return array.astype(np.int32)
+
+
+# ---- launcher ----------------------------------------------------------------------------
+
+class _Prepared:
+    def __init__(self, spec: GroupedGemmSpec, device: int, grid: int, rows: int, n: int, k: int,
+                 groups: int):
+        self.spec, self.rows, self.n, self.k, self.groups = spec, rows, n, k, groups
+        params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("out", np.uint64, 8),
+                             ("offsets", np.uint64, 8), ("groups", np.int32, 4),
+                             ("rows", np.int32, 4), ("n", np.int32, 4), ("k", np.int32, 4)])
+        params.set(groups=groups, rows=rows, n=n, k=k)
+        function = spec.function("grouped_gemm", device, spec.smem_bytes)
+        self.launch = KernelLaunch(function, grid, spec.threads, spec.smem_bytes, params)
+        self._out, self._offsets = params.view("out"), params.view("offsets")
+        self._pointers = None
+
+    def patch(self, x_ptr: int, w_ptr: int, out_ptr: int, offsets_ptr: int) -> None:
+        if self._pointers != (x_ptr, w_ptr):
+            spec, params = self.spec, self.launch.params
+            tma_a = gemm_module.tma_descriptor_2d(x_ptr, spec.dtype, self.k, self.rows, self.k * 2,
+                                                  64, spec.block_m)
+            tma_b = gemm_module.tma_descriptor_2d(w_ptr, spec.dtype, self.k, self.groups * self.n,
+                                                  self.k * 2, 64, spec.block_n)
+            ctypes.memmove(params.address("tma_a"), tma_a.address, 128)
+            ctypes.memmove(params.address("tma_b"), tma_b.address, 128)
+            self._pointers = (x_ptr, w_ptr)
+        self._out[()] = out_ptr
+        self._offsets[()] = offsets_ptr
+
+
+_PREPARED: "collections.OrderedDict[tuple, _Prepared]" = collections.OrderedDict()
+_HOST_OFFSETS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+
+
+def _device_offsets(offsets, groups: int, rows: int, device: int):
+    """A device int32 array of `offsets` (host values checked and uploaded once)."""
+    import cupy
+    if isinstance(offsets, cupy.ndarray) or hasattr(offsets, "__cuda_array_interface__") \
+            or (hasattr(offsets, "__dlpack__") and not isinstance(offsets, np.ndarray)):
+        view = as_cupy(offsets, "offsets")
+        if view.dtype != np.int32 or view.shape != (groups + 1,) or not view.flags.c_contiguous:
+            raise ValueError(f"mkrt.grouped_gemm: device offsets must be a contiguous int32 "
+                             f"array of {groups + 1}; got {view.shape} {dtype_name(view.dtype)}")
+        if view.data.device_id != device:
+            raise ValueError(f"mkrt.grouped_gemm: offsets are on GPU {view.data.device_id}, x on "
+                             f"GPU {device}")
+        return view
+    host = check_host_offsets(offsets, groups, rows)
+    key = (host.tobytes(), device)
+    uploaded = _HOST_OFFSETS.get(key)
+    if uploaded is None:
+        with cupy.cuda.Device(device):
+            uploaded = _HOST_OFFSETS[key] = cupy.asarray(host)
+        if len(_HOST_OFFSETS) > 64:
+            _HOST_OFFSETS.popitem(last=False)
+    return uploaded
+
+
+def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: int | None = None,
+                 stream=None):
+    """``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g].T`` for every g.
+
+    x: [R, K] device array; w: [G, N, K] (each group's weight as nn.Linear holds it);
+    offsets: G + 1 group boundaries (a host sequence, checked; or a device int32 array,
+    used as it is); out: optional [R, N]. ``block_m`` 64 or 128 (default: 64 when groups
+    average fewer than 128 rows). Returns out in the type of ``x``.
+    """
+    import cupy
+
+    xv = x if type(x) is cupy.ndarray else as_cupy(x, "x")
+    wv = w if type(w) is cupy.ndarray else as_cupy(w, "w")
+    out_view = out if out is None or type(out) is cupy.ndarray else as_cupy(out, "out")
+    rows, n, k, groups, dtype = check_operands(xv.shape, wv.shape, xv.dtype, wv.dtype)
+    device = xv.data.device_id
+    for name, a in (("x", xv), ("w", wv), ("out", out_view)):
+        if a is None:
+            continue
+        if a.data.device_id != device:
+            raise ValueError(f"mkrt.grouped_gemm: {name} is on GPU {a.data.device_id}, x on GPU {device}")
+        if not a.flags.c_contiguous or a.data.ptr % 16:
+            raise ValueError(f"mkrt.grouped_gemm: {name} must be C-contiguous and 16-byte aligned")
+    if out_view is not None and (tuple(out_view.shape) != (rows, n) or out_view.dtype != xv.dtype):
+        raise ValueError(f"mkrt.grouped_gemm: out is {tuple(out_view.shape)} {dtype_name(out_view.dtype)}; "
+                         f"expected {(rows, n)} {dtype}")
+    if block_m is None:
+        block_m = choose_block_m(rows, groups)
+    if block_m not in (64, 128):
+        raise ValueError(f"mkrt.grouped_gemm: block_m={block_m!r}; expected 64 or 128")
+    total_sms = device_sm_count(device)
+    if sms is None:
+        sms = total_sms
+    elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
+        raise ValueError(f"mkrt.grouped_gemm: sms={sms!r}; expected an integer in [1, {total_sms}]")
+    offsets_view = _device_offsets(offsets, groups, rows, device)
+    if rows == 0:
+        return like_input(out_view if out_view is not None else cupy.empty((0, n), xv.dtype), x)
+    key = (rows, n, k, groups, dtype, block_m, int(sms), device)
+    call = _PREPARED.get(key)
+    if call is None:
+        # the grid: every SM, or fewer when even full groups could not fill them
+        most_tiles = (-(-rows // block_m) + groups) * -(-n // 256)
+        call = _PREPARED[key] = _Prepared(spec_for(dtype, block_m), device,
+                                          min(int(sms), most_tiles), rows, n, k, groups)
+        if len(_PREPARED) > 256:
+            _PREPARED.popitem(last=False)
+    with cupy.cuda.Device(device):
+        if out_view is None:
+            out_view = cupy.empty((rows, n), dtype=xv.dtype)
+        call.patch(xv.data.ptr, wv.data.ptr, out_view.data.ptr, offsets_view.data.ptr)
+        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+    return like_input(out_view, x)
+
+
+def reference(x, w, offsets, dtype=np.float32):
+    """The groups' products in `dtype` (rows outside the groups are zero)."""
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    x32 = gemm_module.to_float32(x).astype(dtype)
+    w32 = gemm_module.to_float32(w).astype(dtype)
+    offsets = [int(v) for v in (offsets.get() if hasattr(offsets, "get") else offsets)]
+    out = xp.zeros((x.shape[0], w.shape[1]), dtype=dtype)
+    for g in range(w.shape[0]):
+        a, b = offsets[g], offsets[g + 1]
+        if b > a:
+            out[a:b] = x32[a:b] @ w32[g].T
+    return out
+
+
+def test_cases():
+    """(group rows, n, k, dtype) the GPU tests run: empty groups, one row, ragged, a hot group."""
+    return [([128, 128], 256, 64, "bf16"), ([0, 1, 0, 300, 17], 520, 72, "bf16"),
+            ([5] * 64, 384, 128, "f16"), ([1000, 0, 3, 64], 1000, 2048, "bf16"),
+            ([33, 97, 130, 255, 256, 257], 136, 200, "bf16")]

@@ -1,0 +1,134 @@
+"""The grouped GEMM (MoE's expert GEMMs): compile and argument checks on the CPU;
+correctness against a float32 reference on a GPU (empty groups, one-row groups, ragged
+and hot groups, offsets from the device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mkrt.arrays import bfloat16
+from mkrt.kernels import grouped_gemm as GG
+
+F16 = np.dtype(np.float16)
+
+
+@pytest.mark.parametrize("spec", GG.default_specs(), ids=lambda s: s.uri)
+def test_default_specs_compile_without_spills(spec):
+    build = spec.build(check_spills=True)
+    resources = build.resources["grouped_gemm"]
+    assert resources.spills == 0 and resources.stack_frame == 0, resources
+    assert "serialized" not in build.log
+
+
+@pytest.mark.parametrize("x,w,match", [
+    (((64, 64), np.float32), ((2, 32, 64), np.float32), "dtype f32"),
+    (((64, 64), F16), ((2, 32, 64), bfloat16), "one dtype"),
+    (((64, 64), F16), ((32, 64), F16), r"\[G, N, K\]"),
+    (((64, 64), F16), ((2, 32, 72), F16), "K=64, w has K=72"),
+    (((64, 12), F16), ((2, 32, 12), F16), "multiple of 8"),
+    (((64, 64), F16), ((2000, 8, 64), F16), "at most 1024"),
+])
+def test_bad_operands_are_refused(x, w, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        GG.check_operands(x[0], w[0], x[1], w[1])
+
+
+def test_host_offsets_are_checked():
+    assert GG.check_host_offsets([0, 3, 3, 10], 3, 10).dtype == np.int32
+    for bad, match in (([0, 3, 10], "4 values"), ([0, 5, 3, 10], "nondecreasing"),
+                       ([-1, 3, 5, 10], "nondecreasing"), ([0, 3, 5, 11], "nondecreasing"),
+                       ([0.0, 1.5, 2.0, 3.0], "integers")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            GG.check_host_offsets(bad, 3, 10)
+
+
+def test_block_m_rule_and_reference():
+    assert GG.choose_block_m(256 * 8, 256) == 64 and GG.choose_block_m(4096, 8) == 128
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((10, 16)).astype(np.float32)
+    w = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    out = GG.reference(x, w, [1, 4, 4, 9])
+    np.testing.assert_allclose(out[1:4], x[1:4] @ w[0].T, rtol=1e-6)
+    np.testing.assert_allclose(out[4:9], x[4:9] @ w[2].T, rtol=1e-6)
+    assert not out[0].any() and not out[9].any()
+
+
+# ---- GPU ------------------------------------------------------------------------------
+
+def _operands(cupy, sizes, n, k, dtype, seed):
+    from mkrt.kernels.gemm import from_float32
+    rng = cupy.random.default_rng(seed)
+    np_dtype = bfloat16 if dtype == "bf16" else np.float16
+    x = from_float32(rng.standard_normal((sum(sizes), k), dtype=np.float32), np_dtype)
+    w = from_float32(rng.standard_normal((len(sizes), n, k), dtype=np.float32) / 8, np_dtype)
+    return x, w, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+
+
+def _error(out, ref, offsets):
+    import cupy
+
+    from mkrt.kernels.gemm import to_float32
+    a, b = int(offsets[0]), int(offsets[-1])
+    got, want = to_float32(out[a:b]), ref[a:b]
+    return float(cupy.linalg.norm(got - want) / max(float(cupy.linalg.norm(want)), 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GG.test_cases(), ids=lambda c: f"{len(c[0])}groups-{c[1]}x{c[2]}-{c[3]}")
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_matches_the_reference(case, block_m):
+    import cupy
+
+    from mkrt.kernels.gemm import poison
+    sizes, n, k, dtype = case
+    x, w, offsets = _operands(cupy, sizes, n, k, dtype, seed=len(sizes) + n)
+    out = poison(cupy.empty((x.shape[0], n), x.dtype))
+    GG.grouped_gemm(x, w, offsets, out=out, block_m=block_m)
+    cupy.cuda.Device().synchronize()
+    from mkrt.kernels.gemm import to_float32
+    assert bool(cupy.isfinite(to_float32(out)).all()), "rows left unwritten (still NaN)"
+    assert _error(out, GG.reference(x, w, offsets), offsets) < 1e-2
+
+
+@pytest.mark.gpu
+def test_device_offsets_rows_outside_untouched_and_repeatable():
+    import cupy
+    x, w, offsets = _operands(cupy, [40, 0, 300, 7], 264, 128, "bf16", seed=3)
+    inner = cupy.asarray(np.array([8, 40, 40, 300, 320], np.int32))    # rows 8..320 only
+    out = cupy.full((x.shape[0], 264), 7, dtype=cupy.uint16).view(x.dtype)
+    first = GG.grouped_gemm(x, w, inner, out=out).copy()
+    assert bool((first.view(cupy.uint16)[:8] == 7).all()) and bool((first.view(cupy.uint16)[320:] == 7).all())
+    for _ in range(20):
+        again = GG.grouped_gemm(x, w, inner, out=out)
+    assert bool((again.view(cupy.uint16) == first.view(cupy.uint16)).all())
+    assert _error(first, GG.reference(x, w, inner.get()), inner.get()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_against_torch_grouped_mm():
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("no torch._grouped_mm")
+    sizes = [128, 256, 0, 384]
+    x = torch.randn(sum(sizes), 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), 1024, 512, device="cuda", dtype=torch.bfloat16) / 8
+    ends = torch.tensor(np.cumsum(sizes), device="cuda", dtype=torch.int32)
+    theirs = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    ours = GG.grouped_gemm(x, w, np.concatenate([[0], np.cumsum(sizes)]))
+    assert isinstance(ours, torch.Tensor)
+    assert ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_bad_arrays_raise_before_launch():
+    import cupy
+    x, w, offsets = _operands(cupy, [16, 16], 64, 64, "bf16", seed=1)
+    with pytest.raises(ValueError, match="int32 array of 3"):
+        GG.grouped_gemm(x, w, cupy.asarray(offsets.astype(np.int64)))
+    with pytest.raises(ValueError, match="nondecreasing"):
+        GG.grouped_gemm(x, w, [0, 20, 10])
+    with pytest.raises(ValueError, match="out is"):
+        GG.grouped_gemm(x, w, offsets, out=cupy.empty((32, 32), x.dtype))
+    with pytest.raises(ValueError, match="block_m"):
+        GG.grouped_gemm(x, w, offsets, block_m=96)
