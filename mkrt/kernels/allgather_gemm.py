@@ -39,13 +39,11 @@ from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
 from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
-from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
+from mkrt.kernels.gathering import MAX_NODE_RANKS, FlagLayout, GatheringOp  # noqa: F401
+from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
 from mkrt.kernels.schedule import find_stall
-from mkrt.memory import SymmetricBuffer, flags as flag_buffer
 from mkrt.status import kernel_id
 
-#: most ranks per node (peer targets live in shared memory)
-MAX_NODE_RANKS = 32
 
 ALLGATHER_GEMM = cuda_source("allgather_gemm", r"""
 using namespace mkrt;
@@ -87,30 +85,11 @@ struct GatheredWork {
         tile.index = tile.m * raster.tiles_n + tile.n;
         return true;
     }
-    // Written out rather than calling wait_at_least: a call here, in the engine's producer,
-    // makes ptxas spill around it (the same bound, backoff and abort checks).
     __device__ __forceinline__ bool wait(const gemm::Tile& tile) const {
         const int row0 = tile.m * BM, row1 = min(row0 + BM, m) - 1;
-        for (int b = row0 / rows; b <= row1 / rows; ++b) {
-            const u64* flag = flags + L.ready(b);
-            u64 seen = ld_acquire_sys(flag);
-            if (seen >= epoch) continue;
-            const u64 start = global_timer_ns();
-            u32 backoff = 0;
-            for (unsigned spin = 0; seen < epoch; ++spin) {
-                if ((spin & 63) == 63) {
-                    if (aborted(ctx)) return false;
-                    if (global_timer_ns() - start > ctx.timeout_ns) {
-                        report_timeout(ctx, ROLE_COMPUTE, tile.index, L.ready(b), epoch, seen);
-                        return false;
-                    }
-                    backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
-                }
-                if (backoff) sleep_ns(backoff);
-                seen = ld_acquire_sys(flag);
-            }
-        }
-        fence_proxy_async_global();
+        for (int b = row0 / rows; b <= row1 / rows; ++b)
+            if (!wait_gathered(flags, L, b, epoch, ctx, tile.index)) return false;
+        fence_proxy_async_global();      // peers wrote the blocks with generic stores; TMA reads them
         return true;
     }
 };
@@ -127,17 +106,8 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
     const int comm_ctas = gridDim.x - a.compute_ctas;
 
-    // The previous launch on this stream is complete, so these words are stable.
-    __shared__ u64 epoch_shared, base_shared, comm_base_shared;
-    if (threadIdx.x == 0) {
-        epoch_shared = ld_acquire_gpu(a.flags + L.launches()) + 1;
-        base_shared = ld_acquire_gpu(a.flags + L.ctas_before());
-        comm_base_shared = ld_acquire_gpu(a.flags + L.comm_before());
-    }
-    __syncthreads();
-    const u64 epoch = epoch_shared;
-    const u64 all_ctas = base_shared + gridDim.x;
-    const u64 comm_all = comm_base_shared + comm_ctas;
+    const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
+    const u64 epoch = launch.epoch;
 
     if ((int)blockIdx.x < a.compute_ctas) {
         const int mine = a.node * a.G + a.me;
@@ -150,16 +120,10 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
                                 nullptr, 0, (unsigned char*)a.gathered, a.flags, a.peer_flags,
                                 a.peer_gathered, a.queue, a.me, a.node, a.G, a.N,
                                 a.gathered_region, a.flags_region};
-        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, comm_all,
+        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
     }
-
-    // The last CTA out publishes the epoch (and the communication CTAs' count) for the
-    // next launch.
-    __syncthreads();
-    if (threadIdx.x == 0 && finish_launch(a.flags + L.finished(), a.flags + L.ctas_before(),
-                                          a.flags + L.launches(), epoch, all_ctas))
-        st_release_gpu(a.flags + L.comm_before(), comm_all);
+    launch.end(a.flags, L);
 }
 """, requires=("gemm_tile", "gather_role"), register=False)
 
@@ -178,28 +142,6 @@ ARGS_DTYPE = np.dtype([
 #: kernel parameters, in order (tensor maps 64-byte aligned)
 LAUNCH_PARAMETERS = [("tma_a", 128, 64), ("tma_b", 128, 64), ("args", ARGS_DTYPE, 8),
                      ("muted_rank", np.int32, 4), *CONTEXT_PARAMETERS]
-
-
-@dataclasses.dataclass(frozen=True)
-class FlagLayout:
-    """Index of every flag word of a rank (mirrors the template's struct Layout)."""
-
-    G: int
-    N: int
-
-    def arrive(self, p): return p
-    def node_arrive(self, n): return self.G + n
-    def landed(self, n): return self.G + self.N + n
-    def ready(self, b): return self.G + 2 * self.N + b
-    def sent(self): return self.G + 2 * self.N + self.N * self.G
-    def pushed(self): return self.sent() + 1
-    def forwarded(self, n): return self.sent() + 2 + n
-    def comm_before(self): return self.sent() + 2 + self.N
-    def finished(self): return self.comm_before() + 1
-
-    @property
-    def words(self) -> int:
-        return self.finished() + 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +353,7 @@ def reference(a_per_rank, b, *, b_layout: str = "kn", dtype=np.float64):
 
 # ---- the op ----------------------------------------------------------------------------------
 
-class AllGatherGemm(Op):
+class AllGatherGemm(GatheringOp):
     """``c = op(a, b)``: every rank gets (A gathered over the world) @ b_r.
 
     a: per rank [R, K] (the rank's rows of A, world rank order; R equal on every rank);
@@ -427,35 +369,14 @@ class AllGatherGemm(Op):
     def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
                  comm_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
                  timeout_ms: float | None = None, muted_rank: int | None = None):
-        super().__init__(world, timeout_ms=timeout_ms)
+        super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
+                         muted_rank=muted_rank)
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.allgather_gemm: b_layout={b_layout!r}; expected 'kn' or 'nk'")
         area = self.name
-        self.ctas = checks.integer(ctas, "ctas", area, low=2, high=checks.MAX_GRID, optional=True)
-        self.comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, optional=True)
         self.fuse = checks.flag(fuse, "fuse", area, optional=True)
         self.group_m = checks.integer(group_m, "group_m", area, low=1, high=1 << 16)
-        muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=self.world.size - 1,
-                               optional=True)
-        self.muted_rank = -1 if muted is None else muted
-        sizes = {len(self.world.node_ranks(n)) for n in range(self.world.nodes)}
-        if len(sizes) != 1:
-            raise ValueError(f"mkrt.allgather_gemm: nodes of different sizes ({self.world.layout}) "
-                             "are not supported")
-        if self.world.ranks_per_node > MAX_NODE_RANKS:
-            raise ValueError(f"mkrt.allgather_gemm: at most {MAX_NODE_RANKS} ranks per node")
-        devices = [info for info in self.world.local if info.device is not None]
-        if self.ctas is not None and devices:
-            share = min(self.world.sm_count(info.rank) for info in devices)
-            if self.ctas > share:
-                raise ValueError(f"mkrt.allgather_gemm: ctas={self.ctas} exceeds this rank's "
-                                 f"share of {share} SMs (every CTA must be resident)")
         self.b_layout = b_layout
-        self.layout = FlagLayout(self.world.ranks_per_node, self.world.nodes)
-        self._flags = None
-        self._gathered: SymmetricBuffer | None = None
-        self._generation = 0
-        self._prepared: dict = {}
         self._gather_op = None
         self.last_plan: Plan | None = None
 
@@ -468,37 +389,13 @@ class AllGatherGemm(Op):
                     fuse=self.fuse)
 
     def _ensure_buffers(self, p: Plan) -> None:
-        need = p.m * p.k * 2
-        grow = self._gathered is None or self._gathered.nbytes < need
-        if grow or self._flags is None:
-            # Allocations wait for the device: never while other calls' kernels may wait
-            # for the proxy (mkrt/DESIGN.md, "Runtime hazards").
-            self.world.synchronize()
-        if self._flags is None:
-            self._flags = flag_buffer(self.world, self.layout.words, name="allgather_gemm.flags")
-        if grow:
-            if self._gathered is not None:
-                self._gathered.close()
-            self._gathered = SymmetricBuffer(self.world, need, name="allgather_gemm.gathered",
-                                             zero=False)
-            self._generation += 1
-        if p.nodes > 1:
-            self.world.proxy()
+        self._ensure_gathered(p.m * p.k * 2)
 
     def _args(self, p: Plan, info) -> np.ndarray:
-        rank = info.rank
         args = np.zeros((), ARGS_DTYPE)
-        args["gathered"] = self._gathered.local_ptr(rank)
-        args["flags"] = self._flags.local_ptr(rank)
-        args["peer_flags"] = self._flags.peer_table(rank).data.ptr
-        args["peer_gathered"] = self._gathered.peer_table(rank).data.ptr
-        if p.nodes > 1:
-            args["queue"] = self.world.proxy().queue_pointer(rank)
+        self._gather_args(args, info)
         args["m"], args["n"], args["k"], args["rows"] = p.m, p.n, p.k, p.rows
-        args["group_m"], args["me"], args["node"] = self.group_m, info.local_rank, info.node
-        args["G"], args["N"], args["compute_ctas"] = p.G, p.nodes, p.compute_ctas
-        args["gathered_region"] = self._gathered.region
-        args["flags_region"] = self._flags.region
+        args["group_m"], args["compute_ctas"] = self.group_m, p.compute_ctas
         return args
 
     # -- the call --
@@ -620,10 +517,7 @@ class AllGatherGemm(Op):
         return out if out is not None else (outs if as_list else outs[0])
 
     def close(self) -> None:
-        for buffer in (self._flags, self._gathered):
-            if buffer is not None:
-                buffer.close()
-        self._flags = self._gathered = None
+        super().close()
         if self._gather_op is not None:
             self._gather_op.close()
 

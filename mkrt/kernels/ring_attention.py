@@ -34,17 +34,15 @@ import dataclasses
 
 import numpy as np
 
-from mkrt import checks
 from mkrt.arrays import like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels import attention as attention_module
 from mkrt.kernels import ring_attention_plan as ring_plan
-from mkrt.kernels.allgather_gemm import FlagLayout
 from mkrt.kernels.device import attention_tile, gather  # noqa: F401  (register the pieces)
 from mkrt.kernels.gemm import tma_descriptor
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
-from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
-from mkrt.memory import SymmetricBuffer, flags as flag_buffer
+from mkrt.kernels.gathering import GatheringOp
+from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
 from mkrt.status import kernel_id
 
 RING_ATTENTION = cuda_source("ring_attention", r"""
@@ -147,24 +145,7 @@ struct RingWork {
     }
     // Before loading a block: its source's K and V are in our gathered buffer.
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
-        const u64* flag = flags + L.ready(block.source);
-        u64 seen = ld_acquire_sys(flag);
-        if (seen < epoch) {
-            const u64 start = global_timer_ns();
-            u32 backoff = 0;
-            for (unsigned spin = 0; seen < epoch; ++spin) {
-                if ((spin & 63) == 63) {
-                    if (aborted(ctx)) return false;
-                    if (global_timer_ns() - start > ctx.timeout_ns) {
-                        report_timeout(ctx, ROLE_COMPUTE, tile.index, L.ready(block.source), epoch, seen);
-                        return false;
-                    }
-                    backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
-                }
-                if (backoff) sleep_ns(backoff);
-                seen = ld_acquire_sys(flag);
-            }
-        }
+        if (!wait_gathered(flags, L, block.source, epoch, ctx, tile.index)) return false;
         fence_proxy_async_global();      // peers wrote it with generic stores; TMA reads it
         return true;
     }
@@ -210,17 +191,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     const Layout L{a.G, a.N};
     const int comm_ctas = gridDim.x - a.compute_ctas;
 
-    // The previous launch on this stream is complete, so these words are stable.
-    __shared__ u64 epoch_shared, base_shared, comm_base_shared;
-    if (threadIdx.x == 0) {
-        epoch_shared = ld_acquire_gpu(a.flags + L.launches()) + 1;
-        base_shared = ld_acquire_gpu(a.flags + L.ctas_before());
-        comm_base_shared = ld_acquire_gpu(a.flags + L.comm_before());
-    }
-    __syncthreads();
-    const u64 epoch = epoch_shared;
-    const u64 all_ctas = base_shared + gridDim.x;
-    const u64 comm_all = comm_base_shared + comm_ctas;
+    const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
+    const u64 epoch = launch.epoch;
 
     if ((int)blockIdx.x < a.compute_ctas) {
         const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk,
@@ -235,21 +207,14 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                                 kv_bytes, (unsigned char*)a.gathered, a.flags, a.peer_flags,
                                 a.peer_gathered, a.queue, a.me, a.node, a.G, a.N,
                                 a.gathered_region, a.flags_region};
-        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, comm_all,
+        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
     }
-
-    // The last CTA out publishes the epoch (and the communication CTAs' count) for the
-    // next launch.
-    __syncthreads();
-    if (threadIdx.x == 0 && finish_launch(a.flags + L.finished(), a.flags + L.ctas_before(),
-                                          a.flags + L.launches(), epoch, all_ctas))
-        st_release_gpu(a.flags + L.comm_before(), comm_all);
+    launch.end(a.flags, L);
 }
 """, requires=("attention_tile", "gather_role"), register=False)
 
 KERNEL_ID = kernel_id("ring_attention")
-MAX_NODE_RANKS = 32
 
 ARGS_DTYPE = np.dtype([
     ("k", "<u8"), ("v", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("gathered", "<u8"),
@@ -353,7 +318,7 @@ def unshard(parts, *, causal: bool, axis: int = 1):
 
 # ---- the op --------------------------------------------------------------------------------
 
-class RingAttention(Op):
+class RingAttention(GatheringOp):
     """``out, lse = op(q, k, v, causal=...)``: each rank's queries attend to the whole
     sequence, whose K and V are spread over the world.
 
@@ -368,30 +333,8 @@ class RingAttention(Op):
 
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
                  timeout_ms: float | None = None, muted_rank: int | None = None):
-        super().__init__(world, timeout_ms=timeout_ms)
-        area = self.name
-        self.ctas = checks.integer(ctas, "ctas", area, low=2, high=checks.MAX_GRID, optional=True)
-        self.comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, optional=True)
-        muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=self.world.size - 1,
-                               optional=True)
-        self.muted_rank = -1 if muted is None else muted
-        sizes = {len(self.world.node_ranks(n)) for n in range(self.world.nodes)}
-        if len(sizes) != 1:
-            raise ValueError(f"mkrt.ring_attention: nodes of different sizes ({self.world.layout}) "
-                             "are not supported")
-        if self.world.ranks_per_node > MAX_NODE_RANKS:
-            raise ValueError(f"mkrt.ring_attention: at most {MAX_NODE_RANKS} ranks per node")
-        devices = [info for info in self.world.local if info.device is not None]
-        if self.ctas is not None and devices:
-            share = min(self.world.sm_count(info.rank) for info in devices)
-            if self.ctas > share:
-                raise ValueError(f"mkrt.ring_attention: ctas={self.ctas} exceeds this rank's "
-                                 f"share of {share} SMs (every CTA must be resident)")
-        self.layout = FlagLayout(self.world.ranks_per_node, self.world.nodes)
-        self._flags = None
-        self._gathered: SymmetricBuffer | None = None
-        self._generation = 0
-        self._prepared: dict = {}
+        super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
+                         muted_rank=muted_rank)
 
     def split(self) -> tuple[int, int]:
         """(CTAs per rank, communication CTAs among them)."""
@@ -460,28 +403,10 @@ class RingAttention(Op):
             return outs, lses
         return like_input(outs[0], q), like_input(lses[0], q)
 
-    def _ensure_buffers(self, call) -> None:
-        need = self.world.size * 2 * call.kv_bytes
-        grow = self._gathered is None or self._gathered.nbytes < need
-        if grow or self._flags is None:
-            # Allocations wait for the device: never while other calls' kernels may wait
-            # for the proxy (mkrt/DESIGN.md, "Runtime hazards").
-            self.world.synchronize()
-        if self._flags is None:
-            self._flags = flag_buffer(self.world, self.layout.words, name="ring_attention.flags")
-        if grow:
-            if self._gathered is not None:
-                self._gathered.close()
-            self._gathered = SymmetricBuffer(self.world, need, name="ring_attention.gathered",
-                                             zero=False)
-            self._generation += 1
-        if self.world.nodes > 1:
-            self.world.proxy()
-
     def _launches(self, call) -> list:
         if call.launches is not None and call.generation == self._generation:
             return call.launches
-        self._ensure_buffers(call)
+        self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
         p, spec = call.problem, spec_for(call.problem.dtype, call.problem.head_dim)
         launches, words = [], []
         for info in self.world.local:
@@ -504,21 +429,13 @@ class RingAttention(Op):
         return launches
 
     def _args(self, call, info) -> np.ndarray:
-        p, rank = call.problem, info.rank
+        p = call.problem
         args = np.zeros((), ARGS_DTYPE)
-        args["gathered"] = self._gathered.local_ptr(rank)
-        args["flags"] = self._flags.local_ptr(rank)
-        args["peer_flags"] = self._flags.peer_table(rank).data.ptr
-        args["peer_gathered"] = self._gathered.peer_table(rank).data.ptr
-        if self.world.nodes > 1:
-            args["queue"] = self.world.proxy().queue_pointer(rank)
+        self._gather_args(args, info)
         args["batches"], args["heads"], args["kv_heads"] = p.batches, p.heads, p.kv_heads
         args["chunk"] = p.sq // 2
-        args["me"], args["node"] = info.local_rank, info.node
-        args["G"], args["N"] = self.world.ranks_per_node, self.world.nodes
         args["compute_ctas"] = call.ctas - call.comm_ctas
         args["causal"] = int(p.causal)
-        args["gathered_region"], args["flags_region"] = self._gathered.region, self._flags.region
         args["scale_log2"] = call.scale * 1.4426950408889634
         return args
 
@@ -535,11 +452,6 @@ class RingAttention(Op):
                 word[()] = x.data.ptr
         self.launch(launches)
 
-    def close(self) -> None:
-        for buffer in (self._flags, self._gathered):
-            if buffer is not None:
-                buffer.close()
-        self._flags = self._gathered = None
 
 
 @dataclasses.dataclass(eq=False)

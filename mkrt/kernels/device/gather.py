@@ -108,6 +108,56 @@ struct GatherArgs {
 
 constexpr int GATHER_MAX_NODE_RANKS = 32;
 
+// A gathering kernel's launch bookkeeping: this launch's epoch and CTA counts, from the
+// words the previous launch on this stream left (stable: that launch is complete); at
+// the end, the last CTA out publishes them for the next launch.
+struct GatherLaunch {
+    u64 epoch, all_ctas, comm_all;
+
+    __device__ static GatherLaunch begin(const u64* flags, const GatheredFlags& L, int comm_ctas) {
+        __shared__ u64 words[3];
+        if (threadIdx.x == 0) {
+            words[0] = ld_acquire_gpu(flags + L.launches()) + 1;
+            words[1] = ld_acquire_gpu(flags + L.ctas_before());
+            words[2] = ld_acquire_gpu(flags + L.comm_before());
+        }
+        __syncthreads();
+        return GatherLaunch{words[0], words[1] + gridDim.x, words[2] + comm_ctas};
+    }
+    __device__ void end(u64* flags, const GatheredFlags& L) const {
+        __syncthreads();
+        if (threadIdx.x == 0 && finish_launch(flags + L.finished(), flags + L.ctas_before(),
+                                              flags + L.launches(), epoch, all_ctas))
+            st_release_gpu(flags + L.comm_before(), comm_all);
+    }
+};
+
+// The compute role's wait for gathered block `block` (ready >= epoch), written inline: a
+// call here, in an engine's producer, makes ptxas spill around it. The same bound,
+// backoff and abort checks as wait_at_least; a timeout is reported as `tile` of the
+// compute role. The caller fences for TMA once its blocks are in.
+__device__ __forceinline__ bool wait_gathered(const u64* flags, const GatheredFlags& L, int block,
+                                              u64 epoch, const Context& ctx, int tile) {
+    const u64* flag = flags + L.ready(block);
+    u64 seen = ld_acquire_sys(flag);
+    if (seen >= epoch) return true;
+    const u64 start = global_timer_ns();
+    u32 backoff = 0;
+    for (unsigned spin = 0; seen < epoch; ++spin) {
+        if ((spin & 63) == 63) {
+            if (aborted(ctx)) return false;
+            if (global_timer_ns() - start > ctx.timeout_ns) {
+                report_timeout(ctx, ROLE_COMPUTE, tile, L.ready(block), epoch, seen);
+                return false;
+            }
+            backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
+        }
+        if (backoff) sleep_ns(backoff);
+        seen = ld_acquire_sys(flag);
+    }
+    return true;
+}
+
 // The communication CTAs (comm of comm_ctas) of one launch: mkrt.allgather's steps into
 // `gathered`. Each block crosses to each other node once, through the proxy, to the rank
 // with the same local index, and is spread inside the node with peer stores; ready(b) at

@@ -1,0 +1,110 @@
+"""What the ops share whose kernels gather one block per rank with the shared gathering
+role (kernels/device/gather.py, ``gather_role``): AllGather+GEMM gathers A, ring
+attention K and V. The flag layout, the checks of the world and the role split, the
+gathered buffer and flags, and the kernel arguments the role reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mkrt import checks
+from mkrt.kernels.op import Op
+from mkrt.memory import SymmetricBuffer, flags as flag_buffer
+
+#: most ranks per node (the role keeps peer targets in shared memory)
+MAX_NODE_RANKS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagLayout:
+    """Index of every flag word of a rank (mirrors the device's struct GatheredFlags)."""
+
+    G: int
+    N: int
+
+    def arrive(self, p): return p
+    def node_arrive(self, n): return self.G + n
+    def landed(self, n): return self.G + self.N + n
+    def ready(self, b): return self.G + 2 * self.N + b
+    def sent(self): return self.G + 2 * self.N + self.N * self.G
+    def pushed(self): return self.sent() + 1
+    def forwarded(self, n): return self.sent() + 2 + n
+    def comm_before(self): return self.sent() + 2 + self.N
+    def finished(self): return self.comm_before() + 1
+
+    @property
+    def words(self) -> int:
+        return self.finished() + 3
+
+
+class GatheringOp(Op):
+    """An op whose persistent kernel has a communication role (gathering) and a compute
+    role. Subclasses call :meth:`_ensure_gathered` before building launches (a new
+    ``_generation`` means the buffer moved) and :meth:`_gather_args` for the role's
+    kernel arguments."""
+
+    def __init__(self, world=None, *, ctas=None, comm_ctas=None, timeout_ms=None,
+                 muted_rank=None):
+        super().__init__(world, timeout_ms=timeout_ms)
+        area = self.name
+        self.ctas = checks.integer(ctas, "ctas", area, low=2, high=checks.MAX_GRID, optional=True)
+        self.comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, optional=True)
+        muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=self.world.size - 1,
+                               optional=True)
+        self.muted_rank = -1 if muted is None else muted
+        sizes = {len(self.world.node_ranks(n)) for n in range(self.world.nodes)}
+        if len(sizes) != 1:
+            raise ValueError(f"mkrt.{area}: nodes of different sizes ({self.world.layout}) "
+                             "are not supported")
+        if self.world.ranks_per_node > MAX_NODE_RANKS:
+            raise ValueError(f"mkrt.{area}: at most {MAX_NODE_RANKS} ranks per node")
+        devices = [info for info in self.world.local if info.device is not None]
+        if self.ctas is not None and devices:
+            share = min(self.world.sm_count(info.rank) for info in devices)
+            if self.ctas > share:
+                raise ValueError(f"mkrt.{area}: ctas={self.ctas} exceeds this rank's "
+                                 f"share of {share} SMs (every CTA must be resident)")
+        self.layout = FlagLayout(self.world.ranks_per_node, self.world.nodes)
+        self._flags = None
+        self._gathered: SymmetricBuffer | None = None
+        self._generation = 0
+        self._prepared: dict = {}
+
+    def _ensure_gathered(self, need: int) -> None:
+        """Flags, and a gathered buffer of at least `need` bytes on every rank."""
+        grow = self._gathered is None or self._gathered.nbytes < need
+        if grow or self._flags is None:
+            # Allocations wait for the device: never while other calls' kernels may wait
+            # for the proxy (mkrt/DESIGN.md, "Runtime hazards").
+            self.world.synchronize()
+        if self._flags is None:
+            self._flags = flag_buffer(self.world, self.layout.words, name=f"{self.name}.flags")
+        if grow:
+            if self._gathered is not None:
+                self._gathered.close()
+            self._gathered = SymmetricBuffer(self.world, need, name=f"{self.name}.gathered",
+                                             zero=False)
+            self._generation += 1
+        if self.world.nodes > 1:
+            self.world.proxy()
+
+    def _gather_args(self, args, info) -> None:
+        """The gathering role's fields of a kernel's Args record (gathered, flags, peer
+        tables, queue, me, node, G, N, regions)."""
+        rank = info.rank
+        args["gathered"] = self._gathered.local_ptr(rank)
+        args["flags"] = self._flags.local_ptr(rank)
+        args["peer_flags"] = self._flags.peer_table(rank).data.ptr
+        args["peer_gathered"] = self._gathered.peer_table(rank).data.ptr
+        if self.world.nodes > 1:
+            args["queue"] = self.world.proxy().queue_pointer(rank)
+        args["me"], args["node"] = info.local_rank, info.node
+        args["G"], args["N"] = self.world.ranks_per_node, self.world.nodes
+        args["gathered_region"] = self._gathered.region
+        args["flags_region"] = self._flags.region
+
+    def close(self) -> None:
+        for buffer in (self._flags, self._gathered):
+            if buffer is not None:
+                buffer.close()
+        self._flags = self._gathered = None
