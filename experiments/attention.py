@@ -20,13 +20,12 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from mkrt.bench import append_jsonl, record  # noqa: E402
+from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
 
 # (B, S, Hq, Hkv, D, causal)
 SUITE = [(4, s, 16, 16, 128, c) for s in (768, 1536, 3072, 4096, 6144, 12288) for c in (False, True)]
@@ -55,23 +54,6 @@ def shapes(text):
         b, s, hq, hkv, d, c = item.split(":")
         out.append((int(b), int(s), int(hq), int(hkv), int(d), c in ("1", "True", "causal")))
     return out
-
-
-def time_ms(fn, iterations, repeats, warmup):
-    import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iterations):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / iterations)
-    return median(samples)
 
 
 def main():
@@ -121,15 +103,15 @@ def main():
             error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
         finite = bool(torch.isfinite(out).all().item())
         ok = finite and error is not None and error < 2e-2
-        ms = time_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse),
-                     args.iterations, args.repeats, args.warmup)
+        ms = batch_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse),
+                     iterations=args.iterations, repeats=args.repeats, warmup=args.warmup)
         tflops = problem.flops / ms / 1e9
         theirs = {}
         for name, backend in backends.items():
             try:
                 with sdpa_kernel(backend):
-                    theirs[name] = problem.flops / time_ms(sdpa, args.iterations, args.repeats,
-                                                           args.warmup) / 1e9
+                    theirs[name] = problem.flops / batch_ms(sdpa, iterations=args.iterations,
+                                                           repeats=args.repeats, warmup=args.warmup) / 1e9
             except RuntimeError:
                 theirs[name] = None
         for variant in filter(None, args.variants.split(",")):
@@ -141,9 +123,9 @@ def main():
                 mkrt.attention(q, k, v, causal=causal, out=check, lse=lse, **options)
                 variant_error = ((check.float() - expected).abs().max() / expected.abs().max()).item() \
                     if expected is not None else None
-                variant_ms = time_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse,
+                variant_ms = batch_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse,
                                                             **options),
-                                     args.iterations, args.repeats, args.warmup)
+                                     iterations=args.iterations, repeats=args.repeats, warmup=args.warmup)
             except Exception as error_:          # a configuration that does not fit
                 print(f"  {variant}: {type(error_).__name__}: {str(error_)[:120]}")
                 continue

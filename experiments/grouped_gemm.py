@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import median
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mkrt.bench import append_jsonl, record  # noqa: E402
+from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
 
 # (label, local experts, N, K, tokens routed to this rank's experts, skew)
 SUITE = [("deepseek_v3_w1", 32, 4096, 7168, 4096 * 8 // 8, "uniform"),
@@ -37,22 +36,6 @@ def sizes_for(groups, rows, skew, rng):
         p = 1.0 / np.arange(1, groups + 1) ** 1.1
         p /= p.sum()
     return rng.multinomial(rows, p)
-
-
-def time_ms(fn, iterations=10, repeats=5):
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iterations):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / iterations)
-    return median(samples)
 
 
 def main():
@@ -76,15 +59,15 @@ def main():
         mkrt.grouped_gemm(x, w, device_offsets, out=out)
         error = ((out.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
         flops = 2.0 * rows * n * k
-        ours_ms = time_ms(lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out))
-        grouped_ms = time_ms(lambda: torch._grouped_mm(x, wt, offs=ends))
+        ours_ms = batch_ms(lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out))
+        grouped_ms = batch_ms(lambda: torch._grouped_mm(x, wt, offs=ends))
 
         def loop():
             for g in range(groups):
                 a, b = int(offsets[g]), int(offsets[g + 1])
                 if b > a:
                     torch.matmul(x[a:b], wt[g], out=out[a:b])
-        loop_ms = time_ms(loop)
+        loop_ms = batch_ms(loop)
         best_ms = min(grouped_ms, loop_ms)
         row = record("grouped_gemm", f"{label}_{rows}rows", "tflops", flops / ours_ms / 1e9,
                      flops / best_ms / 1e9, "TFLOP/s", ms=ours_ms, grouped_mm_ms=grouped_ms,

@@ -27,11 +27,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mkrt.bench import append_jsonl, record  # noqa: E402
+from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
 
 # (B, rows per rank, Hq, Hkv, D, causal): the reference's sweep and Llama-3 70B GQA
 SUITE = [(4, s, 16, 16, 128, c) for s in (768, 3072, 6144, 12288) for c in (False, True)]
@@ -86,22 +85,6 @@ def shapes(text):
     return out
 
 
-def time_ms(fn, iterations, repeats):
-    import cupy
-    fn()
-    cupy.cuda.get_current_stream().synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(iterations):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
-    return median(samples)
-
-
 def main():
     args = parse()
     import cupy
@@ -143,10 +126,10 @@ def main():
             got = RA.unshard(outs, causal=causal)
             error = float(cupy.abs(got.astype(cupy.float32) - whole.astype(cupy.float32)).max()
                           / cupy.abs(whole.astype(cupy.float32)).max())
-            ring_ms = time_ms(lambda: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
-                              args.iterations, args.repeats)
-            floor_ms = time_ms(lambda: mkrt.attention(q, k, v, causal=causal),
-                               args.iterations, args.repeats)
+            ring_ms = batch_ms(lambda: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                              iterations=args.iterations, repeats=args.repeats)
+            floor_ms = batch_ms(lambda: mkrt.attention(q, k, v, causal=causal),
+                               iterations=args.iterations, repeats=args.repeats)
 
             # (a): gather K and V, each rank's copy back in sequence order, SDPA per chunk
             order = [i for r in range(W) for i in R.chunks_of(r, W, causal)]   # gathered chunk -> seq chunk
@@ -197,13 +180,13 @@ def main():
                                 o_acc = (o_acc * cupy.moveaxis(w1 / total, 1, 2)[..., None]
                                          + o * cupy.moveaxis(w2 / total, 1, 2)[..., None])
                                 lse_acc = top + cupy.log(total)
-            per_step_ms = time_ms(per_step, args.iterations, args.repeats)
+            per_step_ms = batch_ms(per_step, iterations=args.iterations, repeats=args.repeats)
             theirs = {}
             for name, backend in backends.items():
                 try:
                     with sdpa_kernel(backend):
-                        theirs[name] = time_ms(lambda: baseline(backend), args.iterations,
-                                               args.repeats)
+                        theirs[name] = batch_ms(lambda: baseline(backend), iterations=args.iterations,
+                                               repeats=args.repeats)
                 except RuntimeError:
                     theirs[name] = None
             best = min((t for t in theirs.values() if t), default=None)

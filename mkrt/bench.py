@@ -31,6 +31,28 @@ def time_calls(call, *, warmup: int = 5, iters: int = 50) -> list[float]:
     return [cupy.cuda.get_elapsed_time(start, end) for start, end in events]
 
 
+def batch_ms(call, *, iterations: int = 10, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over `repeats` batches of the milliseconds per call of `iterations`
+    back-to-back calls (one event pair per batch: what a model's loop sees, host time
+    included), after `warmup` calls. Events on CuPy's current stream, which is also
+    torch's default stream."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        call()
+    stream.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(iterations):
+            call()
+        stop.record(stream)
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
+    return median(samples)
+
+
 def median_ms(call, **kwargs) -> float:
     return median(time_calls(call, **kwargs))
 

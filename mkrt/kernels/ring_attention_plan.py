@@ -113,29 +113,13 @@ def plan(nodes: int, ranks_per_node: int, *, causal: bool) -> RingPlan:
 # ---- references (float64) ---------------------------------------------------------------
 
 def attention(q, k, v, *, causal: bool, q_offset: int = 0, k_offset: int = 0):
-    """(O, LSE) of softmax(q k^T / sqrt(d)) v for q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
-    (Hq a multiple of Hkv: GQA), positions starting at the offsets; LSE [B, Hq, Sq] (natural
-    log); rows with every key masked give O = 0 and LSE = -inf."""
+    """(O, LSE) of softmax(q k^T / sqrt(d)) v in float64 for q [B, Sq, Hq, D], k/v
+    [B, Sk, Hkv, D] (GQA), positions starting at the offsets; LSE [B, Hq, Sq] (natural log);
+    rows with every key masked give O = 0 and LSE = -inf (mkrt.kernels.attention.reference)."""
+    from mkrt.kernels.attention import reference
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, Sq, Hq, D = q.shape
-    Hkv = k.shape[2]
-    if Hq % Hkv:
-        raise ValueError(f"mkrt.ring_attention: {Hq} query heads are not a multiple of {Hkv} key heads")
-    k = np.repeat(k, Hq // Hkv, axis=2)
-    v = np.repeat(v, Hq // Hkv, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
-    if causal:
-        qpos = q_offset + np.arange(Sq)[:, None]
-        kpos = k_offset + np.arange(k.shape[1])[None, :]
-        scores = np.where(kpos <= qpos, scores, -np.inf)
-    m = np.max(scores, axis=-1, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(scores - m_safe)
-    total = p.sum(axis=-1, keepdims=True)
-    out = np.einsum("bhqk,bkhd->bqhd", p / np.where(total > 0, total, 1.0), v)
-    lse = np.where(total[..., 0] > 0, np.log(np.where(total[..., 0] > 0, total[..., 0], 1.0))
-                   + m_safe[..., 0], -np.inf)
-    return out, lse
+    return reference(q, k, v, causal=causal, q_offset=q_offset, k_offset=k_offset,
+                     dtype=np.float64)
 
 
 def merge(o1, lse1, o2, lse2):
