@@ -46,9 +46,10 @@ def parse():
     return parser.parse_args()
 
 
-def shapes(text):
+def shapes(text, suite=None):
+    """'suite' (this script's, or `suite`) or B:S:Hq:Hkv:D:causal,... as tuples."""
     if text == "suite":
-        return SUITE
+        return SUITE if suite is None else suite
     out = []
     for item in text.split(","):
         b, s, hq, hkv, d, c = item.split(":")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.attention import shapes  # noqa: E402
 from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
 
 # (B, rows per rank, Hq, Hkv, D, causal): the reference's sweep and Llama-3 70B GQA
@@ -75,16 +76,6 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def shapes(text):
-    if text == "suite":
-        return SUITE
-    out = []
-    for item in text.split(","):
-        b, s, hq, hkv, d, c = item.split(":")
-        out.append((int(b), int(s), int(hq), int(hkv), int(d), c in ("1", "True", "causal")))
-    return out
-
-
 def main():
     args = parse()
     import cupy
@@ -105,7 +96,7 @@ def main():
         W = world.size
         op = mkrt.RingAttention(world, timeout_ms=20000)
         gather = mkrt.AllGather(world, timeout_ms=20000)
-        for B, rows, Hq, Hkv, D, causal in shapes(args.shapes):
+        for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
             c, S = rows // 2, rows * W
             case = f"{layout}_b{B}_s{rows}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
             gen = torch.Generator(device="cuda").manual_seed(rows + Hq)
