@@ -52,7 +52,10 @@ class WaitRecord:
 
 # Flag ids that name a condition rather than a flag word (mkrt/kernels/device/queue.py).
 SPECIAL_FLAGS = {-2: "the proxy reported an error; seen = its error word",
-                 -3: "no space in the proxy's command ring"}
+                 -3: "no space in the proxy's command ring",
+                 -4: "an expert id outside [0, experts): tile = the token entry, seen = the id",
+                 -5: "more rows routed to this rank than its receive capacity: seen = rows, "
+                     "expected = capacity"}
 
 
 class CommTimeout(MkrtError):

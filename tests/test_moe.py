@@ -1,0 +1,153 @@
+"""MoE inside a node: the dispatch kernel's landing order (Python mirror) against the plan,
+argument checks, compile; GPU tests against the float64 reference with uniform, skewed,
+hot-expert routing and ranks without tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mkrt.arrays import bfloat16
+from mkrt.kernels import moe as M
+from mkrt.kernels import moe_plan as P
+
+BF = bfloat16
+
+
+def routing(rng, tokens, k, experts, kind):
+    """[T, k] distinct expert ids per token."""
+    if kind == "hot":
+        p = np.full(experts, 0.2 / (experts - 1))
+        p[0] = 0.8
+    elif kind == "zipf":
+        p = 1.0 / np.arange(1, experts + 1) ** 1.2
+    else:
+        p = np.ones(experts)
+    p = p / p.sum()
+    if tokens == 0:
+        return np.zeros((0, k), np.int32)
+    return np.stack([rng.choice(experts, size=k, replace=False, p=p) for _ in range(tokens)]
+                    ).astype(np.int32).reshape(tokens, k)
+
+
+def test_kernel_compiles_without_spills():
+    build = M.MoeSpec().build(check_spills=True)
+    for name in M.MoeSpec.entry_points:
+        assert build.resources[name].spills == 0, build.resources
+
+
+@pytest.mark.parametrize("W,experts,k,kind", [(2, 4, 2, "uniform"), (4, 16, 4, "zipf"),
+                                              (3, 12, 8, "uniform"), (4, 8, 2, "hot")])
+def test_landing_order_is_the_plans(W, experts, k, kind):
+    rng = np.random.default_rng(W * experts)
+    ids = [routing(rng, t, k, experts, kind) for t in ([0] + [37] * (W - 1))]
+    plan = P.plan(ids, experts=experts, nodes=1, ranks_per_node=W)
+    assert plan.check(ids) == []
+    received = M.landing(ids, experts)
+    for rank, arrival in enumerate(plan.arrivals):
+        want = [(int(s), int(t) * k + int(j))
+                for s, t, j in zip(arrival.sources, arrival.tokens, arrival.slots)]
+        assert received[rank] == want
+
+
+SHAPES = dict(x=((10, 64), BF), ids=((10, 2), np.int32), weights=((10, 2), np.float32),
+              w1=((2, 64, 64), BF), w2=((2, 64, 32), BF))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(x=((10, 64), np.float16)), "bf16"), (dict(ids=((10, 2), np.int64)), "int32"),
+    (dict(weights=((10, 2), np.float16)), "float32"), (dict(ids=((9, 2), np.int32)), r"\[T, k\]"),
+    (dict(ids=((10, 9), np.int32), weights=((10, 9), np.float32)), "1 to 8"),
+    (dict(w1=((3, 64, 64), BF)), "hold 3 and 2 experts"), (dict(w2=((2, 64, 40), BF)), "expected w1"),
+    (dict(x=((10, 60), BF), w1=((2, 64, 60), BF), w2=((2, 60, 32), BF)), "multiples of 8"),
+])
+def test_bad_operands_are_refused(change, match):
+    args = {**SHAPES, **change}
+    with pytest.raises((TypeError, ValueError), match=match):
+        M.check_operands(args["x"], args["ids"], args["weights"], args["w1"], args["w2"],
+                         experts_per_rank=2)
+
+
+def test_op_checks_its_world_and_options():
+    import mkrt
+    world = mkrt.init(emulate="2x2", gpus=0)
+    try:
+        with pytest.raises(ValueError, match="one node"):
+            M.MoE(world, experts=8, capacity=16)
+    finally:
+        world.close()
+    world = mkrt.init(emulate="1x3", gpus=0)
+    try:
+        with pytest.raises(ValueError, match="do not split"):
+            M.MoE(world, experts=8, capacity=16)
+        with pytest.raises(ValueError, match="capacity"):
+            M.MoE(world, experts=6, capacity=0)
+        op = M.MoE(world, experts=6, capacity=16)
+        assert op.experts_per_rank == 2 and op.receive_rows == 2 * 16 * 8
+    finally:
+        world.close()
+
+
+# ---- GPU ------------------------------------------------------------------------------
+
+def _problem(cupy, world, tokens, k, H, I, experts, kind, seed):
+    from mkrt.kernels.gemm import from_float32
+    rng = np.random.default_rng(seed)
+    W = world.size
+    per = experts // W
+    ids = [routing(rng, t, k, experts, kind) for t in tokens]
+    weights = [rng.random((t, k), dtype=np.float32) for t in tokens]
+    x = [rng.standard_normal((t, H), dtype=np.float32) for t in tokens]
+    w1 = [rng.standard_normal((per, 2 * I, H), dtype=np.float32) / np.sqrt(H) for _ in range(W)]
+    w2 = [rng.standard_normal((per, H, I), dtype=np.float32) / np.sqrt(I) for _ in range(W)]
+    bf = lambda a: from_float32(cupy.asarray(a), BF)        # noqa: E731
+    dev = dict(x=[bf(a) for a in x], ids=[cupy.asarray(a) for a in ids],
+               weights=[cupy.asarray(a) for a in weights], w1=[bf(a) for a in w1],
+               w2=[bf(a) for a in w2])
+    from mkrt.kernels.gemm import to_float32
+    host = [[to_float32(a).get() for a in dev[name]] for name in ("x", "w1", "w2")]
+    expected = P.reference(host[0], ids, weights, host[1], host[2])
+    return dev, expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", M.test_cases(), ids=lambda c: f"{c[0]}-{c[6]}-k{c[2]}")
+def test_matches_the_float64_reference(make_world, case):
+    import cupy
+
+    import mkrt
+    from mkrt.kernels.gemm import to_float32
+    layout, tokens, k, H, I, experts, kind = case
+    world = make_world(layout)
+    dev, expected = _problem(cupy, world, tokens, k, H, I, experts, kind, seed=sum(tokens))
+    op = mkrt.MoE(world, experts=experts, capacity=max(tokens) or 1, timeout_ms=10000)
+    ys = op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
+    world.synchronize()
+    for y, want in zip(ys, expected):
+        assert y.shape == want.shape
+        if want.size:
+            error = np.abs(to_float32(y).get() - want).max() / max(np.abs(want).max(), 1e-6)
+            assert error < 2e-2, error
+    again = op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
+    world.synchronize()
+    for first, second in zip(ys, again):
+        assert bool((first.view(cupy.uint16) == second.view(cupy.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_over_capacity_and_bad_ids_raise(make_world):
+    import cupy
+
+    import mkrt
+    world = make_world("1x2")
+    dev, _ = _problem(cupy, world, [64, 64], 2, 128, 64, 4, "hot", seed=1)
+    with pytest.raises(ValueError, match="topk_ids"):
+        bad = [ids.copy() for ids in dev["ids"]]
+        bad[1][0, 0] = 9
+        mkrt.MoE(world, experts=4, capacity=64)(dev["x"], bad, dev["weights"], dev["w1"], dev["w2"])
+    with pytest.raises(ValueError, match="capacity"):
+        mkrt.MoE(world, experts=4, capacity=32)(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
+    small = mkrt.MoE(world, experts=4, capacity=64, receive_rows=40, timeout_ms=2000)
+    with pytest.raises(mkrt.CommTimeout, match="receive capacity"):
+        small(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
+        world.synchronize()
