@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call, each step bounded, results under $OUT (named for the issue it began with;
 # it now serves every experiment that runs in one call):
-#   STEPS="tests determinism unfused_stall sanitize ab tp gemm_tune controller attention ring grouped faults stall" \
+#   STEPS="tests determinism unfused_stall sanitize ab tp gemm_tune controller attention ring grouped moe faults stall" \
 #     bash experiments/reliability_device_run.sh
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,6 +27,7 @@ for step in $STEPS; do
     gemm_tune) timeout ${TUNE_TIMEOUT:-300} python3 experiments/gemm_tune.py ${TUNE_ARGS} --out $OUT/gemm_tune.jsonl 2>&1 | grep -E "best|WRONG|Error" | tail -40 ;;
     attention) timeout ${ATTENTION_TIMEOUT:-200} python3 experiments/attention.py ${ATTENTION_ARGS} --out $OUT/attention.jsonl 2>&1 | tail -30 ;;
     grouped) timeout ${GROUPED_TIMEOUT:-150} python3 experiments/grouped_gemm.py --out $OUT/grouped_gemm.jsonl 2>&1 | tail -10 ;;
+    moe) timeout ${MOE_TIMEOUT:-200} python3 experiments/moe.py ${MOE_ARGS} --out $OUT/moe.jsonl 2>&1 | tail -12 ;;
     ring) timeout ${RING_TIMEOUT:-200} python3 experiments/ring_attention.py ${RING_ARGS} --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warn | tail -20 ;;
     controller) timeout ${CONTROLLER_TIMEOUT:-240} python3 experiments/controller.py ${CONTROLLER_ARGS} --out $OUT/controller.jsonl 2>&1 | tail -20 ;;
     verbs_rate) timeout ${VERBS_RATE_TIMEOUT:-240} python3 experiments/verbs_rate.py --commands 200000 --trials 9 --out $OUT/verbs_rate.jsonl 2>&1 | tail -6 ;;
