@@ -512,7 +512,17 @@ PIECES = [
     Piece("attention configurations", "other engine configurations (key block, stages, "
           "pingpong) against the default of the same run", "attention_variants",
           _attention_variant_lines),
-    Piece("not yet", "MoE, the SM-partition controller within a launch "
+    Piece("`mkrt.grouped_gemm`", "the GEMM engine over every group's tiles in one launch "
+          "(MoE's experts), group offsets from the host or the device "
+          "(`experiments/grouped_gemm.py`; built, not yet run on a GPU)", "grouped_gemm",
+          lambda rows: family_lines(rows, lambda r: "expert GEMMs",
+                                    against="of the best of torch._grouped_mm and a cuBLAS loop")),
+    Piece("`mkrt.MoE`", "one node: dispatch in the planned order, grouped GEMMs, SwiGLU, "
+          "combine with a fixed-order fp32 sum, as five launches (`experiments/moe.py`; built, "
+          "not yet run on a GPU)", "moe",
+          lambda rows: family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated",
+                                    against="of host splits + copies + torch._grouped_mm")),
+    Piece("not yet", "MoE across nodes and fused into one kernel, the SM-partition controller within a launch "
           "(gemm_allreduce's `controller=True` moves its split between launches: built, "
           "not yet run on a GPU), a run on RDMA hardware, worlds on EFA"),
 ]
