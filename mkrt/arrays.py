@@ -54,6 +54,62 @@ def as_cupy(x, name: str = "array"):
                     "(need a CuPy array, a DLPack tensor or __cuda_array_interface__)")
 
 
+class _Memory:
+    __slots__ = ("ptr", "device_id")
+
+    def __init__(self, ptr: int, device_id: int):
+        self.ptr, self.device_id = ptr, device_id
+
+
+class _Flags:
+    __slots__ = ("c_contiguous",)
+
+    def __init__(self, c_contiguous: bool):
+        self.c_contiguous = c_contiguous
+
+
+class TorchView:
+    """What a launch path reads from a CUDA torch tensor (shape, byte strides, numpy dtype,
+    pointer, device, layout), taken without a DLPack round trip: a few attribute reads
+    instead of building a CuPy array (measured: the conversions were most of a small
+    attention call's host time). Holds the tensor alive."""
+
+    __slots__ = ("tensor", "shape", "strides", "dtype", "itemsize", "data", "flags")
+
+    def __init__(self, tensor, name: str = "array"):
+        if not tensor.is_cuda:
+            raise TypeError(f"mkrt.arrays: {name} is a CPU torch tensor; move it to the GPU")
+        dtype = _torch_dtypes().get(tensor.dtype)
+        if dtype is None:
+            raise TypeError(f"mkrt.arrays: {name} has torch dtype {tensor.dtype}, which mkrt "
+                            "does not take")
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.dtype = dtype
+        self.itemsize = dtype.itemsize
+        self.strides = tuple(s * self.itemsize for s in tensor.stride())
+        self.data = _Memory(tensor.data_ptr(), tensor.device.index)
+        self.flags = _Flags(tensor.is_contiguous())
+
+
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtypes() -> dict:
+    if not _TORCH_DTYPES:
+        import torch
+        _TORCH_DTYPES.update({torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+                              torch.float64: np.dtype(np.float64), torch.int32: np.dtype(np.int32),
+                              torch.int64: np.dtype(np.int64), torch.uint8: np.dtype(np.uint8)})
+        if bfloat16 is not None:
+            _TORCH_DTYPES[torch.bfloat16] = bfloat16
+    return _TORCH_DTYPES
+
+
+def is_torch(x) -> bool:
+    return _is_torch(x)
+
+
 def like_input(result, original):
     """Give `result` (a CuPy array) back in the type of `original` (torch in, torch out)."""
     if _is_torch(original):

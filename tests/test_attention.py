@@ -182,6 +182,17 @@ def test_torch_in_torch_out():
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
     assert (out.float() - expected.float()).abs().max().item() < 2e-2 * expected.abs().max().item()
+    # torch's current stream is the one used, and given outputs are written in place
+    side = torch.cuda.Stream()
+    out2, lse2 = torch.full_like(out, float("nan")), torch.empty_like(lse)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got, got_lse = A.attention(q, k, v, causal=True, out=out2, lse=lse2)
+    side.synchronize()
+    assert got is out2 and got_lse is lse2
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    with pytest.raises(TypeError, match="CPU torch tensor"):
+        A.attention(q.cpu(), k, v)
 
 
 @pytest.mark.gpu

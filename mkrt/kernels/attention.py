@@ -29,7 +29,9 @@ import math
 
 import numpy as np
 
-from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
+from cupy_backends.cuda.api import runtime as _runtime
+
+from mkrt.arrays import TorchView, as_cupy, bfloat16, dtype_name, is_torch, like_input
 from mkrt.cuda import device_sm_count
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
@@ -376,20 +378,17 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
     """
     import cupy
 
+    if type(q) is not cupy.ndarray and is_torch(q):
+        return _attention_torch(q, k, v, causal, scale, out, lse, sms, (block_kv, stages, pingpong),
+                                stream)
     qv = q if type(q) is cupy.ndarray else as_cupy(q, "q")
     kv = k if type(k) is cupy.ndarray else as_cupy(k, "k")
     vv = v if type(v) is cupy.ndarray else as_cupy(v, "v")
     out_view = out if out is None or type(out) is cupy.ndarray else as_cupy(out, "out")
     lse_view = lse if lse is None or type(lse) is cupy.ndarray else as_cupy(lse, "lse")
     device = qv.data.device_id
-    # Everything the checks look at except pointers and devices; the option values with
-    # their types, so that causal=1 after causal=True is checked (and refused) afresh.
-    key = (qv.shape, qv.strides, qv.dtype, kv.shape, kv.strides, kv.dtype,
-           vv.shape, vv.strides, vv.dtype,
-           None if out_view is None else (out_view.shape, out_view.strides, out_view.dtype),
-           None if lse_view is None else (lse_view.shape, lse_view.strides, lse_view.dtype),
-           type(causal), causal, type(scale), scale, type(sms), sms, block_kv, stages, pingpong,
-           device)
+    key = _signature(qv, kv, vv, out_view, lse_view, causal, scale, sms,
+                     (block_kv, stages, pingpong), device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, qv, kv, vv, out_view, lse_view):
         call = _prepare(key, qv, kv, vv, out_view, lse_view, causal, scale, sms,
@@ -404,6 +403,44 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
         call.patch(qv, kv, vv, out_view, lse_view)
         call.launch((stream or cupy.cuda.get_current_stream()).ptr)
     return like_input(out_view, q), like_input(lse_view, q)
+
+
+def _signature(q, k, v, out, lse, causal, scale, sms, overrides, device) -> tuple:
+    """Everything the checks look at except pointers and devices; the option values with
+    their types, so that causal=1 after causal=True is checked (and refused) afresh."""
+    return (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+            None if out is None else (out.shape, out.strides, out.dtype),
+            None if lse is None else (lse.shape, lse.strides, lse.dtype),
+            type(causal), causal, type(scale), scale, type(sms), sms, *overrides, device)
+
+
+def _attention_torch(q, k, v, causal, scale, out, lse, sms, overrides, stream):
+    """torch in, torch out, on torch's current stream, without DLPack conversions."""
+    import torch
+    qv, kv, vv = TorchView(q, "q"), TorchView(k, "k"), TorchView(v, "v")
+    out_view = None if out is None else TorchView(out, "out")
+    lse_view = None if lse is None else TorchView(lse, "lse")
+    device = qv.data.device_id
+    key = _signature(qv, kv, vv, out_view, lse_view, causal, scale, sms, overrides, device)
+    call = _PREPARED.get(key)
+    if call is None or not _quick_checks(device, qv, kv, vv, out_view, lse_view):
+        call = _prepare(key, qv, kv, vv, out_view, lse_view, causal, scale, sms, overrides)
+    p = call.problem
+    if out is None:
+        out = torch.empty((p.batches, p.sq, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+        out_view = TorchView(out, "out")
+    if lse is None:
+        lse = torch.empty((p.batches, p.heads, p.sq), dtype=torch.float32, device=q.device)
+        lse_view = TorchView(lse, "lse")
+    call.patch(qv, kv, vv, out_view, lse_view)
+    stream_ptr = stream.ptr if stream is not None else torch.cuda.current_stream(device).cuda_stream
+    if _runtime.getDevice() == device:
+        call.launch(stream_ptr)
+    else:
+        import cupy
+        with cupy.cuda.Device(device):      # the kernel belongs to that device's context
+            call.launch(stream_ptr)
+    return out, lse
 
 
 def _quick_checks(device, q, k, v, out, lse) -> bool:
