@@ -84,6 +84,10 @@ def test_op_checks_its_world_and_options():
             M.MoE(world, experts=6, capacity=0)
         op = M.MoE(world, experts=6, capacity=16)
         assert op.experts_per_rank == 2 and op.receive_rows == 2 * 16 * 8
+        # no attribute of the op base class hides a method the call path uses
+        for name in ("_scratch_buffers", "_ensure_buffers", "_run", "_args", "per_rank"):
+            assert callable(getattr(op, name)), name
+        assert M.MoE(world, experts=6, capacity=1 << 24).receive_rows == 1 << 26
     finally:
         world.close()
 

@@ -13,7 +13,9 @@ starting at its first row (not at a multiple of BM: the engine loads A from ``a_
 B from ``b_row``, and the store clips at the group's last row). The m-tiles per group are
 summed once per CTA into shared memory (a warp scan of ``offsets``), so ``offsets`` may be
 written by an earlier kernel on the device (MoE's dispatch) with no host round trip;
-offsets out of [0, R] are clamped, empty groups have no tiles.
+offsets out of [0, R] are clamped, empty groups have no tiles. Device offsets must be
+nondecreasing (overlapping groups would write the same rows from two CTAs): host offsets
+are checked for it.
 
 Offsets given as a host sequence are checked (nondecreasing, within [0, R]) and uploaded
 once per distinct value; a device int32 array is used as it is (checked for dtype, shape
@@ -276,9 +278,13 @@ def _device_offsets(offsets, groups: int, rows: int, device: int):
     uploaded = _HOST_OFFSETS.get(key)
     if uploaded is None:
         with cupy.cuda.Device(device):
+            if len(_HOST_OFFSETS) >= 64:
+                # an evicted array may still be read by a launch on another stream
+                cupy.cuda.Device(device).synchronize()
+                _HOST_OFFSETS.popitem(last=False)
             uploaded = _HOST_OFFSETS[key] = cupy.asarray(host)
-        if len(_HOST_OFFSETS) > 64:
-            _HOST_OFFSETS.popitem(last=False)
+            # landed before any stream's launch reads it (once per distinct value)
+            cupy.cuda.get_current_stream().synchronize()
     return uploaded
 
 

@@ -22,8 +22,8 @@ Each call runs five launches per rank on the rank's stream, none waiting for the
    in choice order (bit-identical between calls) and rounds once.
 
 Buffers live in symmetric memory sized by ``capacity`` (tokens per rank) and
-``receive_rows`` (rows a rank may receive; default 2 x capacity x k, the average load
-twice over): a call whose routing sends a rank more rows fails on the device with a
+``receive_rows`` (rows a rank may receive; default 2 x capacity x 8, the average load of
+top-8 routing twice over): a call whose routing sends a rank more rows fails on the device with a
 CommTimeout record naming the overflow (flag -5), before any row is written past the end.
 Every wait is bounded; flags are epochs (graph-capturable for a fixed routing capacity).
 
@@ -129,7 +129,6 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
     const Flags L{a.W};
     __shared__ int counts[MAX_EXPERTS];      // CTA 0: this rank's; then: where rows land
-    __shared__ int failed;
     const u64 epoch = begin_launch(a, L, 0);
     const int entries = a.tokens * a.k;
 
@@ -137,7 +136,6 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
         // 1. our call began: ranks may write into our buffers (our last combine is done)
         if (threadIdx.x < a.W) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
         for (int e = threadIdx.x; e < a.experts; e += blockDim.x) counts[e] = 0;
-        if (threadIdx.x == 0) failed = 0;
         __syncthreads();
         // 2. one warp ranks the entries per expert, in entry (token) order
         if (threadIdx.x < 32) {
@@ -148,7 +146,6 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
                 int e = entry < entries ? a.ids[entry] : -1;
                 if (entry < entries && (e < 0 || e >= a.experts)) {
                     report_timeout(ctx, ROLE_INTRA, entry, BAD_EXPERT, (u64)a.experts, (u64)(i64)e);
-                    failed = 1;
                     e = -1;
                 }
                 const unsigned same = __match_any_sync(0xffffffffu, e);
@@ -172,7 +169,8 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
         __threadfence_system();
         __syncthreads();
         if (threadIdx.x < a.W) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.counts_ready(a.me), epoch);
-        if (failed) return;
+        // (an entry with a bad id was reported and is skipped below; going on keeps the
+        // CTA counters and the ranks' flags in step, so only this rank's record fails)
     }
 
     // 4. every rank's counts in: where each expert's rows land at its rank (expert-major,
@@ -422,8 +420,8 @@ class MoE(Op):
             raise ValueError(f"mkrt.moe: {self.experts} experts do not split over {W} ranks")
         self.capacity = checks.integer(capacity, "capacity", area, low=1, high=1 << 24)
         self.receive_rows = checks.integer(receive_rows if receive_rows is not None
-                                           else 2 * self.capacity * 8, "receive_rows", area,
-                                           low=1, high=1 << 26)
+                                           else min(2 * self.capacity * 8, 1 << 26),
+                                           "receive_rows", area, low=1, high=1 << 26)
         self.ctas = checks.integer(ctas, "ctas", area, low=1, high=64)
         self.validate = checks.flag(validate, "validate", area)
         self.experts_per_rank = self.experts // W
@@ -450,7 +448,7 @@ class MoE(Op):
         b["key"] = key
         self._prepared.clear()
 
-    def _scratch(self, shape: MoeShape) -> list:
+    def _scratch_buffers(self, shape: MoeShape) -> list:
         """Per rank: entry places, group offsets, the w1 GEMM's rows, SwiGLU's, w2's."""
         rows = self.receive_rows
         return [self.kept_buffers(name, shp, dtype) for name, shp, dtype in (
@@ -476,6 +474,17 @@ class MoE(Op):
                   for a, i, w, p, q in zip(xs, ids, weights, w1s, w2s)]
         if len({(s.k, s.hidden, s.inter) for s in shapes}) != 1:
             raise ValueError("mkrt.moe: ranks disagree on k, H or I")
+        k_signature = ("k", shapes[0].k)
+        if self.world.comm is not None and k_signature not in self._signatures:
+            # buffers are sized by k on every rank: all processes must agree before a
+            # collective reallocation
+            if len(set(self.world.comm.allgather(k_signature))) != 1:
+                raise ValueError("mkrt.moe: processes pass different k (topk_ids columns)")
+            self._signatures.add(k_signature)
+        for name, arrays in (("x", xs), ("out", self.per_rank(out, "out")[0] if out is not None else [])):
+            for a in arrays:
+                if a.data.ptr % 16:
+                    raise ValueError(f"mkrt.moe: {name} starts at {a.data.ptr:#x}, not 16-byte aligned")
         for s in shapes:
             if s.tokens > self.capacity:
                 raise ValueError(f"mkrt.moe: {s.tokens} tokens on a rank; this op's capacity is "
@@ -525,7 +534,7 @@ class MoE(Op):
     def _run(self, shape, shapes, xs, ids, weights, w1s, w2s, outs) -> None:
         import cupy
         spec = MoeSpec()
-        scratch = self._scratch(shape)
+        scratch = self._scratch_buffers(shape)
         streams = self._launch_streams()
         for i, (info, stream_ptr) in enumerate(zip(self.world.local, streams)):
             key = (info.rank, shape.k, shape.hidden, shape.inter)     # tokens are patched per call
