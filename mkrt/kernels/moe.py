@@ -338,6 +338,24 @@ class MoeShape:
     per_rank: int
 
 
+def check_routing(x, ids, area: str = "moe") -> tuple[int, int, int]:
+    """(tokens, k, hidden) of one rank's x and topk_ids ((shape, dtype) pairs)."""
+    (xs, xd), (ids_s, ids_d) = x, ids
+    if np.dtype(xd) != bfloat16:
+        raise TypeError(f"mkrt.{area}: x must be bf16; got {dtype_name(xd)}")
+    if np.dtype(ids_d) != np.int32:
+        raise TypeError(f"mkrt.{area}: topk_ids must be int32; got {dtype_name(ids_d)}")
+    if len(xs) != 2 or len(ids_s) != 2 or ids_s[0] != xs[0]:
+        raise ValueError(f"mkrt.{area}: x {tuple(xs)} must be [T, H] and topk_ids {tuple(ids_s)} [T, k]")
+    tokens, hidden = (int(v) for v in xs)
+    k = int(ids_s[1])
+    if not 1 <= k <= 8:
+        raise ValueError(f"mkrt.{area}: k={k}; expected 1 to 8 experts per token")
+    if hidden % 8 or hidden < 8:
+        raise ValueError(f"mkrt.{area}: H={hidden} must be a positive multiple of 8")
+    return tokens, k, hidden
+
+
 def check_operands(x, ids, weights, w1, w2, *, experts_per_rank: int, area: str = "moe") -> MoeShape:
     """Shapes and dtypes of one rank's arguments ((shape, dtype) pairs)."""
     (xs, xd), (ids_s, ids_d), (ws, wd), (w1s, w1d), (w2s, w2d) = x, ids, weights, w1, w2
@@ -448,81 +466,148 @@ class MoE(Op):
         b["key"] = key
         self._prepared.clear()
 
-    def _scratch_buffers(self, shape: MoeShape) -> list:
-        """Per rank: entry places, group offsets, the w1 GEMM's rows, SwiGLU's, w2's."""
-        rows = self.receive_rows
+    def _routing_buffers(self, shape: MoeShape) -> list:
+        """Per rank: entry places, group offsets, the expert results combine reads."""
         return [self.kept_buffers(name, shp, dtype) for name, shp, dtype in (
             ("entry_rank", (self.capacity * shape.k,), np.int32),
             ("offsets", (self.experts_per_rank + 1,), np.int32),
-            ("h", (rows, 2 * shape.inter), bfloat16),
-            ("act", (rows, shape.inter), bfloat16),
-            ("results", (rows, shape.hidden), bfloat16))]
+            ("results", (self.receive_rows, shape.hidden), bfloat16))]
 
-    # -- the call --
-    def __call__(self, x, topk_ids, topk_weights, w1, w2, out=None):
+    def _expert_buffers(self, shape: MoeShape) -> list:
+        """Per rank: the w1 GEMM's rows and SwiGLU's."""
+        return [self.kept_buffers(name, shp, bfloat16) for name, shp in (
+            ("h", (self.receive_rows, 2 * shape.inter)), ("act", (self.receive_rows, shape.inter)))]
+
+    # -- checks shared by the call, dispatch and combine --
+    def _routing(self, x, topk_ids):
+        """Per rank x and topk_ids, checked (shapes, dtypes, alignment, capacity, k agreed
+        between processes, ids in range); (xs, ids, as_list, (tokens, k, hidden) per rank)."""
         import cupy
         xs, as_list = self.per_rank(x, "x")
         ids, _ = self.per_rank(topk_ids, "topk_ids")
-        weights, _ = self.per_rank(topk_weights, "topk_weights")
-        w1s, _ = self.per_rank(w1, "w1")
-        w2s, _ = self.per_rank(w2, "w2")
-        self.same_everywhere(w1s, "w1")
-        self.same_everywhere(w2s, "w2")
-        shapes = [check_operands((a.shape, a.dtype), (i.shape, i.dtype), (w.shape, w.dtype),
-                                 (p.shape, p.dtype), (q.shape, q.dtype),
-                                 experts_per_rank=self.experts_per_rank)
-                  for a, i, w, p, q in zip(xs, ids, weights, w1s, w2s)]
-        if len({(s.k, s.hidden, s.inter) for s in shapes}) != 1:
-            raise ValueError("mkrt.moe: ranks disagree on k, H or I")
-        k_signature = ("k", shapes[0].k)
-        if self.world.comm is not None and k_signature not in self._signatures:
-            # buffers are sized by k on every rank: all processes must agree before a
-            # collective reallocation
-            if len(set(self.world.comm.allgather(k_signature))) != 1:
-                raise ValueError("mkrt.moe: processes pass different k (topk_ids columns)")
-            self._signatures.add(k_signature)
-        for name, arrays in (("x", xs), ("out", self.per_rank(out, "out")[0] if out is not None else [])):
-            for a in arrays:
-                if a.data.ptr % 16:
-                    raise ValueError(f"mkrt.moe: {name} starts at {a.data.ptr:#x}, not 16-byte aligned")
-        for s in shapes:
-            if s.tokens > self.capacity:
-                raise ValueError(f"mkrt.moe: {s.tokens} tokens on a rank; this op's capacity is "
+        dims = [check_routing((a.shape, a.dtype), (i.shape, i.dtype)) for a, i in zip(xs, ids)]
+        if len({d[1:] for d in dims}) != 1:
+            raise ValueError("mkrt.moe: ranks disagree on k or H")
+        for a in xs:
+            if a.data.ptr % 16:
+                raise ValueError(f"mkrt.moe: x starts at {a.data.ptr:#x}, not 16-byte aligned")
+        for tokens, _, _ in dims:
+            if tokens > self.capacity:
+                raise ValueError(f"mkrt.moe: {tokens} tokens on a rank; this op's capacity is "
                                  f"{self.capacity} (build it with a larger capacity=)")
-        if self.validate:
+        signature = ("k, H", dims[0][1:])
+        if self.world.comm is not None and signature not in self._signatures:
+            # buffers are sized by k and H on every rank: all processes must agree before a
+            # collective reallocation
+            if len(set(self.world.comm.allgather(signature))) != 1:
+                raise ValueError("mkrt.moe: processes pass different k or H")
+            self._signatures.add(signature)
+        if self.validate and not cupy.cuda.get_current_stream().is_capturing():
             for i, arr in enumerate(ids):
-                capturing = cupy.cuda.get_current_stream().is_capturing()
-                if arr.size and not capturing:
+                if arr.size:
                     low, high = int(arr.min()), int(arr.max())      # waits for the device
                     if low < 0 or high >= self.experts:
                         raise ValueError(f"mkrt.moe: topk_ids[{i}] has ids {low}..{high}; "
                                          f"expected 0..{self.experts - 1}")
+        return xs, ids, as_list, dims
+
+    def _weights_and_out(self, topk_weights, out, dims):
+        weights, _ = self.per_rank(topk_weights, "topk_weights")
+        for w, (tokens, k, _) in zip(weights, dims):
+            if w.shape != (tokens, k) or w.dtype != np.float32:
+                raise ValueError(f"mkrt.moe: topk_weights is {w.shape} {dtype_name(w.dtype)}; "
+                                 f"expected {(tokens, k)} float32")
         outs = self.per_rank(out, "out")[0] if out is not None else None
         if outs is not None:
-            for o, s in zip(outs, shapes):
-                if o.shape != (s.tokens, s.hidden) or o.dtype != bfloat16:
+            for o, (tokens, _, hidden) in zip(outs, dims):
+                if o.shape != (tokens, hidden) or o.dtype != bfloat16 or o.data.ptr % 16:
                     raise ValueError(f"mkrt.moe: out is {o.shape} {dtype_name(o.dtype)}; expected "
-                                     f"{(s.tokens, s.hidden)} bf16")
+                                     f"{(tokens, hidden)} bf16, 16-byte aligned")
+        return weights, outs
+
+    def _new_outs(self, dims) -> list:
+        import cupy
+        outs = []
+        for info, (tokens, _, hidden) in zip(self.world.local, dims):
+            with self.on_device(info.device):
+                outs.append(cupy.empty((tokens, hidden), bfloat16))
+        return outs
+
+    # -- the call --
+    def __call__(self, x, topk_ids, topk_weights, w1, w2, out=None):
+        xs, ids, as_list, dims = self._routing(x, topk_ids)
+        weights, outs = self._weights_and_out(topk_weights, out, dims)
+        w1s, _ = self.per_rank(w1, "w1")
+        w2s, _ = self.per_rank(w2, "w2")
+        self.same_everywhere(w1s, "w1")
+        self.same_everywhere(w2s, "w2")
+        shape = check_operands((xs[0].shape, xs[0].dtype), (ids[0].shape, ids[0].dtype),
+                               (weights[0].shape, weights[0].dtype), (w1s[0].shape, w1s[0].dtype),
+                               (w2s[0].shape, w2s[0].dtype), experts_per_rank=self.experts_per_rank)
         self.before_launch()
-        shape = shapes[0]
         self._ensure_buffers(shape)
-        if outs is None:
-            outs = []
-            for info, s in zip(self.world.local, shapes):
-                with self.on_device(info.device):
-                    outs.append(cupy.empty((s.tokens, s.hidden), bfloat16))
-        self._run(shape, shapes, xs, ids, weights, w1s, w2s, outs)
+        outs = outs if outs is not None else self._new_outs(dims)
+        self._run(shape, dims, xs, ids, weights, outs, experts=(w1s, w2s))
         self.after_launch()
         if out is not None:
             return out
         return outs if as_list else like_input(outs[0], x)
 
+    def dispatch(self, x, topk_ids):
+        """The dispatch alone: per rank (received [receive_rows, H] bf16 -- this rank's
+        rows, expert-major, then by source rank and token; only the first offsets[-1] are
+        this call's --, offsets [E_local + 1] int32 on the device, sources
+        [receive_rows, 2] int32: (source rank, token * k + choice) of each row). The views
+        are the op's buffers: valid until its next call. Run experts on the rows, then
+        :meth:`combine` (every rank calls both, in the same order)."""
+        xs, ids, as_list, dims = self._routing(x, topk_ids)
+        tokens, k, hidden = dims[0]
+        shape = MoeShape(tokens, k, hidden, 0, self.experts_per_rank)
+        self.before_launch()
+        self._ensure_buffers(shape)
+        self._run(shape, dims, xs, ids, None, None, stages=("dispatch",))
+        self.after_launch()
+        out = []
+        for i, info in enumerate(self.world.local):
+            out.append((self._buffers["received"].view(info.rank, bfloat16, (self.receive_rows, hidden)),
+                        self._routing_buffers(shape)[1][i],
+                        self._buffers["sources"].view(info.rank, np.int32, (self.receive_rows, 2))))
+        return out if as_list else out[0]
+
+    def combine(self, results, topk_weights, out=None):
+        """The combine alone, after :meth:`dispatch`: results per rank [receive_rows, H]
+        bf16 (one row per received row, in its order); y [T, H] = the weighted sum of each
+        token's k rows (fp32, choice order)."""
+        results_list, as_list = self.per_rank(results, "results")
+        shape = self._buffers.get("key")
+        if shape is None:
+            raise ValueError("mkrt.moe: combine() needs a dispatch() of this op first")
+        hidden, k = shape
+        for r in results_list:
+            if r.shape != (self.receive_rows, hidden) or r.dtype != bfloat16 or r.data.ptr % 16:
+                raise ValueError(f"mkrt.moe: results is {r.shape} {dtype_name(r.dtype)}; expected "
+                                 f"{(self.receive_rows, hidden)} bf16, 16-byte aligned")
+        weights_list, _ = self.per_rank(topk_weights, "topk_weights")
+        dims = [(w.shape[0], k, hidden) for w in weights_list]
+        for tokens, _, _ in dims:
+            if tokens > self.capacity:
+                raise ValueError(f"mkrt.moe: {tokens} tokens on a rank; this op's capacity is "
+                                 f"{self.capacity}")
+        weights, outs = self._weights_and_out(topk_weights, out, dims)
+        self.before_launch()
+        outs = outs if outs is not None else self._new_outs(dims)
+        shape = MoeShape(dims[0][0], k, hidden, 0, self.experts_per_rank)
+        self._run(shape, dims, None, None, weights, outs, stages=("combine",), results=results_list)
+        self.after_launch()
+        if out is not None:
+            return out
+        return outs if as_list else like_input(outs[0], results)
+
     def _args(self, info, shape: MoeShape, scratch) -> np.ndarray:
         b, rank = self._buffers, info.rank
         args = np.zeros((), ARGS_DTYPE)
-        entry_rank, offsets, _, _, results = (s[self.world.local.index(info)] for s in scratch)
+        entry_rank, offsets = (s[self.world.local.index(info)] for s in scratch[:2])  # routing buffers
         args["entry_rank"], args["offsets"] = entry_rank.data.ptr, offsets.data.ptr
-        args["results"] = results.data.ptr
         for name in ("counts", "received", "sources", "back", "flags"):
             args[name] = b[name].local_ptr(rank)
             args[f"peer_{name}"] = b[name].peer_table(rank).data.ptr
@@ -531,44 +616,62 @@ class MoE(Op):
         args["receive_rows"] = self.receive_rows
         return args
 
-    def _run(self, shape, shapes, xs, ids, weights, w1s, w2s, outs) -> None:
+    def _prepared_launches(self, i, info, shape, scratch):
+        """Rank i's dispatch and combine launches (per k and H: the rest is patched per
+        call) and the fields patched: x, ids, weights, y, tokens, results."""
+        key = (info.rank, shape.k, shape.hidden)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            spec = MoeSpec()
+            launches = []
+            for entry in ("moe_dispatch", "moe_combine"):
+                params = Parameters(LAUNCH_PARAMETERS)
+                params.set(args=self._args(info, shape, scratch), **self.context_params(info.rank))
+                launches.append(KernelLaunch(spec.function(entry, info.device), self.ctas, 256, 0,
+                                             params))
+            fields = ("x", "ids", "weights", "y", "tokens", "results")
+            words = [tuple(launch.params.field_view("args", f) for f in fields) for launch in launches]
+            prepared = self._prepared[key] = (launches, words, spec.function("moe_swiglu", info.device))
+        return prepared
+
+    def _run(self, shape, dims, xs, ids, weights, outs, *, experts=None,
+             stages=("dispatch", "experts", "combine"), results=None) -> None:
+        """Launch `stages` on every local rank's stream ("experts": both grouped GEMMs and
+        SwiGLU on the op's own buffers; combine then reads them, unless `results` is given)."""
         import cupy
-        spec = MoeSpec()
-        scratch = self._scratch_buffers(shape)
+        scratch = self._routing_buffers(shape)
+        expert_scratch = self._expert_buffers(shape) if "experts" in stages else None
         streams = self._launch_streams()
         for i, (info, stream_ptr) in enumerate(zip(self.world.local, streams)):
-            key = (info.rank, shape.k, shape.hidden, shape.inter)     # tokens are patched per call
-            prepared = self._prepared.get(key)
-            if prepared is None:
-                launches = []
-                for entry in ("moe_dispatch", "moe_combine"):
-                    params = Parameters(LAUNCH_PARAMETERS)
-                    params.set(args=self._args(info, shape, scratch), **self.context_params(info.rank))
-                    launches.append(KernelLaunch(spec.function(entry, info.device), self.ctas, 256, 0,
-                                                 params))
-                words = [tuple(launch.params.field_view("args", f) for f in ("x", "ids", "weights", "y", "tokens"))
-                         for launch in launches]
-                prepared = self._prepared[key] = (launches, words, spec.function("moe_swiglu", info.device))
-            launches, words, swiglu = prepared
+            launches, words, swiglu = self._prepared_launches(i, info, shape, scratch)
+            entry_rank, offsets, own_results = (s[i] for s in scratch)
+            pointers = (xs[i].data.ptr if xs is not None else 0, ids[i].data.ptr if ids is not None else 0,
+                        weights[i].data.ptr if weights is not None else 0,
+                        outs[i].data.ptr if outs is not None else 0, dims[i][0],
+                        (results[i] if results is not None else own_results).data.ptr)
             for word in words:
-                word[0][()], word[1][()] = xs[i].data.ptr, ids[i].data.ptr
-                word[2][()], word[3][()] = weights[i].data.ptr, outs[i].data.ptr
-                word[4][()] = shapes[i].tokens
-            entry_rank, offsets, h, act, results = (s[i] for s in scratch)
-            stream = self._streams.get(stream_ptr)
-            if stream is None:
-                stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
-            sms = self.world.sm_count(info.rank)
-            received = self._buffers["received"].view(info.rank, bfloat16,
-                                                       (self.receive_rows, shape.hidden))
+                for field, value in zip(word, pointers):
+                    field[()] = value
             with self.on_device(info.device):
-                launches[0](stream_ptr)
-                grouped_module.grouped_gemm(received, w1s[i], offsets, out=h, sms=sms, stream=stream)
-                with stream:
-                    swiglu((sms,), (256,), (h, act, offsets, np.int32(self.experts_per_rank),
-                                            np.int32(shape.inter)))
-                grouped_module.grouped_gemm(act, w2s[i], offsets, out=results, sms=sms, stream=stream)
-                launches[1](stream_ptr)
+                if "dispatch" in stages:
+                    launches[0](stream_ptr)
+                if "experts" in stages:
+                    stream = self._streams.get(stream_ptr)
+                    if stream is None:
+                        stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
+                    sms = self.world.sm_count(info.rank)
+                    received = self._buffers["received"].view(info.rank, bfloat16,
+                                                               (self.receive_rows, shape.hidden))
+                    w1s, w2s = experts
+                    h, act = (s[i] for s in expert_scratch)
+                    grouped_module.grouped_gemm(received, w1s[i], offsets, out=h, sms=sms, stream=stream)
+                    with stream:
+                        swiglu((sms,), (256,), (h, act, offsets, np.int32(self.experts_per_rank),
+                                                np.int32(shape.inter)))
+                    grouped_module.grouped_gemm(act, w2s[i], offsets, out=own_results, sms=sms,
+                                                stream=stream)
+                if "combine" in stages:
+                    launches[1](stream_ptr)
         if self._local_count != 1:
             self.release_to_caller_stream()
 
@@ -585,6 +688,19 @@ def moe(x, topk_ids, topk_weights, w1, w2, *, experts: int, capacity: int, world
     """y per rank; see :class:`MoE`."""
     return shared_op(MoE, world, experts=experts, capacity=capacity, **options)(
         x, topk_ids, topk_weights, w1, w2, out=out)
+
+
+def moe_dispatch(x, topk_ids, *, experts: int, capacity: int, world=None, **options):
+    """Each rank's received rows, group offsets and sources; see :meth:`MoE.dispatch`. Pass
+    the same experts, capacity and options to :func:`moe_combine` (they share one op)."""
+    return shared_op(MoE, world, experts=experts, capacity=capacity, **options).dispatch(x, topk_ids)
+
+
+def moe_combine(results, topk_weights, *, experts: int, capacity: int, world=None, out=None,
+                **options):
+    """Each rank's y from its expert results; see :meth:`MoE.combine`."""
+    return shared_op(MoE, world, experts=experts, capacity=capacity, **options).combine(
+        results, topk_weights, out=out)
 
 
 def test_cases():
