@@ -193,6 +193,10 @@ def test_torch_in_torch_out():
     assert torch.equal(out2, out) and torch.equal(lse2, lse)
     with pytest.raises(TypeError, match="CPU torch tensor"):
         A.attention(q.cpu(), k, v)
+    # mixed torch and CuPy arguments take the DLPack path
+    import cupy
+    mixed, _ = A.attention(q, cupy.from_dlpack(k), cupy.from_dlpack(v), causal=True)
+    assert torch.equal(torch.as_tensor(mixed, device="cuda"), out)
 
 
 @pytest.mark.gpu
@@ -216,9 +220,11 @@ def test_bad_arrays_raise_before_launch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [dict(pingpong=1), dict(block_kv=64, stages=4),
+@pytest.mark.parametrize("options", [dict(block_kv=128, stages=2, pingpong=1),
+                                     dict(block_kv=64, stages=4, pingpong=0),
                                      dict(block_kv=64, stages=4, pingpong=1),
-                                     dict(block_kv=192, stages=3)])
+                                     dict(block_kv=128, stages=2, pingpong=0),
+                                     dict(block_kv=192, stages=3, pingpong=0)])
 @pytest.mark.parametrize("case", [(2, 700, 700, 4, 2, 64, True), (1, 513, 1025, 2, 1, 128, False)])
 def test_other_configurations_match_the_reference(case, options):
     import cupy

@@ -330,10 +330,15 @@ def head_major_map(x, dtype: str, rows: int, *, sources: int | None = None,
     `rows` rows of one head: 4-D (d, head, row, batch), or with `sources` a 5-D map whose
     outermost coordinate picks one of `sources` copies `source_stride` bytes apart."""
     B, S, H, D = x.shape
-    dims, strides, box = (D, H, S, B), (x.strides[2], x.strides[1], x.strides[0]), (64, 1, rows, 1)
+    # a dimension of size 1 may carry any stride (torch and DLPack differ): give it the
+    # packed one, which the tensor map accepts
+    head = x.strides[2] if H > 1 else D * x.itemsize
+    row = x.strides[1] if S > 1 else H * head
+    batch = x.strides[0] if B > 1 else S * row
+    dims, strides, box = (D, H, S, B), (head, row, batch), (64, 1, rows, 1)
     if sources is not None:
         dims, box = dims + (sources,), box + (1,)
-        strides = strides + (source_stride or B * x.strides[0],)
+        strides = strides + (source_stride or B * batch,)
     return tma_descriptor(x.data.ptr, dtype, dims, strides, box)
 
 
@@ -378,7 +383,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
     """
     import cupy
 
-    if type(q) is not cupy.ndarray and is_torch(q):
+    if all(is_torch(x) for x in (q, k, v, out, lse) if x is not None):
         return _attention_torch(q, k, v, causal, scale, out, lse, sms, (block_kv, stages, pingpong),
                                 stream)
     qv = q if type(q) is cupy.ndarray else as_cupy(q, "q")
@@ -426,12 +431,17 @@ def _attention_torch(q, k, v, causal, scale, out, lse, sms, overrides, stream):
     if call is None or not _quick_checks(device, qv, kv, vv, out_view, lse_view):
         call = _prepare(key, qv, kv, vv, out_view, lse_view, causal, scale, sms, overrides)
     p = call.problem
-    if out is None:
-        out = torch.empty((p.batches, p.sq, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
-        out_view = TorchView(out, "out")
-    if lse is None:
-        lse = torch.empty((p.batches, p.heads, p.sq), dtype=torch.float32, device=q.device)
-        lse_view = TorchView(lse, "lse")
+    if out is None or lse is None:
+        # allocated on the stream that writes them (torch's allocator reuses per stream)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=q.device)
+                               if stream is not None else torch.cuda.current_stream(device)):
+            if out is None:
+                out = torch.empty((p.batches, p.sq, p.heads, p.head_dim), dtype=q.dtype,
+                                  device=q.device)
+                out_view = TorchView(out, "out")
+            if lse is None:
+                lse = torch.empty((p.batches, p.heads, p.sq), dtype=torch.float32, device=q.device)
+                lse_view = TorchView(lse, "lse")
     call.patch(qv, kv, vv, out_view, lse_view)
     stream_ptr = stream.ptr if stream is not None else torch.cuda.current_stream(device).cuda_stream
     if _runtime.getDevice() == device:
@@ -464,10 +474,12 @@ def _prepare(key, q, k, v, out, lse, causal, scale, sms, overrides) -> _Prepared
     spec = default_spec(problem.dtype, problem.head_dim)
     block_kv, stages, pingpong = overrides
     if overrides != (None, None, None):      # the spec checks the values
+        # unset overrides come from one fixed base (128-key blocks, 2 stages at D 128, 3 at
+        # D 64, no pingpong), not from the default, which may change with measurements
         spec = AttentionSpec(problem.dtype, problem.head_dim,
-                             spec.block_kv if block_kv is None else block_kv,
-                             spec.stages if stages is None else stages,
-                             spec.pingpong if pingpong is None else pingpong)
+                             128 if block_kv is None else block_kv,
+                             (2 if problem.head_dim == 128 else 3) if stages is None else stages,
+                             0 if pingpong is None else pingpong)
     call = _PREPARED.get(key)
     if call is None:
         call = _PREPARED[key] = _PreparedAttention(problem, spec, device, int(sms), scale)

@@ -108,3 +108,6 @@ class GatheringOp(Op):
             if buffer is not None:
                 buffer.close()
         self._flags = self._gathered = None
+        # prepared launches point into the freed buffers: a later call rebuilds them
+        self._prepared.clear()
+        self._generation += 1

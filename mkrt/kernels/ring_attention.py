@@ -394,8 +394,11 @@ class RingAttention(GatheringOp):
             lses = self.new_outputs((p.batches, p.heads, p.sq), np.float32)
         if self.world.size == 1:
             # one rank holds the whole sequence in order: the engine alone
+            spec = spec_for(p.dtype, p.head_dim)     # the ring's engine configuration
             attention_module.attention(q_list[0], k_list[0], v_list[0], causal=p.causal,
-                                       scale=call.scale, out=outs[0], lse=lses[0])
+                                       scale=call.scale, out=outs[0], lse=lses[0],
+                                       block_kv=spec.block_kv, stages=spec.stages,
+                                       pingpong=spec.pingpong)
         else:
             self._run(call, q_list, k_list, v_list, outs, lses)
         self.after_launch()

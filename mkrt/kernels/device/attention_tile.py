@@ -56,7 +56,9 @@ namespace attention {
 
 // Compile-time shape. T: __nv_bfloat16 or __half; D: head dim (64 or 128).
 // PINGPONG: the two consumers take turns issuing their MMAs (named barriers 4 and 5), so
-// that one's softmax runs while the other's MMAs occupy the tensor cores.
+// that one's softmax runs while the other's MMAs occupy the tensor cores. The turns pair
+// up only because both consumers run the same tiles with the same block counts (the
+// engine's work list is shared): a work list that split them would deadlock.
 template <class T_, int D_, int BKV_, int STAGES_, bool PINGPONG_ = false>
 struct Config {
     typedef T_ T;
