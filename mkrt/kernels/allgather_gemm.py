@@ -116,10 +116,7 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
         const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
         gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem);
     } else {
-        const GatherArgs gather{(const unsigned char*)a.input, (u64)a.rows * a.k * sizeof(T),
-                                nullptr, 0, (unsigned char*)a.gathered, a.flags, a.peer_flags,
-                                a.peer_gathered, a.queue, a.me, a.node, a.G, a.N,
-                                a.gathered_region, a.flags_region};
+        const GatherArgs gather = gather_args(a, a.input, (u64)a.rows * a.k * sizeof(T), nullptr, 0);
         gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
     }

@@ -203,10 +203,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
         attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
     } else {
         const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);
-        const GatherArgs gather{(const unsigned char*)a.k, kv_bytes, (const unsigned char*)a.v,
-                                kv_bytes, (unsigned char*)a.gathered, a.flags, a.peer_flags,
-                                a.peer_gathered, a.queue, a.me, a.node, a.G, a.N,
-                                a.gathered_region, a.flags_region};
+        const GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes);
         gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
     }

@@ -108,6 +108,17 @@ struct GatherArgs {
 
 constexpr int GATHER_MAX_NODE_RANKS = 32;
 
+// The gathering role of a kernel whose Args carries the role's fields under these names
+// (gathered, flags, peer_flags, peer_gathered, queue, me, node, G, N, gathered_region,
+// flags_region), with the rank's block as the spans input0 and input1.
+template <class A>
+__device__ __forceinline__ GatherArgs gather_args(const A& a, const void* input0, u64 bytes0,
+                                                  const void* input1, u64 bytes1) {
+    return GatherArgs{(const unsigned char*)input0, bytes0, (const unsigned char*)input1, bytes1,
+                      (unsigned char*)a.gathered, a.flags, a.peer_flags, a.peer_gathered, a.queue,
+                      a.me, a.node, a.G, a.N, a.gathered_region, a.flags_region};
+}
+
 // A gathering kernel's launch bookkeeping: this launch's epoch and CTA counts, from the
 // words the previous launch on this stream left (stable: that launch is complete); at
 // the end, the last CTA out publishes them for the next launch.
