@@ -595,3 +595,171 @@ def test_reducescatter_plan_is_runnable_or_refused(nodes, per_node, m, n, k, red
         assert p.whole_node_tiles
         if p.tiles <= 2000:
             assert p.check() == []
+
+
+# ---- attention, ring attention, grouped GEMM, MoE -----------------------------------
+# Each generator makes a valid call half the time and spoils one of its parts otherwise,
+# so both the accepted and the refused paths are exercised (see the events).
+
+F16_OR_BF16 = st.sampled_from([np.dtype(np.float16), bfloat16])
+ODD_DIMS = st.one_of(st.integers(-1, 9), st.sampled_from([0, 96, 4096, 2**31]))
+
+
+@st.composite
+def attention_call(draw):
+    B, Sq, Sk = draw(st.integers(1, 4)), draw(st.integers(1, 300)), draw(st.integers(1, 300))
+    Hkv, group, D = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4])), \
+        draw(st.sampled_from([64, 128]))
+    dtype = draw(F16_OR_BF16)
+    shapes = [[B, Sq, Hkv * group, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]]
+    dtypes, causal = [dtype] * 3, draw(st.booleans())
+    if draw(st.booleans()):
+        what = draw(st.sampled_from(["shape", "rank", "dtype", "causal"]))
+        if what == "shape":
+            shapes[draw(st.integers(0, 2))][draw(st.integers(0, 3))] = draw(ODD_DIMS)
+        elif what == "rank":
+            shapes[draw(st.integers(0, 2))].append(1)
+        elif what == "dtype":
+            dtypes[draw(st.integers(0, 2))] = draw(DTYPES)
+        else:
+            causal = draw(st.sampled_from([1, "yes", None, 0.0]))
+    return shapes, dtypes, causal
+
+
+@FAST
+@given(call=attention_call())
+def test_attention_operands_are_runnable_or_refused(call):
+    from mkrt.kernels import attention as A
+    (q, k, v), dtypes, causal = call
+    p = outcome(lambda: A.check_operands(q, k, v, *dtypes, causal=causal))
+    if p is None:
+        return
+    event("a problem")
+    assert len(q) == len(k) == 4 and tuple(k) == tuple(v) and q[0] == k[0] and q[3] == k[3]
+    assert p.head_dim in A.HEAD_DIMS and p.heads % p.kv_heads == 0
+    assert min(p.batches, p.sq, p.sk, p.heads, p.kv_heads) >= 1 and isinstance(causal, bool)
+    assert np.dtype(dtypes[0]) in (np.dtype(np.float16), bfloat16)
+    assert len({np.dtype(d) for d in dtypes}) == 1 and p.flops > 0
+
+
+@FAST
+@given(config=one_field_spoiled(
+    st.fixed_dictionaries({"dtype": st.sampled_from(["bf16", "f16"]),
+                           "head_dim": st.sampled_from([64, 128]),
+                           "block_kv": st.sampled_from([64, 128, 192, 256]),
+                           "stages": st.integers(2, 5), "pingpong": st.sampled_from([0, 1])}),
+    {"dtype": st.sampled_from(["f32", 3]), "head_dim": st.one_of(st.integers(-1, 300), st.just(64.0)),
+     "block_kv": st.integers(-1, 400), "stages": st.integers(-1, 8), "pingpong": st.integers(-1, 3)}))
+def test_attention_specs_fit_shared_memory_or_are_refused(config):
+    from mkrt.kernels import attention as A
+    spec = outcome(lambda: A.AttentionSpec(**config))
+    if spec is None:
+        return
+    event("a spec")
+    assert spec.smem_bytes <= A.SMEM_LIMIT and spec.stages >= 2 and spec.pingpong in (0, 1)
+    assert spec.block_kv % 64 == 0 and 64 <= spec.block_kv <= 256 and spec.head_dim in A.HEAD_DIMS
+
+
+@st.composite
+def grouped_call(draw):
+    G, N, K = draw(st.integers(1, 8)), draw(st.integers(1, 300)), 8 * draw(st.integers(1, 64))
+    sizes = draw(st.lists(st.integers(0, 50), min_size=G, max_size=G))
+    R = sum(sizes) + draw(st.integers(0, 5))
+    start = draw(st.integers(0, R - sum(sizes)))
+    offsets = list(start + np.concatenate([[0], np.cumsum(sizes)]))
+    x, w, dtypes = [R, K], [G, N, K], [draw(F16_OR_BF16)] * 2
+    if draw(st.booleans()):
+        what = draw(st.sampled_from(["x", "w", "dtype", "offsets"]))
+        if what == "x":
+            x[draw(st.integers(0, 1))] = draw(ODD_DIMS)
+        elif what == "w":
+            w[draw(st.integers(0, 2))] = draw(st.one_of(ODD_DIMS, st.just(2000)))
+        elif what == "dtype":
+            dtypes[draw(st.integers(0, 1))] = draw(DTYPES)
+        else:
+            offsets = draw(st.lists(st.integers(-5, R + 5), min_size=0, max_size=G + 2))
+    return x, w, dtypes, offsets
+
+
+@FAST
+@given(call=grouped_call())
+def test_grouped_gemm_operands_and_offsets_are_runnable_or_refused(call):
+    from mkrt.kernels import grouped_gemm as GG
+    x, w, dtypes, offsets = call
+    checked = outcome(lambda: GG.check_operands(x, w, *dtypes))
+    if checked is None:
+        return
+    rows, n, k, groups, _ = checked
+    assert k % 8 == 0 and 1 <= groups <= GG.MAX_GROUPS and n >= 1 and rows >= 0
+    host = outcome(lambda: GG.check_host_offsets(offsets, groups, rows))
+    if host is None:
+        return
+    event("offsets")
+    assert len(host) == groups + 1 and host.dtype == np.int32
+    assert np.all(np.diff(host) >= 0) and host[0] >= 0 and host[-1] <= rows
+
+
+@st.composite
+def moe_call(draw):
+    T, k, per = draw(st.integers(0, 50)), draw(st.integers(1, 8)), draw(st.integers(1, 4))
+    H, I = 8 * draw(st.integers(1, 64)), 8 * draw(st.integers(1, 64))
+    shapes = [[T, H], [T, k], [T, k], [per, 2 * I, H], [per, H, I]]
+    dtypes = [bfloat16, np.dtype(np.int32), np.dtype(np.float32), bfloat16, bfloat16]
+    if draw(st.booleans()):
+        i = draw(st.integers(0, 4))
+        if draw(st.booleans()):
+            shapes[i][draw(st.integers(0, len(shapes[i]) - 1))] = draw(ODD_DIMS)
+        else:
+            dtypes[i] = draw(DTYPES)
+    return list(zip(shapes, dtypes)), per
+
+
+@FAST
+@given(call=moe_call())
+def test_moe_operands_are_runnable_or_refused(call):
+    from mkrt.kernels import moe as M
+    args, per_rank = call
+    shape = outcome(lambda: M.check_operands(*args, experts_per_rank=per_rank))
+    if shape is None:
+        return
+    event("a shape")
+    assert 1 <= shape.k <= 8 and shape.hidden % 8 == 0 and shape.inter % 8 == 0
+    assert shape.per_rank == per_rank and shape.tokens >= 0
+
+
+@FAST
+@given(layout=st.sampled_from(["1x1", "1x2", "1x3", "1x4", "2x1", "2x2"]),
+       experts_per_rank=st.integers(1, 8), config=one_field_spoiled(
+           st.fixed_dictionaries({"capacity": st.integers(1, 5000),
+                                  "receive_rows": st.one_of(st.none(), st.integers(1, 1 << 20)),
+                                  "ctas": st.integers(1, 64)}),
+           {"capacity": st.sampled_from([-1, 0, 1 << 25, 2.5]),
+            "receive_rows": st.sampled_from([-1, 0, 1 << 27]),
+            "ctas": st.sampled_from([-1, 0, 80, 2.5]), "experts": st.sampled_from([-2, 0, 7, 2000])}))
+def test_moe_options_build_an_op_or_a_clean_error(layout, experts_per_rank, config):
+    nodes, per_node = (int(v) for v in layout.split("x"))
+    config = {"experts": experts_per_rank * nodes * per_node, **config}
+    with emulated(layout) as world:
+        op = outcome(lambda: mkrt.MoE(world, **config))
+        if op is None:
+            return
+        event("an op")
+        assert world.nodes == 1 and op.experts % world.size == 0
+        assert 1 <= op.receive_rows <= 1 << 26 and 1 <= op.ctas <= 64
+
+
+@FAST
+@given(layout=st.sampled_from(["1x2", "1x4", "2x2", "3x1"]),
+       ctas=st.one_of(st.none(), st.integers(-1, 200)),
+       comm_ctas=st.one_of(st.none(), st.integers(-1, 40)))
+def test_ring_attention_options_build_an_op_or_a_clean_error(layout, ctas, comm_ctas):
+    with emulated(layout) as world:
+        op = outcome(lambda: mkrt.RingAttention(world, ctas=ctas, comm_ctas=comm_ctas))
+        if op is None:
+            return
+        split = outcome(op.split)
+        if split is None:
+            return
+        event("a split")
+        total, comm = split
+        assert 1 <= comm < total
