@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.
 # 1. tests: torch path of attention, ring's new tests, grouped GEMM, MoE, AllGather+GEMM on
 #    the moved gathering role, the mpiexec verbs test five times (it failed once)
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_attention.py tests/test_ring_attention_gpu.py \
-    tests/test_grouped_gemm.py tests/test_moe.py tests/test_allgather_gemm_gpu.py \
+    tests/test_grouped_gemm.py tests/test_moe.py tests/test_allgather_gemm_gpu.py tests/test_fuzz_gpu.py \
     -p no:cacheprovider -p timeout --timeout=120 2>&1 | tee $OUT/pytest_gpu.log | tail -15
 for i in 1 2 3 4 5; do
   timeout 90 python3 -m pytest -q -m gpu tests/test_verbs_loopback_gpu.py::test_across_processes_through_the_loopback_nic \

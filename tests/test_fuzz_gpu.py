@@ -208,3 +208,81 @@ def test_allgather_gemm_random_options_match_float64(layout, rows, n, k, b_layou
         for x in whole:
             assert cupy.array_equal(x.view(cupy.uint16), full_a.view(cupy.uint16))
     op.close()
+
+
+@SAMPLE
+@given(B=st.integers(1, 3), sq=ODD, sk=ODD, kv_heads=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 3]), d=st.sampled_from([64, 128]), causal=st.booleans(),
+       dtype=st.sampled_from(["bf16", "f16"]))
+def test_attention_random_shapes_match_float32(B, sq, sk, kv_heads, group, d, causal, dtype):
+    import cupy
+
+    from mkrt.arrays import bfloat16
+    from mkrt.kernels import attention as A
+    from mkrt.kernels.gemm import from_float32, to_float32
+    np_dtype = bfloat16 if dtype == "bf16" else np.float16
+    rng = cupy.random.default_rng(sq * 7 + sk)
+    q, k, v = (from_float32(rng.standard_normal((B, s, h, d), dtype=np.float32), np_dtype)
+               for s, h in ((sq, kv_heads * group), (sk, kv_heads), (sk, kv_heads)))
+    out, lse = A.attention(q, k, v, causal=causal)
+    ref, ref_lse = A.reference(q, k, v, causal=causal)
+    got = to_float32(out)
+    assert bool(cupy.isfinite(got).all())
+    assert float(cupy.abs(got - ref).max()) <= 2e-2 * max(float(cupy.abs(ref).max()), 1e-3)
+    assert float(cupy.abs(lse - ref_lse).max()) < 2e-3 * max(1.0, float(cupy.abs(ref_lse).max()))
+
+
+@SAMPLE
+@given(sizes=st.lists(st.one_of(st.integers(0, 200), st.just(0)), min_size=1, max_size=12),
+       n=ODD, k=st.sampled_from([8, 64, 136, 1024]), block_m=st.sampled_from([None, 64, 128]))
+def test_grouped_gemm_random_groups_match_float32(sizes, n, k, block_m):
+    import cupy
+
+    from mkrt.arrays import bfloat16
+    from mkrt.kernels import grouped_gemm as GG
+    from mkrt.kernels.gemm import from_float32, to_float32
+    if sum(sizes) == 0:
+        sizes = sizes + [1]
+    rng = cupy.random.default_rng(sum(sizes) + n)
+    x = from_float32(rng.standard_normal((sum(sizes), k), dtype=np.float32), bfloat16)
+    w = from_float32(rng.standard_normal((len(sizes), n, k), dtype=np.float32) / 8, bfloat16)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    out = GG.grouped_gemm(x, w, offsets, block_m=block_m)
+    ref = GG.reference(x, w, offsets)
+    error = float(cupy.linalg.norm(to_float32(out) - ref) / max(float(cupy.linalg.norm(ref)), 1e-6))
+    assert error < 1e-2
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(["1x2", "1x4"]), tokens=st.lists(st.integers(0, 60), min_size=4, max_size=4),
+       k=st.sampled_from([1, 2, 4]), per_rank=st.sampled_from([1, 2, 3]))
+def test_moe_random_routing_matches_float64(layout, tokens, k, per_rank):
+    import cupy
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.kernels import moe_plan as P
+    from mkrt.kernels.gemm import from_float32, to_float32
+    world = world_of(layout)
+    W = world.size
+    experts, H, I = per_rank * W, 64, 32
+    k = min(k, experts)
+    tokens = tokens[:W]
+    rng = np.random.default_rng(sum(tokens) + k)
+    ids = [np.stack([rng.choice(experts, k, replace=False) for _ in range(t)]).astype(np.int32)
+           if t else np.zeros((0, k), np.int32) for t in tokens]
+    weights = [rng.random((t, k), dtype=np.float32) for t in tokens]
+    bf = lambda a: from_float32(cupy.asarray(a, dtype=cupy.float32), bfloat16)   # noqa: E731
+    x = [bf(rng.standard_normal((t, H))) for t in tokens]
+    w1 = [bf(rng.standard_normal((per_rank, 2 * I, H)) / 8) for _ in range(W)]
+    w2 = [bf(rng.standard_normal((per_rank, H, I)) / 6) for _ in range(W)]
+    op = mkrt.MoE(world, experts=experts, capacity=max(max(tokens), 1), timeout_ms=10000)
+    ys = op(x, [cupy.asarray(i) for i in ids], [cupy.asarray(w) for w in weights], w1, w2)
+    world.synchronize()
+    expected = P.reference([to_float32(a).get() for a in x], ids, weights,
+                           [to_float32(a).get() for a in w1], [to_float32(a).get() for a in w2])
+    for y, want in zip(ys, expected):
+        if want.size and np.abs(want).max() > 0:
+            assert np.abs(to_float32(y).get() - want).max() / np.abs(want).max() < 3e-2
+    op.close()
