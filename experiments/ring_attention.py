@@ -148,12 +148,14 @@ def main():
                             torch.nn.functional.scaled_dot_product_attention(
                                 qq, kk, vv, enable_gqa=Hq != Hkv)
             # (b): per-step calls and LSE merges, no transfers
+            order = R.plan(world.nodes, world.ranks_per_node, causal=causal).order
+
             def per_step():
                 for r in range(W):
                     for slot, qc in enumerate(R.chunks_of(r, W, causal)):
                         qq = qs[r][:, slot * c:(slot + 1) * c]
                         o_acc = lse_acc = None
-                        for source in R.plan(world.nodes, world.ranks_per_node, causal=causal).order[r]:
+                        for source in order[r]:
                             for kslot, kc in enumerate(R.chunks_of(source, W, causal)):
                                 kind = R.mask_kind(qc, kc, causal)
                                 if kind == R.SKIPPED:
