@@ -491,10 +491,7 @@ class MoE(Op):
         for a in xs:
             if a.data.ptr % 16:
                 raise ValueError(f"mkrt.moe: x starts at {a.data.ptr:#x}, not 16-byte aligned")
-        for tokens, _, _ in dims:
-            if tokens > self.capacity:
-                raise ValueError(f"mkrt.moe: {tokens} tokens on a rank; this op's capacity is "
-                                 f"{self.capacity} (build it with a larger capacity=)")
+        self._check_capacity(dims)
         signature = ("k, H", dims[0][1:])
         if self.world.comm is not None and signature not in self._signatures:
             # buffers are sized by k and H on every rank: all processes must agree before a
@@ -505,14 +502,21 @@ class MoE(Op):
         if self.validate and not cupy.cuda.get_current_stream().is_capturing():
             for i, arr in enumerate(ids):
                 if arr.size:
-                    low, high = int(arr.min()), int(arr.max())      # waits for the device
+                    low, high = (int(v) for v in cupy.stack([arr.min(), arr.max()]).get())  # waits
                     if low < 0 or high >= self.experts:
                         raise ValueError(f"mkrt.moe: topk_ids[{i}] has ids {low}..{high}; "
                                          f"expected 0..{self.experts - 1}")
         return xs, ids, as_list, dims
 
-    def _weights_and_out(self, topk_weights, out, dims):
-        weights, _ = self.per_rank(topk_weights, "topk_weights")
+    def _check_capacity(self, dims) -> None:
+        for tokens, _, _ in dims:
+            if tokens > self.capacity:
+                raise ValueError(f"mkrt.moe: {tokens} tokens on a rank; this op's capacity is "
+                                 f"{self.capacity} (build it with a larger capacity=)")
+
+    def _weights_and_out(self, weights, out, dims):
+        """Checks per-rank topk_weights (already converted) against `dims`; returns the
+        per-rank out, checked, or None."""
         for w, (tokens, k, _) in zip(weights, dims):
             if w.shape != (tokens, k) or w.dtype != np.float32:
                 raise ValueError(f"mkrt.moe: topk_weights is {w.shape} {dtype_name(w.dtype)}; "
@@ -523,7 +527,7 @@ class MoE(Op):
                 if o.shape != (tokens, hidden) or o.dtype != bfloat16 or o.data.ptr % 16:
                     raise ValueError(f"mkrt.moe: out is {o.shape} {dtype_name(o.dtype)}; expected "
                                      f"{(tokens, hidden)} bf16, 16-byte aligned")
-        return weights, outs
+        return outs
 
     def _new_outs(self, dims) -> list:
         import cupy
@@ -536,7 +540,8 @@ class MoE(Op):
     # -- the call --
     def __call__(self, x, topk_ids, topk_weights, w1, w2, out=None):
         xs, ids, as_list, dims = self._routing(x, topk_ids)
-        weights, outs = self._weights_and_out(topk_weights, out, dims)
+        weights, _ = self.per_rank(topk_weights, "topk_weights")
+        outs = self._weights_and_out(weights, out, dims)
         w1s, _ = self.per_rank(w1, "w1")
         w2s, _ = self.per_rank(w2, "w2")
         self.same_everywhere(w1s, "w1")
@@ -567,10 +572,11 @@ class MoE(Op):
         self._ensure_buffers(shape)
         self._run(shape, dims, xs, ids, None, None, stages=("dispatch",))
         self.after_launch()
+        offsets = self._routing_buffers(shape)[1]
         out = []
         for i, info in enumerate(self.world.local):
             out.append((self._buffers["received"].view(info.rank, bfloat16, (self.receive_rows, hidden)),
-                        self._routing_buffers(shape)[1][i],
+                        offsets[i],
                         self._buffers["sources"].view(info.rank, np.int32, (self.receive_rows, 2))))
         return out if as_list else out[0]
 
@@ -589,11 +595,8 @@ class MoE(Op):
                                  f"{(self.receive_rows, hidden)} bf16, 16-byte aligned")
         weights_list, _ = self.per_rank(topk_weights, "topk_weights")
         dims = [(w.shape[0], k, hidden) for w in weights_list]
-        for tokens, _, _ in dims:
-            if tokens > self.capacity:
-                raise ValueError(f"mkrt.moe: {tokens} tokens on a rank; this op's capacity is "
-                                 f"{self.capacity}")
-        weights, outs = self._weights_and_out(topk_weights, out, dims)
+        self._check_capacity(dims)
+        weights, outs = weights_list, self._weights_and_out(weights_list, out, dims)
         self.before_launch()
         outs = outs if outs is not None else self._new_outs(dims)
         shape = MoeShape(dims[0][0], k, hidden, 0, self.experts_per_rank)
