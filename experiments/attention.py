@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from mkrt.arrays import bfloat16  # noqa: E402
 from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
 
 # (B, S, Hq, Hkv, D, causal)
@@ -66,7 +67,7 @@ def main():
     from mkrt.kernels import attention as A
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    np_dtype = A.bfloat16 if args.dtype == "bf16" else np.dtype(np.float16)
+    np_dtype = bfloat16 if args.dtype == "bf16" else np.dtype(np.float16)
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
     rows = []

@@ -17,6 +17,9 @@ try:
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     bfloat16 = None
 
+#: the 16-bit floating types the tensor-core kernels take (fp16, and bf16 where ml_dtypes is)
+HALF_DTYPES = (np.dtype(np.float16),) + ((bfloat16,) if bfloat16 is not None else ())
+
 DTYPE_NAMES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32",
                np.dtype(np.float64): "f64", np.dtype(np.int32): "i32",
                np.dtype(np.int64): "i64", np.dtype(np.uint8): "u8"}
@@ -30,7 +33,7 @@ def dtype_name(dtype) -> str:
     return DTYPE_NAMES.get(dtype, dtype.name)
 
 
-def _is_torch(x) -> bool:
+def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
@@ -42,7 +45,7 @@ def as_cupy(x, name: str = "array"):
     if isinstance(x, np.ndarray):
         raise TypeError(f"mkrt.arrays: {name} is a host numpy array {x.shape} {x.dtype}; "
                         "mkrt ops take device arrays (cupy.asarray(...) first)")
-    if _is_torch(x) and hasattr(x, "__dlpack__"):
+    if is_torch(x) and hasattr(x, "__dlpack__"):
         if not x.is_cuda:
             raise TypeError(f"mkrt.arrays: {name} is a CPU torch tensor; move it to the GPU")
         return cupy.from_dlpack(x)
@@ -106,13 +109,9 @@ def _torch_dtypes() -> dict:
     return _TORCH_DTYPES
 
 
-def is_torch(x) -> bool:
-    return _is_torch(x)
-
-
 def like_input(result, original):
     """Give `result` (a CuPy array) back in the type of `original` (torch in, torch out)."""
-    if _is_torch(original):
+    if is_torch(original):
         import torch
         return torch.from_dlpack(result)
     return result

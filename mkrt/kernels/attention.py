@@ -31,7 +31,7 @@ import numpy as np
 
 from cupy_backends.cuda.api import runtime as _runtime
 
-from mkrt.arrays import TorchView, as_cupy, bfloat16, dtype_name, is_torch, like_input
+from mkrt.arrays import HALF_DTYPES, TorchView, as_cupy, dtype_name, is_torch, like_input
 from mkrt.cuda import device_sm_count
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
@@ -227,9 +227,8 @@ def check_operands(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *, caus
                    area: str = "attention") -> AttentionProblem:
     """The problem of valid operand shapes and dtypes; TypeError/ValueError naming the
     constraint otherwise."""
-    allowed = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
     for name, dtype in (("q", q_dtype), ("k", k_dtype), ("v", v_dtype)):
-        if np.dtype(dtype) not in allowed:
+        if np.dtype(dtype) not in HALF_DTYPES:
             raise TypeError(f"mkrt.{area}: {name} has dtype {dtype_name(dtype)}; expected bf16 or f16")
     if not (np.dtype(q_dtype) == np.dtype(k_dtype) == np.dtype(v_dtype)):
         raise TypeError(f"mkrt.{area}: q, k, v have dtypes {dtype_name(q_dtype)}, "

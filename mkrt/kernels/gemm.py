@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 
-from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
+from mkrt.arrays import HALF_DTYPES, as_cupy, bfloat16, dtype_name, like_input
 from mkrt.jit import cuda_source
 from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register the pieces)
 from mkrt.cuda import device_sm_count
@@ -309,9 +309,8 @@ def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None,
     """(m, n, k, dtype name) of a valid problem; TypeError/ValueError otherwise."""
     if b_layout not in B_LAYOUTS:
         raise ValueError(f"mkrt.gemm: b_layout={b_layout!r}; expected 'kn' ([K, N]) or 'nk' ([N, K])")
-    allowed = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
     for name, dtype in (("a", a_dtype), ("b", b_dtype)):
-        if np.dtype(dtype) not in allowed:
+        if np.dtype(dtype) not in HALF_DTYPES:
             raise TypeError(f"mkrt.gemm: {name} has dtype {dtype_name(dtype)}; expected bf16 or f16")
     if np.dtype(a_dtype) != np.dtype(b_dtype):
         raise TypeError(f"mkrt.gemm: a is {dtype_name(a_dtype)} but b is {dtype_name(b_dtype)}; "

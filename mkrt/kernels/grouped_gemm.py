@@ -30,7 +30,7 @@ import dataclasses
 
 import numpy as np
 
-from mkrt.arrays import as_cupy, bfloat16, dtype_name, like_input
+from mkrt.arrays import HALF_DTYPES, as_cupy, dtype_name, like_input
 from mkrt.cuda import device_sm_count
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
@@ -185,9 +185,8 @@ def choose_block_m(rows: int, groups: int) -> int:
 
 def check_operands(x_shape, w_shape, x_dtype, w_dtype, groups_from_offsets: int | None = None):
     """(rows, n, k, groups, dtype) of valid operands; TypeError/ValueError otherwise."""
-    allowed = [np.dtype(np.float16)] + ([bfloat16] if bfloat16 is not None else [])
     for name, dtype in (("x", x_dtype), ("w", w_dtype)):
-        if np.dtype(dtype) not in allowed:
+        if np.dtype(dtype) not in HALF_DTYPES:
             raise TypeError(f"mkrt.grouped_gemm: {name} has dtype {dtype_name(dtype)}; expected bf16 or f16")
     if np.dtype(x_dtype) != np.dtype(w_dtype):
         raise TypeError(f"mkrt.grouped_gemm: x is {dtype_name(x_dtype)}, w {dtype_name(w_dtype)}; "
