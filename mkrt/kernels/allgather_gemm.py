@@ -39,7 +39,7 @@ from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
 from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
-from mkrt.kernels.gathering import MAX_NODE_RANKS, FlagLayout, GatheringOp  # noqa: F401
+from mkrt.kernels.gathering import MAX_NODE_RANKS, FlagLayout, GatheringOp, default_comm_ctas  # noqa: F401
 from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
 from mkrt.kernels.schedule import find_stall
 from mkrt.status import kernel_id
@@ -294,13 +294,6 @@ class Plan:
         block = self.rows * self.k * 2
         return {"network_per_node": block * self.G * (self.nodes - 1),
                 "intra_per_rank": block * self.nodes * (self.G - 1)}
-
-
-def default_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:
-    """CTAs of the communication role: a few (copies are bandwidth-bound and short next to
-    the GEMM), more when there are more peers to store into."""
-    want = 2 + (ranks_per_node > 2) * 2 + (nodes > 1) * 2
-    return max(1, min(want, ctas // 4))
 
 
 def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,

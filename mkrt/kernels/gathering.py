@@ -37,6 +37,14 @@ class FlagLayout:
         return self.finished() + 3
 
 
+def default_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:
+    """CTAs of the communication role (AllGather+GEMM, ring attention): a few (copies are
+    bandwidth-bound and short next to the compute), more when there are more peers to store
+    into."""
+    want = 2 + (ranks_per_node > 2) * 2 + (nodes > 1) * 2
+    return max(1, min(want, ctas // 4))
+
+
 class GatheringOp(Op):
     """An op whose persistent kernel has a communication role (gathering) and a compute
     role. Subclasses call :meth:`_ensure_gathered` before building launches (a new

@@ -41,7 +41,7 @@ from mkrt.kernels import ring_attention_plan as ring_plan
 from mkrt.kernels.device import attention_tile, gather  # noqa: F401  (register the pieces)
 from mkrt.kernels.gemm import tma_descriptor
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
-from mkrt.kernels.gathering import GatheringOp
+from mkrt.kernels.gathering import GatheringOp, default_comm_ctas
 from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
 from mkrt.status import kernel_id
 
@@ -337,8 +337,8 @@ class RingAttention(GatheringOp):
         """(CTAs per rank, communication CTAs among them)."""
         info = self.world.local[0]
         ctas = self.ctas or (self.world.sm_count(info.rank) if info.device is not None else 132)
-        want = 2 + (self.world.ranks_per_node > 2) * 2 + (self.world.nodes > 1) * 2
-        comm = self.comm_ctas if self.comm_ctas is not None else max(1, min(want, ctas // 4))
+        comm = self.comm_ctas if self.comm_ctas is not None else \
+            default_comm_ctas(ctas, self.world.nodes, self.world.ranks_per_node)
         if not 1 <= comm < ctas:
             raise ValueError(f"mkrt.ring_attention: comm_ctas={comm} must be in [1, {ctas - 1}]")
         return ctas, comm
