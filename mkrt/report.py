@@ -522,9 +522,9 @@ PIECES = [
           "not yet run on a GPU)", "moe",
           lambda rows: family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated",
                                     against="of host splits + copies + torch._grouped_mm")),
-    Piece("not yet", "MoE across nodes and fused into one kernel, the SM-partition controller within a launch "
-          "(gemm_allreduce's `controller=True` moves its split between launches: built, "
-          "not yet run on a GPU), a run on RDMA hardware, worlds on EFA"),
+    Piece("not yet", "MoE across nodes and fused into one kernel, the role queues and controller in the "
+          "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware, "
+          "worlds on EFA"),
 ]
 
 

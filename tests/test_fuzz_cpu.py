@@ -212,14 +212,17 @@ def test_allgather_options_build_a_runnable_op_or_a_clean_error(layout, config):
 GOOD_GAR_OPTIONS = st.fixed_dictionaries({
     "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
     "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
-    "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS})
+    "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS,
+    "roles": st.sampled_from(["adaptive", "static"]), "trace": st.booleans()})
 BAD_COUNTS = st.one_of(st.integers(-3, 0), st.floats(-2, 300), st.sampled_from(["4", True, [2]]),
                       st.just(2**40))
 BAD_GAR_OPTIONS = {"b_layout": st.one_of(st.text(max_size=3), st.none(), st.just(["kn"])),
                    "timeout_ms": st.one_of(BAD_TIMEOUTS, st.sampled_from(
                        [float("nan"), float("inf"), 1e300, "abc", [1]])),
                    "ctas": BAD_COUNTS, "reduce_ctas": BAD_COUNTS, "group_m": BAD_COUNTS,
-                   "fuse": st.sampled_from(["no", "yes", 2, -1, [True]])}
+                   "fuse": st.sampled_from(["no", "yes", 2, -1, [True]]),
+                   "roles": st.sampled_from(["Adaptive", "dynamic", None, 3, ["static"]]),
+                   "trace": st.sampled_from(["yes", 2, None])}
 
 
 @FAST
@@ -235,6 +238,7 @@ def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, con
         assert op.ctas is None or (isinstance(op.ctas, int) and 1 <= op.ctas <= MAX_GRID)
         assert op.reduce_ctas is None or (isinstance(op.reduce_ctas, int) and op.reduce_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31    # an int32 argument
+        assert op.roles in ("adaptive", "static") and op.trace in (True, False)
         assert_timeout_valid(op)
 
 
@@ -541,7 +545,8 @@ GOOD_AGG_OPTIONS = st.fixed_dictionaries({
     "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
     "comm_ctas": st.one_of(st.none(), st.integers(1, 8)), "fuse": st.sampled_from([None, True, False]),
     "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS})
-BAD_AGG_OPTIONS = dict(BAD_GAR_OPTIONS, comm_ctas=BAD_COUNTS)
+BAD_AGG_OPTIONS = dict({k: v for k, v in BAD_GAR_OPTIONS.items() if k not in ("roles", "trace")},
+                       comm_ctas=BAD_COUNTS)
 del BAD_AGG_OPTIONS["reduce_ctas"]
 
 

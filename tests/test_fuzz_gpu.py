@@ -151,9 +151,9 @@ TP_OPTIONS = dict(layout=st.sampled_from(["1x2", "2x2", "1x4"]), rows=st.integer
 
 
 @SAMPLE
-@given(**TP_OPTIONS, controller=st.booleans())
+@given(**TP_OPTIONS, roles=st.sampled_from(["adaptive", "static"]))
 def test_gemm_reducescatter_random_options_match_float64(layout, rows, n, k, b_layout, fuse,
-                                                         controller):
+                                                         roles):
     """m = rows * world size (the op's own rule); each rank's rows of the sum."""
     import cupy
 
@@ -163,7 +163,7 @@ def test_gemm_reducescatter_random_options_match_float64(layout, rows, n, k, b_l
     a, b = _operands(world, m, n, k, b_layout)
     try:
         op = mkrt.GemmReduceScatter(world, b_layout=b_layout, fuse=fuse, timeout_ms=10000,
-                                    controller=controller)
+                                    roles=roles)
         outs = op(a, b)
         world.synchronize()
     except Exception as error:          # noqa: BLE001

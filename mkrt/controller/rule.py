@@ -2,9 +2,10 @@
 decided again at every control step from signals the tasks already produce.
 
 This is the rule in Python, exact and small, so that it can be tested on recorded or
-simulated signal traces on any machine; the device controller (mkrt/controller, not built
-yet) runs the same arithmetic in one thread of the persistent kernel at task boundaries,
-with integers only (every quantity here is an int or a ratio of ints).
+simulated signal traces on any machine; the device controller
+(``mkrt::roles::control_step`` in mkrt/kernels/device/roles.py) runs the same arithmetic in
+one thread of the persistent kernel at task boundaries: integers, except the two rates and
+the balance point, which are IEEE doubles computed in the same order here and there.
 
 Signals per control step (what the running kernel counts without extra work): tiles the
 compute role finished, tiles the reduce role finished, the share of the reduce CTAs'
@@ -30,6 +31,8 @@ class Signals:
     compute_left: int          # compute tiles not started yet
     backlog: int               # tiles ready to reduce that no reduce CTA has taken
     reduce_left: int = 1       # tiles not reduced yet (0: the reduce role is done)
+    reduce_ctas: int = 0       # CTAs in the reduce role during the step (0: the split the
+                               # rule set; on the GPU CTAs move back only at the next launch)
 
 
 @dataclasses.dataclass
@@ -55,6 +58,8 @@ growing adds one reduce CTA; a
     idle_permille: int = 900   # a reduce role waiting more than this has too many CTAs
     settle: int = 2            # one-CTA reversals before the split is frozen
     min_reduce: int = 1
+    compute_total: int = 1     # the roles' whole work in tasks (rates are compared as
+    reduce_total: int = 1      # shares of it: 4 compute tiles per reduce tile -> 4:1)
     last_move: int = 0         # +1: towards reduce, -1: towards compute, 0: none yet
     reversals: int = 0
     frozen: bool = False
@@ -92,7 +97,7 @@ growing adds one reduce CTA; a
         idle = wait > self.idle_permille and not behind
         if self.frozen or (total[0] < self.min_tiles and not idle and not behind):
             return self._set(self._clamp(self.reduce, s))
-        goal = self._aim(total[0], total[1], wait, behind, idle)
+        goal = self._aim(total[0], total[1], wait, behind, idle, s.reduce_ctas or self.reduce)
         self._sum = [0, 0, 0, 0]
         if goal == self.reduce:
             return self._set(self._clamp(self.reduce, s))
@@ -106,17 +111,21 @@ growing adds one reduce CTA; a
         self.last_move = direction
         return self._set(self._clamp(self.reduce + move, s))
 
-    def _aim(self, computed: int, reduced: int, wait: int, behind: bool, idle: bool) -> int:
+    def _aim(self, computed: int, reduced: int, wait: int, behind: bool, idle: bool,
+             actual: int) -> int:
         if idle:
             return max(self.min_reduce, self.reduce // 2)
         busy = 1000 - wait
         if computed <= 0 or reduced <= 0 or busy <= 0:
             return self.reduce + 1 if behind else self.reduce
-        # per-CTA rates, scaled to stay in integers (the device does the same)
-        c = computed * 1000 * 1000 // self.compute
-        r = max(1, reduced * 1000 * 1000 // (self.reduce * busy) * 1000)
+        # per-CTA rates as shares of each role's whole work (the device computes the same
+        # doubles in the same order)
+        # (rates per CTA of the split that did the work: `actual` reduce CTAs)
+        actual = max(1, min(self.ctas - 1, actual))
+        c = float(computed) * float(self.reduce_total) / float(self.ctas - actual)
+        r = float(reduced) * 1000.0 * float(self.compute_total) / (float(actual) * float(busy))
         # the balance point lies between two splits: take the one whose slower role is faster
-        low = self.ctas * c // (c + r)
+        low = int(float(self.ctas) * c / (c + r))
         aim = max((k for k in (low, low + 1) if 1 <= k <= self.ctas - 1),
                   key=lambda k: min((self.ctas - k) * c, k * r), default=self.reduce)
         # A backlog left at the balance point is fine: it drains at the end of the call,
@@ -148,34 +157,3 @@ class SplitMemory:
 
     def remember(self, key, reduce: int) -> None:
         self.splits[key] = reduce
-
-
-def launch_step(words: dict, compute_ns: int, reduce_ns: int, waited_ns: int) -> dict:
-    """The fused gemm_allreduce kernel's controller step, the arithmetic of its
-    ``control_step`` (mkrt/kernels/gemm_allreduce.py) in Python: after a launch that ran
-    ``words["split"]`` compute CTAs of ``words["ctas"]``, with the compute role done after
-    `compute_ns`, the reduce role after `reduce_ns` and its CTAs waiting `waited_ns` in all,
-    the split of the next launch. `words` holds split, ctas, last_move (0 none, 1 towards
-    compute, 2 towards reduce), reversals, frozen; a new dict is returned."""
-    out = dict(words)
-    ctas, compute = words["ctas"], words["split"]
-    if words.get("frozen"):
-        return out
-    reduce = ctas - compute
-    busy = max(1, reduce * max(1, reduce_ns) - waited_ns)        # reduce CTA-ns
-    work = compute * max(1, compute_ns)                          # compute CTA-ns
-    aim = (ctas * busy + (busy + work) // 2) // (busy + work)
-    aim = max(1, min(ctas - 1, aim))
-    if aim == reduce:
-        return out
-    direction = 1 if aim > reduce else -1
-    move = direction * max(1, abs(aim - reduce) // 2)
-    last = {0: 0, 1: -1, 2: 1}[words.get("last_move", 0)]
-    if last != 0 and direction != last and abs(move) == 1:
-        out["reversals"] = words.get("reversals", 0) + 1
-        if out["reversals"] >= 2:
-            out["frozen"] = 1
-            return out
-    out["last_move"] = 2 if direction > 0 else 1
-    out["split"] = ctas - max(1, min(ctas - 1, reduce + move))
-    return out

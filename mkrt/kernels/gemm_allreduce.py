@@ -19,9 +19,16 @@ Every rank ends with the full C. One persistent kernel per rank; its CTAs take r
 Flags are epochs read and advanced on the device, so calls need no host sync and the op
 can be captured in a CUDA graph. Every wait is bounded (mkrt.CommTimeout on timeout).
 
-The split of CTAs between roles is a runtime argument (``reduce_ctas``); the default rule
-(:func:`mkrt.controller.cost.default_reduce_ctas`) balances the reduce role's bytes against the compute role's
-FLOPs per SM. The unfused baseline (cuBLAS, then the library's all-reduce, which is this
+The roles are queues (mkrt/kernels/device/roles.py): compute CTAs claim output tiles one at
+a time, reduce CTAs claim reduce tasks (a group of owned tiles, pass 1 or 2) in a fixed
+order, and a CTA changes queue only between tasks. With ``roles="adaptive"`` (the default)
+the on-GPU controller moves CTAs between the queues during the launch from what the tasks
+count, every CTA joins the reduce queue once the compute queue is empty, and the split it
+held is where the next launch starts. ``roles="static"`` keeps the starting split
+(``reduce_ctas``, default :func:`mkrt.controller.cost.default_reduce_ctas`, which balances
+the reduce role's bytes against the compute role's FLOPs per SM) for the whole launch.
+Which CTA computes or reduces a tile never changes its bits: results are bit-identical
+between calls and between the two modes. The unfused baseline (cuBLAS, then the library's all-reduce, which is this
 same kernel with the compute role copying an existing C_r) lives here too, and the op
 falls back to it when the planner predicts fusion loses. Planning (tiles, owners, split,
 fused or not, the schedule checker) is in :mod:`mkrt.kernels.gemm_allreduce_plan`.
@@ -37,6 +44,7 @@ import numpy as np
 from mkrt import checks
 from mkrt.arrays import like_input
 from mkrt.checks import MAX_GRID
+from mkrt.controller.board import Board
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.jit.spec import KernelSpec
@@ -78,7 +86,6 @@ struct Args {
     T* out;                     // this rank's C [m, n] (row-major, ld = n)
     int m, n, k, group_m;
     int me, node, rank, G, nodes, slots;
-    int compute_ctas;
     int send_batch;             // owned slots per group (one put per group between nodes)
     int rows_per_rank;          // SCATTER: rows of C each rank keeps (M / world size)
     u64* flags;                 // this rank's flag words
@@ -89,15 +96,14 @@ struct Args {
     const T* inter_in;          // [nodes][slots][TILE] node sums from other nodes
     const Queue* queue;         // the proxy queue (several nodes)
     int node_sum_region, inter_region, flags_region;
-    u64* control;               // the split controller's words of this call (null: static split)
+    u64* board;                 // the role board of this call and rank (mkrt/kernels/device/roles.py)
 };
 
-// The split controller (mkrt/controller/rule.py has the same rule in Python): each launch
-// measures how long the compute role ran and how busy the reduce role was, and the last
-// CTA out moves the split half the way to where the roles' per-CTA rates balance; the
-// next launch (or graph replay) starts from it. One-CTA moves that reverse twice freeze it.
-$CONTROL_WORDS
 __shared__ u64 reduce_wait_ns;  // this CTA's time in the reduce role's waits (thread 0)
+// the reduce role's per-CTA state, set up once per launch (reduce_begin)
+__shared__ T* targets[32];
+__shared__ const u64* wait_flags[32];
+__shared__ int wait_ids[32];
 $ARGS_CHECKS
 
 // ---- compute role: partial tile -> owner's slot, then its flag ------------------------
@@ -265,13 +271,20 @@ __device__ __forceinline__ int run_end(const Args& a, const Layout& L, int run, 
     return end;
 }
 
-__device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Context& ctx,
-                            int cta, int ctas) {
-    __shared__ T* targets[32];
-    __shared__ const u64* wait_flags[32];
-    __shared__ int wait_ids[32];
-    const int tiles_n = (a.n + BN - 1) / BN;
-    const bool aligned = (a.n % 8) == 0;
+// Owned slots go in groups of `send_batch` consecutive slots; each group is one task of
+// the communication queue (pass 1), and with several nodes one more (pass 2). A group's
+// node sums leave as one put.
+__device__ __forceinline__ int reduce_groups(const Args& a, const Layout& L) {
+    const int owned = (L.tiles - a.me + L.G - 1) / L.G;
+    return (owned + a.send_batch - 1) / a.send_batch;
+}
+__device__ __forceinline__ int reduce_tasks(const Args& a, const Layout& L) {
+    return reduce_groups(a, L) * (a.nodes > 1 ? 2 : 1);
+}
+
+// Once per CTA and launch, before its first reduce task: where final tiles go, and (several
+// nodes) every node's arrival.
+__device__ bool reduce_begin(const Args& a, const Layout& L, u64 epoch, const Context& ctx) {
 
     // Where final tiles go: each node peer's C once it has arrived (its stream is past
     // the readers of its previous C), or its staged result buffer.
@@ -280,7 +293,7 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         wait_ids[threadIdx.x] = L.arrive(threadIdx.x);
     }
     __syncthreads();
-    if (!cta_wait_each(wait_flags, a.G, epoch, ctx, -1, wait_ids, false, nullptr)) return;
+    if (!cta_wait_each(wait_flags, a.G, epoch, ctx, -1, wait_ids, false, nullptr)) return false;
     if (threadIdx.x < a.G) {
         targets[threadIdx.x] = a.peer_result ? (T*)a.peer_result[threadIdx.x]
                                              : (T*)ld_relaxed_sys(a.flags + L.target(threadIdx.x));
@@ -297,16 +310,24 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         }
         __syncthreads();
         if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx, -1,
-                           wait_ids, true, a.queue)) return;
+                           wait_ids, true, a.queue)) return false;
     }
+    return true;
+}
 
-    const T* my_partials = (const T*)a.peer_partial[a.me];
+
+// Reduce task `task` of the queue: pass 1 of group `task` (node sums: final with one node,
+// else sent to the other nodes), or pass 2 of group `task - groups` (the nodes' sums added
+// in node order). False: a wait gave up.
+__device__ __forceinline__ bool reduce_task_inline(const Args& a, const Layout& L, u64 epoch, const Context& ctx, int task) {
+    const int tiles_n = (a.n + BN - 1) / BN;
+    const bool aligned = (a.n % 8) == 0;
+    const int groups = reduce_groups(a, L);
     const int owned = (L.tiles - a.me + L.G - 1) / L.G;
     const int batch = a.send_batch;
-    // Owned slots go in groups of `batch` consecutive slots, group g to reduce CTA g % ctas:
-    // the work in flight spreads over the CTAs, and each group leaves as one put.
-    // Pass 1: node sums. One node: they are final and go straight to the node's ranks.
-    for (int first = cta * batch; first < owned; first += ctas * batch) {
+    if (task < groups) {
+        const T* my_partials = (const T*)a.peer_partial[a.me];
+        const int first = task * batch;
         const int last = min(first + batch, owned);
         for (int slot = first; slot < last; ++slot) {
             const int t = slot * L.G + a.me;
@@ -315,7 +336,7 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
                 wait_ids[threadIdx.x] = L.partial(threadIdx.x, slot);
             }
             __syncthreads();
-            if (!cta_wait_each(wait_flags, a.G, epoch, ctx, t, wait_ids, false, nullptr)) return;
+            if (!cta_wait_each(wait_flags, a.G, epoch, ctx, t, wait_ids, false, nullptr)) return false;
             const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
             const int stride = blockDim.x;
             for (int chunk0 = threadIdx.x; chunk0 < CHUNKS; chunk0 += stride * UNROLL) {
@@ -333,7 +354,7 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
             }
             if (a.nodes == 1) publish_final(a, L, t, epoch);
         }
-        if (a.nodes == 1) continue;
+        if (a.nodes == 1) return true;
         // Several nodes: the group's node sums go, as one put, to the same local rank of
         // every other node, once that node's launch has begun (its inter buffer is free);
         // the flag of the group's first slot says the whole group arrived.
@@ -382,46 +403,57 @@ __device__ void reduce_role(const Args& a, const Layout& L, u64 epoch, const Con
         const bool failed = wait_ids[0] == -1;
         // every thread has read the word before thread 0 writes the next wait's ids
         __syncthreads();
-        if (failed) return;
+        return !failed;
     }
-    if (a.nodes == 1) return;
     // Pass 2: add the nodes' sums in node order (the same bits on every node), deliver
     // inside the node.
-    for (int first = cta * batch; first < owned; first += ctas * batch) {
-        const int last = min(first + batch, owned);
-        // The runs pass 1 sent (all-reduce: the whole group); SCATTER: only the runs this
-        // node keeps are summed here.
-        for (int run = first, end; run < last; run = end) {
-            end = run_end(a, L, run, last, tiles_n);
-            if (SCATTER && owner_node(a, L, run, tiles_n) != a.node) continue;
-            if (threadIdx.x < a.nodes) {
-                wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, run);
-                wait_ids[threadIdx.x] = L.inter(threadIdx.x, run);
-            }
-            __syncthreads();
-            // Our own node's entry is never written: its thread waits for 0.
-            if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx,
-                               run * L.G + a.me, wait_ids, true, a.queue)) return;
-            for (int slot = run; slot < end; ++slot) {
-                const int t = slot * L.G + a.me;
-                const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
-                const int stride = blockDim.x;
-                for (int chunk0 = threadIdx.x; chunk0 < CHUNKS; chunk0 += stride * UNROLL) {
-                    float sum[UNROLL][8];
-                    sum_chunks(sum, a.nodes, chunk0, stride, [&](int node) {
-                        return node == a.node ? (const T*)a.node_sum + (long long)slot * TILE
-                                              : a.inter_in + (long long)(node * L.slots + slot) * TILE; });
-                    #pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) {
-                        const int chunk = chunk0 + u * stride;
-                        if (chunk >= CHUNKS) break;
-                        deliver_chunk(a, targets, row0, col0, chunk, pack_chunk(sum[u]), aligned);
-                    }
+    const int first = (task - groups) * batch;
+    const int last = min(first + batch, owned);
+    // The runs pass 1 sent (all-reduce: the whole group); SCATTER: only the runs this
+    // node keeps are summed here.
+    for (int run = first, end; run < last; run = end) {
+        end = run_end(a, L, run, last, tiles_n);
+        if (SCATTER && owner_node(a, L, run, tiles_n) != a.node) continue;
+        if (threadIdx.x < a.nodes) {
+            wait_flags[threadIdx.x] = a.flags + L.inter(threadIdx.x, run);
+            wait_ids[threadIdx.x] = L.inter(threadIdx.x, run);
+        }
+        __syncthreads();
+        // Our own node's entry is never written: its thread waits for 0.
+        if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx,
+                           run * L.G + a.me, wait_ids, true, a.queue)) return false;
+        for (int slot = run; slot < end; ++slot) {
+            const int t = slot * L.G + a.me;
+            const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+            const int stride = blockDim.x;
+            for (int chunk0 = threadIdx.x; chunk0 < CHUNKS; chunk0 += stride * UNROLL) {
+                float sum[UNROLL][8];
+                sum_chunks(sum, a.nodes, chunk0, stride, [&](int node) {
+                    return node == a.node ? (const T*)a.node_sum + (long long)slot * TILE
+                                          : a.inter_in + (long long)(node * L.slots + slot) * TILE; });
+                #pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int chunk = chunk0 + u * stride;
+                    if (chunk >= CHUNKS) break;
+                    deliver_chunk(a, targets, row0, col0, chunk, pack_chunk(sum[u]), aligned);
                 }
-                publish_final(a, L, t, epoch);
             }
+            publish_final(a, L, t, epoch);
         }
     }
+    return true;
+}
+
+// The fused kernel calls it as a function of its own (its own register allocation: inlined
+// after the engine's code it spilled); the copy mode inlines it (as a call it spilled).
+__device__ __noinline__ bool reduce_task_call(const Args& a, const Layout& L, u64 epoch,
+                                              const Context& ctx, int task) {
+    return reduce_task_inline(a, L, epoch, ctx, task);
+}
+__device__ __forceinline__ bool reduce_task(const Args& a, const Layout& L, u64 epoch,
+                                            const Context& ctx, int task) {
+    if constexpr (MODE == MODE_GEMM) return reduce_task_call(a, L, epoch, ctx, task);
+    else return reduce_task_inline(a, L, epoch, ctx, task);
 }
 
 // The tiles this rank waits for: all of C, or (SCATTER) the tile rows its shard touches.
@@ -453,42 +485,6 @@ __device__ bool wait_own_result(const Args& a, const Layout& L, u64 epoch, const
     return ok;
 }
 
-// The last CTA out of a launch: move the split (see CTL_* above). One thread.
-__device__ void control_step(u64* c, int compute, int ctas) {
-    const u64 start = c[CTL_START];
-    const u64 compute_ns = c[CTL_COMPUTE_END] > start ? c[CTL_COMPUTE_END] - start : 1;
-    const u64 reduce_ns = c[CTL_REDUCE_END] > start ? c[CTL_REDUCE_END] - start : 1;
-    const u64 waited = c[CTL_REDUCE_WAIT];
-    c[CTL_START] = ~0ull;
-    c[CTL_COMPUTE_END] = 0;
-    c[CTL_REDUCE_END] = 0;
-    c[CTL_REDUCE_WAIT] = 0;
-    c[CTL_CALLS] += 1;
-    c[CTL_LAST_COMPUTE_NS] = compute_ns;
-    c[CTL_LAST_REDUCE_NS] = reduce_ns;
-    c[CTL_LAST_WAIT_NS] = waited;
-    if (c[CTL_FROZEN] || start == ~0ull) return;
-    const int reduce = ctas - compute;
-    const u64 reduce_total = (u64)reduce * reduce_ns;
-    const u64 busy = reduce_total > waited ? reduce_total - waited : 1;   // reduce CTA-ns
-    const u64 work = (u64)compute * compute_ns;                           // compute CTA-ns
-    // The split where the roles' per-CTA rates balance: reduce CTAs = ctas * busy / (busy + work).
-    int aim = (int)(((u64)ctas * busy + (busy + work) / 2) / (busy + work));
-    aim = max(1, min(ctas - 1, aim));
-    if (aim == reduce) return;
-    const int direction = aim > reduce ? 1 : -1;
-    const int move = direction * max(1, abs(aim - reduce) / 2);
-    // last_move: 0 none, 1 towards compute, 2 towards reduce
-    const int last = c[CTL_LAST_MOVE] == 0 ? 0 : (c[CTL_LAST_MOVE] == 2 ? 1 : -1);
-    if (last != 0 && direction != last && abs(move) == 1) {
-        c[CTL_REVERSALS] += 1;
-        if (c[CTL_REVERSALS] >= 2) { c[CTL_FROZEN] = 1; return; }
-    }
-    c[CTL_LAST_MOVE] = direction > 0 ? 2 : 1;
-    const int next_reduce = max(1, min(ctas - 1, reduce + move));
-    c[CTL_SPLIT] = (u64)(ctas - next_reduce);
-}
-
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
                const __grid_constant__ TmaDescriptor tma_b,
@@ -499,28 +495,25 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
     const Args& a = args;
     const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
     const Layout L{a.G, a.nodes, a.slots, tiles_m * tiles_n};
+    // The two queues: compute = the output tiles (partials to their owners), communication
+    // = this rank's reduce tasks (roles.py: CTAs draw from them and change queue between
+    // tasks; the copy mode's board is static).
+    const roles::Board board{a.board, (int)gridDim.x, L.tiles, reduce_tasks(a, L), reduce_groups(a, L)};
 
     __shared__ u64 epoch_shared, base_shared;
-    __shared__ int split_shared;
+    __shared__ int role_shared;
+    __shared__ roles::Ring ring;
     if (threadIdx.x == 0) {
         epoch_shared = ld_acquire_gpu(a.flags + L.launches()) + 1;
         base_shared = ld_acquire_gpu(a.flags + L.ctas_before());
-        int split = a.compute_ctas;
-        if (a.control) {
-            // the split the last launch left (it changes only after every CTA of the
-            // previous launch is out, so all CTAs here read the same value)
-            const u64 learned = ld_acquire_gpu(a.control + CTL_SPLIT);
-            if (learned >= 1 && learned < gridDim.x) split = (int)learned;
-            atomicMin((unsigned long long*)(a.control + CTL_START),
-                      (unsigned long long)global_timer_ns());
-        }
-        split_shared = split;
+        roles::begin_launch(board);
+        role_shared = roles::first_role(board);
         reduce_wait_ns = 0;
     }
     __syncthreads();
     const u64 epoch = epoch_shared;
     const u64 all_ctas = base_shared + gridDim.x;
-    const int compute_ctas = split_shared;
+    int role = role_shared;
 
     // Arrive: node peers may now write this launch's results into our C; other nodes
     // may send into our inter buffer (our previous launch has finished reading it).
@@ -530,7 +523,7 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
         st_relaxed_sys(peer + L.target(a.me), where);
         st_release_sys(peer + L.arrive(a.me), epoch);
     }
-    if (a.nodes > 1 && blockIdx.x == (unsigned)compute_ctas && threadIdx.x == 0 && rank != muted_rank) {
+    if (a.nodes > 1 && blockIdx.x == gridDim.x - 1 && threadIdx.x == 0 && rank != muted_rank) {
         for (int step = 1; step < a.nodes; ++step) {
             const int node = (a.node + step) % a.nodes;
             if (post_signal(*a.queue, ctx, (unsigned)(node * a.G + a.me), (unsigned)a.flags_region,
@@ -538,70 +531,80 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
         }
     }
 
-    const int reduce_ctas = gridDim.x - compute_ctas;
-    const bool computing = (int)blockIdx.x < compute_ctas;
-    bool ok = true;
-    if (computing) {
-        if (rank != muted_rank) {
-            if constexpr (MODE == MODE_GEMM) {
-                const gemm::RasterWork work{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, compute_ctas};
-                const PartialEpilogue epilogue{&a, L, epoch};
-                gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, epilogue, dynamic_smem);
-            } else {
-                copy_partials(a, L, epoch, blockIdx.x, compute_ctas);
-            }
+    // Roles: compute until this CTA leaves the compute queue (empty, or the controller
+    // moved it), then reduce tasks until that queue is empty. A CTA enters the compute
+    // role at most once per launch: ptxas keeps the engine's register split between
+    // warpgroups (setmaxnreg) only in code reached once (a second entry spilled about
+    // 1,500 registers per copy); the controller's moves towards compute take effect at
+    // the next launch, which starts from the split it learned.
+    if (role == roles::COMPUTE) {
+        if (rank == muted_rank) {
+            role = roles::FINAL;
+        } else if constexpr (MODE == MODE_GEMM) {
+            roles::ring_init<Cfg::CONSUMERS>(ring);
+            const roles::ClaimedWork<gemm::RasterWork> work{
+                board, gemm::RasterWork{tiles_m, tiles_n, a.group_m, 0, 1}, &ring};
+            const roles::Counted<PartialEpilogue> epilogue{PartialEpilogue{&a, L, epoch}, board};
+            gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, epilogue, dynamic_smem);
+            role = roles::after_compute<Cfg>(board, ring);
+        } else {
+            copy_partials(a, L, epoch, blockIdx.x, (int)gridDim.x - (int)board.w[roles::LEARNED]);
+            role = roles::FINAL;
         }
-    } else {
-        const int cta = blockIdx.x - compute_ctas;
-        reduce_role(a, L, epoch, ctx, cta, reduce_ctas);
-        // Leave together: a per-thread read of the abort word could split the CTA at
-        // the barriers below.
-        __shared__ int stop;
-        if (threadIdx.x == 0) stop = aborted(ctx);
-        __syncthreads();
-        if (stop) return;
-        ok = wait_own_result(a, L, epoch, ctx, cta, reduce_ctas);
-        if (!ok) return;
-        if (a.peer_result) {
-            // Staged (processes): copy our result buffer into C once all of it is final.
-            // Each reduce CTA waited for its share only: copy that share.
-            const T* result = (const T*)a.peer_result[a.me];
-            int first, count;
-            own_tiles(a, L.tiles, first, count);
-            // Rows of C this rank keeps, and where its result buffer starts among them.
-            const int keep0 = SCATTER ? a.rank * a.rows_per_rank : 0;
-            const int keep1 = SCATTER ? keep0 + a.rows_per_rank : a.m;
-            for (int i = cta; i < count; i += reduce_ctas) {
-                const int t = first + i;
-                const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
-                for (int e = threadIdx.x; e < TILE; e += blockDim.x) {
-                    const int r = row0 + e / BN, c = col0 + e % BN;
-                    if (r >= keep0 && r < keep1 && r < a.m && c < a.n) {
-                        const long long at = (long long)(r - keep0) * a.n + c;
-                        a.out[at] = result[at];
-                    }
+    }
+    if (role == roles::COMM) {
+        if (!reduce_begin(a, L, epoch, ctx)) return;
+        for (int task; (task = roles::next_comm_task(board)) >= 0;) {
+            const u64 began = global_timer_ns(), waited = reduce_wait_ns;
+            if (!reduce_task(a, L, epoch, ctx, task)) return;
+            if (threadIdx.x == 0) roles::comm_task_done(board, began, reduce_wait_ns - waited);
+        }
+    }
+
+    // Every CTA: its share (i = blockIdx, mod the grid) of this rank's own tiles is final.
+    // Leave together: a per-thread read of the abort word could split the CTA at the
+    // barriers below.
+    __shared__ int stop;
+    if (threadIdx.x == 0) stop = aborted(ctx);
+    __syncthreads();
+    if (stop) return;
+    if (!wait_own_result(a, L, epoch, ctx, blockIdx.x, gridDim.x)) return;
+    if (a.peer_result) {
+        // Staged (processes): copy our result buffer into C once all of it is final.
+        // Each CTA waited for its share only: copy that share.
+        const T* result = (const T*)a.peer_result[a.me];
+        int first, count;
+        own_tiles(a, L.tiles, first, count);
+        // Rows of C this rank keeps, and where its result buffer starts among them.
+        const int keep0 = SCATTER ? a.rank * a.rows_per_rank : 0;
+        const int keep1 = SCATTER ? keep0 + a.rows_per_rank : a.m;
+        for (int i = blockIdx.x; i < count; i += gridDim.x) {
+            const int t = first + i;
+            const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;
+            for (int e = threadIdx.x; e < TILE; e += blockDim.x) {
+                const int r = row0 + e / BN, c = col0 + e % BN;
+                if (r >= keep0 && r < keep1 && r < a.m && c < a.n) {
+                    const long long at = (long long)(r - keep0) * a.n + c;
+                    a.out[at] = result[at];
                 }
             }
         }
     }
 
-    // The last CTA out publishes the epoch for the next launch (and moves the split).
+    // The last CTA out publishes the epoch for the next launch; the board's last CTA
+    // resets it (with the split this launch learned).
     __syncthreads();
     if (threadIdx.x == 0) {
-        if (a.control) {
-            const unsigned long long now = global_timer_ns();
-            atomicMax((unsigned long long*)(a.control + (computing ? CTL_COMPUTE_END : CTL_REDUCE_END)), now);
-            if (!computing) atomicAdd((unsigned long long*)(a.control + CTL_REDUCE_WAIT),
-                                      (unsigned long long)reduce_wait_ns);
-        }
-        if (finish_launch(a.flags + L.finished(), a.flags + L.ctas_before(), a.flags + L.launches(),
-                          epoch, all_ctas) && a.control)
-            control_step(a.control, compute_ctas, gridDim.x);
+        roles::end_launch(board);
+        finish_launch(a.flags + L.finished(), a.flags + L.ctas_before(), a.flags + L.launches(),
+                      epoch, all_ctas);
     }
 }
-""", requires=("gemm_tile", "queue", "sync"), register=False)
+""", requires=("gemm_tile", "roles", "queue", "sync"), register=False)
 
 KERNEL_ID = kernel_id("gemm_allreduce")
+#: how the CTAs' split between compute and reduce is decided (see GemmAllReduce)
+ROLE_MODES = ("adaptive", "static")
 #: what the reduce role ends with: every rank all of C, or each rank its rows of C
 COLLECTIVES = ("allreduce", "reducescatter")
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
@@ -611,23 +614,12 @@ ARGS_DTYPE = np.dtype([
     ("copy_source", "<u8"), ("out", "<u8"),
     ("m", "<i4"), ("n", "<i4"), ("k", "<i4"), ("group_m", "<i4"),
     ("me", "<i4"), ("node", "<i4"), ("rank", "<i4"), ("G", "<i4"), ("nodes", "<i4"),
-    ("slots", "<i4"), ("compute_ctas", "<i4"), ("send_batch", "<i4"), ("rows_per_rank", "<i4"),
+    ("slots", "<i4"), ("send_batch", "<i4"), ("rows_per_rank", "<i4"),
     ("flags", "<u8"), ("peer_flags", "<u8"), ("peer_partial", "<u8"), ("peer_result", "<u8"),
     ("node_sum", "<u8"), ("inter_in", "<u8"), ("queue", "<u8"),
     ("node_sum_region", "<i4"), ("inter_region", "<i4"), ("flags_region", "<i4"),
-    ("control", "<u8"),
+    ("board", "<u8"),
 ], align=True)
-
-#: the split controller's words (u64) per call and rank; CTL_<NAME> in the kernel
-CONTROL_WORDS = ("split", "start", "compute_end", "reduce_end", "reduce_wait", "last_move",
-                 "reversals", "frozen", "calls", "last_compute_ns", "last_reduce_ns",
-                 "last_wait_ns")
-
-
-def control_words_source() -> str:
-    return " ".join(f"constexpr int CTL_{name.upper()} = {i};"
-                      for i, name in enumerate(CONTROL_WORDS))
-
 
 def args_layout_checks() -> str:
     """A static_assert tying the C struct Args to ARGS_DTYPE."""
@@ -669,7 +661,7 @@ class GemmAllReduceSpec(gemm_module.OnEngine, KernelSpec):
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
                 "MODE": 0 if self.mode == "gemm" else 1, "KERNEL_ID": f"{KERNEL_ID}ull",
                 "SCATTER": int(self.collective == "reducescatter"),
-                "ARGS_CHECKS": args_layout_checks(), "CONTROL_WORDS": control_words_source()}
+                "ARGS_CHECKS": args_layout_checks()}
 
 
 def spec_for(p: Plan, mode: str = "gemm") -> GemmAllReduceSpec:
@@ -708,9 +700,12 @@ class GemmAllReduce(Op):
     ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
     the planner choose fused or unfused per shape (``op.last_plan`` says which and why).
     ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
-    ``controller=True``: the fused kernel adapts its split between launches on the GPU,
-    starting from ``reduce_ctas`` (or the default); :meth:`controller_state` shows it.
-    Not yet measured against the best static split (experiments/controller.py).
+    ``roles``: ``"adaptive"`` (default) lets the on-GPU controller move CTAs between the
+    compute and reduce queues during each launch, starting from ``reduce_ctas`` (or the
+    default rule) and then from what the last launch learned; ``"static"`` keeps
+    ``reduce_ctas`` reduce CTAs for the whole launch (experiments, sweeps).
+    :meth:`controller_state` shows each rank's board; ``trace=True`` records every CTA's
+    role changes and every control step (:meth:`role_trace`).
 
     Launches of one op are ordered on each rank's stream (epochs are read and advanced on
     the device): do not run a captured graph of an op concurrently with eager calls of
@@ -723,7 +718,7 @@ class GemmAllReduce(Op):
     def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
                  reduce_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
-                 controller: bool = False):
+                 roles: str = "adaptive", trace: bool = False):
         super().__init__(world, timeout_ms=timeout_ms)
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.gemm_allreduce: b_layout={b_layout!r}; expected 'kn' or 'nk'")
@@ -750,7 +745,10 @@ class GemmAllReduce(Op):
         self.b_layout, self.ctas, self.reduce_ctas, self.fuse = b_layout, ctas, reduce_ctas, fuse
         self.group_m = group_m
         self.muted_rank = -1 if muted_rank is None else int(muted_rank)
-        self.controller = checks.flag(controller, "controller", area)
+        if not isinstance(roles, str) or roles not in ROLE_MODES:
+            raise ValueError(f"mkrt.{self.name}: roles={roles!r}; expected one of {ROLE_MODES}")
+        self.roles = roles
+        self.trace = checks.flag(trace, "trace", area)
         self.last_plan: Plan | None = None
         self._buffers: dict[str, SymmetricBuffer] = {}
         self._layout_key = None
@@ -821,7 +819,6 @@ class GemmAllReduce(Op):
         args["m"], args["n"], args["k"], args["group_m"] = p.m, p.n, p.k, self.group_m
         args["me"], args["node"], args["rank"] = info.local_rank, info.node, rank
         args["G"], args["nodes"], args["slots"] = p.G, p.nodes, p.slots
-        args["compute_ctas"] = p.compute_ctas
         args["send_batch"] = p.send_batch
         args["rows_per_rank"] = p.kept_rows
         args["flags"] = b["flags"].local_ptr(rank)
@@ -928,18 +925,19 @@ class GemmAllReduce(Op):
         self._ensure_buffers(p)
         if call.buffers_key != self._generation:     # buffers were re-made: re-patch all
             call.launches.clear()
+            call.boards.clear()
             call.words.clear()
             call.operand_pointers.clear()
             call.buffers_key = self._generation
-        if mode == "gemm" and self.controller and not call.control:
-            call.control = [self._new_control(p, device) for device in self._local_devices]
+        if mode not in call.boards:
+            static = mode == "copy" or self.roles == "static"
+            call.boards[mode] = [self._new_board(p, device, static) for device in self._local_devices]
         launches = []
         for i, info in enumerate(self.world.local):
             function = spec.function("gemm_allreduce", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
             args = self._args(p, info, 0)
-            if mode == "gemm" and call.control:
-                args["control"] = call.control[i].data.ptr
+            args["board"] = call.boards[mode][i].ptr
             params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
         call.launches[mode] = launches
@@ -947,26 +945,40 @@ class GemmAllReduce(Op):
                              launch.params.field_view("args", "copy_source")) for launch in launches]
         return launches
 
-    def _new_control(self, p: Plan, device: int):
-        """A rank's controller words for one shape: the starting split, no launch yet."""
-        import cupy
+    def _new_board(self, p: Plan, device: int, static: bool):
+        """A rank's role board for one shape: no launch yet, `p.reduce_ctas` reducing."""
         with self.on_device(device):
-            words = np.zeros(len(CONTROL_WORDS), dtype=np.uint64)
-            words[CONTROL_WORDS.index("split")] = p.compute_ctas
-            words[CONTROL_WORDS.index("start")] = np.uint64(2**64 - 1)
-            return cupy.asarray(words)
+            return Board(p.ctas, p.reduce_ctas, static=static, trace=self.trace and not static)
 
     def controller_state(self) -> list[dict]:
-        """Per prepared shape and local rank, the controller's words (synchronizes): the
-        split in use (``split`` compute CTAs of ``ctas``), launches seen, whether it froze,
-        and the last launch's role times."""
+        """Per prepared shape and local rank, the fused kernel's board (synchronizes): the
+        split the next launch starts from (``comm_ctas`` reduce CTAs of ``ctas``), launches
+        seen, and the last launch's role changes, control steps and moves."""
         self.world.synchronize()
         out = []
         for call in self._prepared.values():
-            for info, words in zip(self.world.local, call.control or []):
-                values = dict(zip(CONTROL_WORDS, (int(v) for v in words.get())))
-                out.append(dict(values, rank=info.rank, shape=(call.plan.m, call.plan.n, call.plan.k),
-                                ctas=call.plan.ctas))
+            for info, board in zip(self.world.local, call.boards.get("gemm", [])):
+                out.append(dict(board.state(), rank=info.rank, ctas=call.plan.ctas,
+                                shape=(call.plan.m, call.plan.n, call.plan.k),
+                                static=self.roles == "static"))
+        return out
+
+    def role_trace(self, clear: bool = True) -> list[dict]:
+        """Per prepared shape and local rank (``trace=True``): every CTA's role changes
+        and the control steps since the last clear, times in ns from the first event
+        (synchronizes; ``clear`` empties the buffers after reading)."""
+        if not self.trace:
+            raise ValueError(f"mkrt.{self.name}: role_trace needs trace=True")
+        self.world.synchronize()
+        out = []
+        for call in self._prepared.values():
+            for info, board in zip(self.world.local, call.boards.get("gemm", [])):
+                if board.trace is None:
+                    continue
+                out.append(dict(board.timeline(), rank=info.rank,
+                                shape=(call.plan.m, call.plan.n, call.plan.k)))
+                if clear:
+                    board.clear_trace()
         return out
 
     def _run(self, call, mode: str, a_list, b_list, outs, copy_sources=None) -> None:
@@ -1115,7 +1127,7 @@ class _PreparedCall:
     launches: dict = dataclasses.field(default_factory=dict)          # mode -> [KernelLaunch]
     words: dict = dataclasses.field(default_factory=dict)   # mode -> per rank (out, copy_source)
     operand_pointers: dict = dataclasses.field(default_factory=dict)  # rank index -> (a, b)
-    control: list = dataclasses.field(default_factory=list)   # per rank: controller words
+    boards: dict = dataclasses.field(default_factory=dict)    # mode -> per rank: role Board
     buffers_key: int = -1     # the op's buffer generation its launches point into
 
 

@@ -9,3 +9,4 @@ from mkrt.kernels.device import queue  # noqa: F401,E402  (command queue, mkrt/p
 from mkrt.kernels.device import gather  # noqa: F401,E402  (all-gather steps)
 from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401,E402  (GEMM engine)
 from mkrt.kernels.device import attention_tile  # noqa: F401,E402  (attention engine)
+from mkrt.kernels.device import roles  # noqa: F401,E402  (task queues and the controller)

@@ -1,0 +1,128 @@
+"""The role board's host side (mkrt/controller/board.py) against its device side
+(mkrt/kernels/device/roles.py), and the weighted rule the device runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+import pytest
+
+from mkrt.controller import board
+from mkrt.controller.rule import Signals, SplitController, SplitMemory
+from mkrt.kernels.device.roles import ROLES
+
+
+def _enum(name: str) -> list[str]:
+    body = re.search(r"enum %s \{(.*?)\};" % name, ROLES.text, re.S).group(1)
+    code = " ".join(line.split("//")[0] for line in body.split("\n"))
+    return [re.sub(r"\s*=.*", "", item).strip() for item in code.split(",") if item.strip()]
+
+
+def test_board_words_match_the_device_enum():
+    device = [w for w in _enum("Word") if w != "WORDS"]
+    assert [w.lower() for w in device] == list(board.WORDS)
+
+
+def test_trace_roles_match_the_device_enum():
+    assert [r.lower() for r in _enum("Role")] == list(board.ROLES)
+
+
+def test_rule_constants_match_the_controller_defaults():
+    defaults = {f.name: f.default for f in dataclasses.fields(SplitController)}
+    device = dict(re.findall(r"(MIN_TILES|BACKLOG_HIGH|IDLE_PERMILLE|SETTLE|MIN_REDUCE) = (\d+)",
+                             ROLES.text))
+    assert {k: int(v) for k, v in device.items()} == {
+        "MIN_TILES": defaults["min_tiles"], "BACKLOG_HIGH": defaults["backlog_high"],
+        "IDLE_PERMILLE": defaults["idle_permille"], "SETTLE": defaults["settle"],
+        "MIN_REDUCE": defaults["min_reduce"]}
+    assert len(board.STEP_FIELDS) == int(re.search(r"STEP_RECORD = (\d+)", ROLES.text).group(1))
+
+
+def test_a_fresh_board_starts_from_the_split_it_is_given():
+    words = board.initial_words(66, 7, static=False)
+    state = board.decode_state(words)
+    assert state["in_comm"] == state["target"] == state["learned"] == state["steady"] == 7
+    assert state["static"] == 0 and state["launches"] == 0 and state["trace"] == 0
+    assert state["start_ns"] == 2**64 - 1
+    assert board.decode_state(board.initial_words(8, 1, static=True))["static"] == 1
+
+
+@pytest.mark.parametrize("ctas,comm", [(1, 1), (8, 0), (8, 8), (2, 2)])
+def test_splits_that_leave_a_role_empty_are_refused(ctas, comm):
+    with pytest.raises(ValueError, match="roles need at least 2 CTAs|must be in"):
+        board.initial_words(ctas, comm, static=False)
+
+
+def test_trace_decoding():
+    shape = board.TraceShape(ctas=3, events=4, steps=2)
+    buf = np.zeros(shape.words, dtype=np.uint64)
+    per = 1 + 2 * shape.events
+    # CTA 0: compute at 100, comm at 250, done at 400; CTA 2: comm at 120, done at 300
+    buf[0:7] = [3, 100, 0, 250, 1, 400, 3]
+    buf[2 * per:2 * per + 5] = [2, 120, 1, 300, 3]
+    base = 3 * per
+    buf[base] = 1
+    buf[base + 1:base + 10] = [200, 5, 2, 300, 40, 1, 20, 3, 4]
+    out = board.decode_trace(buf, shape)
+    assert out["ctas"][0] == [(0, "compute"), (150, "comm"), (300, "done")]
+    assert out["ctas"][1] == []
+    assert out["ctas"][2] == [(20, "comm"), (200, "done")]
+    assert out["steps"] == [dict(time_ns=100, computed=5, reduced=2, wait_permille=300,
+                                 compute_left=40, backlog=1, reduce_left=20, reduce_ctas=3,
+                                 target=4)]
+
+
+# ---- the weighted rule: compute and reduce queues of different sizes -----------------
+
+def simulate(ctas, reduce, compute_tiles, per_tile, c, r, controller=None):
+    """A fluid launch: compute CTAs make tiles at `c` each per step; every `per_tile`
+    computed tiles make one reduce task ready; reduce CTAs do `r` tasks each per step.
+    Static (no controller): the split holds to the end, as with roles="static". With a
+    controller, as on the GPU: CTAs move to the reduce queue when it says so, move back
+    only at the next launch, and all of them reduce once compute is done; a control step
+    comes every max(4, reduce CTAs) reduce tasks finished (the device's rule)."""
+    tasks = compute_tiles / per_tile
+    made = reduced = made0 = reduced0 = wait = capacity = 0.0
+    steps, comm = 0, reduce
+    while reduced < tasks - 1e-9:
+        computing = ctas - comm if made < compute_tiles else 0
+        made = min(compute_tiles, made + computing * c)
+        if compute_tiles - made < 1e-6:
+            made = float(compute_tiles)
+        workers = comm if made < compute_tiles or controller is None else ctas
+        can = workers * r
+        done = min(can, made / per_tile - reduced)
+        reduced += done
+        wait, capacity = wait + can - done, capacity + can
+        steps += 1
+        if controller is not None and reduced - reduced0 >= max(4, comm):
+            target = controller.update(Signals(
+                computed=int(made) - int(made0), reduced=int(reduced) - int(reduced0),
+                reduce_wait_permille=int(1000 * wait / capacity) if capacity else 0,
+                compute_left=math.ceil(compute_tiles - made - 1e-9),
+                backlog=max(0, int(made / per_tile - reduced)),
+                reduce_left=math.ceil(tasks - reduced - 1e-9), reduce_ctas=comm))
+            comm = max(comm, min(target, ctas - 1))        # one-way within a launch
+            made0, reduced0, wait, capacity = made, reduced, 0.0, 0.0
+        assert steps < 10**6
+    return steps
+
+
+@pytest.mark.parametrize("ctas,per_tile,c,r", [(33, 2, 0.2, 0.5), (66, 4, 0.1, 0.3),
+                                               (66, 2, 0.05, 0.02), (44, 3, 0.5, 2.0)])
+@pytest.mark.parametrize("start", ["low", "high"])
+def test_the_weighted_rule_settles_near_the_best_static_split(ctas, per_tile, c, r, start):
+    compute_tiles = 4000
+    best = min(simulate(ctas, k, compute_tiles, per_tile, c, r) for k in range(1, ctas))
+    memory = SplitMemory()
+    first = 1 if start == "low" else ctas - 1
+    for _ in range(8):
+        controller = SplitController(ctas=ctas, reduce=memory.start("k", first),
+                                     compute_total=compute_tiles,
+                                     reduce_total=compute_tiles // per_tile)
+        steps = simulate(ctas, controller.reduce, compute_tiles, per_tile, c, r, controller)
+        memory.remember("k", controller.steady)
+    assert steps <= 1.03 * best, (steps, best, controller.steady)
