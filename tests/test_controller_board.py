@@ -83,7 +83,8 @@ def simulate(ctas, reduce, compute_tiles, per_tile, c, r, controller=None):
     Static (no controller): the split holds to the end, as with roles="static". With a
     controller, as on the GPU: CTAs move to the reduce queue when it says so, move back
     only at the next launch, and all of them reduce once compute is done; a control step
-    comes every max(4, reduce CTAs) reduce tasks finished (the device's rule)."""
+    comes every max(4, reduce CTAs) reduce tasks finished, or max(8, CTAs / 2) tiles
+    computed (the device's triggers)."""
     tasks = compute_tiles / per_tile
     made = reduced = made0 = reduced0 = wait = capacity = 0.0
     steps, comm = 0, reduce
@@ -98,7 +99,8 @@ def simulate(ctas, reduce, compute_tiles, per_tile, c, r, controller=None):
         reduced += done
         wait, capacity = wait + can - done, capacity + can
         steps += 1
-        if controller is not None and reduced - reduced0 >= max(4, comm):
+        if controller is not None and (reduced - reduced0 >= max(4, comm)
+                                       or made - made0 >= max(8, ctas // 2)):
             target = controller.update(Signals(
                 computed=int(made) - int(made0), reduced=int(reduced) - int(reduced0),
                 reduce_wait_permille=int(1000 * wait / capacity) if capacity else 0,

@@ -359,6 +359,13 @@ __device__ __forceinline__ bool reduce_task_inline(const Args& a, const Layout& 
         // every other node, once that node's launch has begun (its inter buffer is free);
         // the flag of the group's first slot says the whole group arrived.
         __syncthreads();
+        // Our own node's entry of each run says its node sums are written: pass 2 of this
+        // group may run on another CTA of this rank (the queue hands tasks to any CTA).
+        if (threadIdx.x == 0) {
+            __threadfence();
+            for (int run = first; run < last; run = run_end(a, L, run, last, tiles_n))
+                st_release_gpu(a.flags + L.inter(a.node, run), epoch);
+        }
         // (The two send loops stay apart: merged into one, the fused all-reduce kernel
         // spills registers.)
         if (SCATTER && threadIdx.x == 0) {
@@ -419,9 +426,10 @@ __device__ __forceinline__ bool reduce_task_inline(const Args& a, const Layout& 
             wait_ids[threadIdx.x] = L.inter(threadIdx.x, run);
         }
         __syncthreads();
-        // Our own node's entry is never written: its thread waits for 0.
-        if (!cta_wait_each(wait_flags, a.nodes, threadIdx.x == a.node ? 0 : epoch, ctx,
-                           run * L.G + a.me, wait_ids, true, a.queue)) return false;
+        // every node's sums of the run, our own included (pass 1 of the group, maybe on
+        // another CTA, set our entry)
+        if (!cta_wait_each(wait_flags, a.nodes, epoch, ctx, run * L.G + a.me, wait_ids, true,
+                           a.queue)) return false;
         for (int slot = run; slot < end; ++slot) {
             const int t = slot * L.G + a.me;
             const int row0 = (t / tiles_n) * BM, col0 = (t % tiles_n) * BN;

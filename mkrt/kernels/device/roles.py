@@ -222,19 +222,13 @@ __device__ void rule_update(const Board& b, const Signals& s) {
     set_split(b, clamp_split(b, reduce + move, s), true);
 }
 
-// One thread of a communication CTA that finished a task: count it; every few tasks one
-// of them (whoever takes the lock) runs the rule on what was counted since the last step.
-__device__ void comm_task_done(const Board& b, u64 began_ns, u64 waited_ns) {
-    const u64 now = global_timer_ns();
-    add(b, COMMUNICATED, 1);
-    if (b.w[STATIC]) return;
-    add(b, STEP_WAIT_NS, waited_ns);
-    add(b, STEP_BUSY_NS, now > began_ns ? now - began_ns : 1);
-    const u64 tasks = add(b, STEP_TASKS, 1) + 1;
-    const u64 in_comm = load(b, IN_COMM);
-    if (tasks < (in_comm > 4 ? in_comm : 4)) return;
+// A control step: whichever thread takes the lock runs the rule on what was counted since
+// the last step. Communication CTAs take it between tasks (compute CTAs only count tiles:
+// a call from the engine's consumers cost them registers).
+__device__ void control_step(const Board& b) {
     if (atomicCAS((unsigned long long*)(b.w + STEP_LOCK), 0ull, 1ull) != 0ull) return;
     __threadfence();
+    const u64 now = global_timer_ns();
     const u64 done = exchange(b, STEP_TASKS, 0);
     const u64 wait = exchange(b, STEP_WAIT_NS, 0);
     const u64 busy = exchange(b, STEP_BUSY_NS, 0);
@@ -262,6 +256,22 @@ __device__ void comm_task_done(const Board& b, u64 began_ns, u64 waited_ns) {
     trace_step(b, record);
     __threadfence();
     st_release_gpu(b.w + STEP_LOCK, 0);
+}
+
+// One thread of a communication CTA that finished a task: count it; a control step every
+// max(4, communication CTAs) tasks, or sooner once max(8, CTAs / 2) tiles were computed
+// since the last one (a multi-node task is a whole group of tiles: few and long).
+__device__ void comm_task_done(const Board& b, u64 began_ns, u64 waited_ns) {
+    const u64 now = global_timer_ns();
+    add(b, COMMUNICATED, 1);
+    if (b.w[STATIC]) return;
+    add(b, STEP_WAIT_NS, waited_ns);
+    add(b, STEP_BUSY_NS, now > began_ns ? now - began_ns : 1);
+    const u64 tasks = add(b, STEP_TASKS, 1) + 1;
+    const u64 in_comm = load(b, IN_COMM);
+    const u64 computed = load(b, COMPUTED) - load(b, STEP_COMPUTED);
+    const u64 every = b.ctas / 2 > 8 ? (u64)(b.ctas / 2) : 8;
+    if (tasks >= (in_comm > 4 ? in_comm : 4) || computed >= every) control_step(b);
 }
 
 // ---- launches and roles ---------------------------------------------------------------
