@@ -287,6 +287,14 @@ def _device_offsets(offsets, groups: int, rows: int, device: int):
     return uploaded
 
 
+def build(rows: int, groups: int, dtype: str, device: int, block_m: int | None = None) -> None:
+    """Compile and load the kernel :func:`grouped_gemm` will launch for `rows` rows in
+    `groups` groups (callers that launch kernels waiting for each other, such as MoE's
+    ranks, build first: a compile between two ranks' launches stalls the first one)."""
+    spec = spec_for(dtype, block_m or choose_block_m(rows, groups))
+    spec.function("grouped_gemm", device, spec.smem_bytes)
+
+
 def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: int | None = None,
                  stream=None):
     """``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g].T`` for every g.

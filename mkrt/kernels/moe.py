@@ -644,9 +644,17 @@ class MoE(Op):
         import cupy
         scratch = self._routing_buffers(shape)
         expert_scratch = self._expert_buffers(shape) if "experts" in stages else None
+        # Build every kernel of every rank before the first launch: a rank's dispatch waits
+        # for the other ranks' dispatches, and a compile between two ranks' launches (the
+        # grouped GEMM's, on a first call) could outlast its bounded wait.
+        prepared = [self._prepared_launches(i, info, shape, scratch)
+                    for i, info in enumerate(self.world.local)]
+        if "experts" in stages:
+            for info in self.world.local:
+                grouped_module.build(self.receive_rows, self.experts_per_rank, "bf16", info.device)
         streams = self._launch_streams()
         for i, (info, stream_ptr) in enumerate(zip(self.world.local, streams)):
-            launches, words, swiglu = self._prepared_launches(i, info, shape, scratch)
+            launches, words, swiglu = prepared[i]
             entry_rank, offsets, own_results = (s[i] for s in scratch)
             pointers = (xs[i].data.ptr if xs is not None else 0, ids[i].data.ptr if ids is not None else 0,
                         weights[i].data.ptr if weights is not None else 0,
