@@ -81,8 +81,10 @@ def simulate(ctas, reduce, compute_tiles, per_tile, c, r, controller=None):
     """A fluid launch: compute CTAs make tiles at `c` each per step; every `per_tile`
     computed tiles make one reduce task ready; reduce CTAs do `r` tasks each per step.
     Static (no controller): the split holds to the end, as with roles="static". With a
-    controller, as on the GPU: CTAs move to the reduce queue when it says so, move back
-    only at the next launch, and all of them reduce once compute is done; a control step
+    controller, as on the GPU: a CTA moves to the reduce queue at a step that finds the
+    reduce role behind (one per such step, up to the rule's split), none moves back before
+    the next launch (which starts from the rule's split), and all of them reduce once
+    compute is done; a control step
     comes every max(4, reduce CTAs) reduce tasks finished, or max(8, CTAs / 2) tiles
     computed (the device's triggers)."""
     tasks = compute_tiles / per_tile
@@ -107,7 +109,8 @@ def simulate(ctas, reduce, compute_tiles, per_tile, c, r, controller=None):
                 compute_left=math.ceil(compute_tiles - made - 1e-9),
                 backlog=max(0, int(made / per_tile - reduced)),
                 reduce_left=math.ceil(tasks - reduced - 1e-9), reduce_ctas=comm))
-            comm = max(comm, min(target, ctas - 1))        # one-way within a launch
+            if controller.behind:      # one more reduce CTA per step that found it behind
+                comm = max(comm, min(target, comm + 1, ctas - 1))
             made0, reduced0, wait, capacity = made, reduced, 0.0, 0.0
         assert steps < 10**6
     return steps
@@ -124,7 +127,8 @@ def test_the_weighted_rule_settles_near_the_best_static_split(ctas, per_tile, c,
     for _ in range(8):
         controller = SplitController(ctas=ctas, reduce=memory.start("k", first),
                                      compute_total=compute_tiles,
-                                     reduce_total=compute_tiles // per_tile)
+                                     reduce_total=compute_tiles // per_tile,
+                                     min_tiles=max(4, compute_tiles // 16))   # as the device
         steps = simulate(ctas, controller.reduce, compute_tiles, per_tile, c, r, controller)
         memory.remember("k", controller.steady)
     assert steps <= 1.03 * best, (steps, best, controller.steady)

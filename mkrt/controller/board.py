@@ -19,7 +19,7 @@ WORDS = ("next_compute", "next_comm", "in_comm", "target", "computed", "communic
          "sum_computed", "sum_reduced", "sum_wait", "sum_steps", "last_move", "reversals",
          "frozen", "last_backlog", "moves", "steady", "learned", "static", "switches", "steps",
          "launches", "last_switches", "last_steps", "last_moves", "start_ns", "trace",
-         "trace_events", "trace_steps")
+         "trace_events", "trace_steps", "move_limit")
 WORD = {name: i for i, name in enumerate(WORDS)}
 #: roles in the trace (``enum Role``)
 ROLES = ("compute", "comm", "final", "done")
@@ -55,7 +55,7 @@ def initial_words(ctas: int, comm_ctas: int, *, static: bool, trace_ptr: int = 0
     """A fresh board: no launch yet, starting with `comm_ctas` CTAs communicating."""
     check_split(ctas, comm_ctas, "controller")
     words = np.zeros(len(WORDS), dtype=np.uint64)
-    for name in ("in_comm", "target", "steady", "learned"):
+    for name in ("in_comm", "target", "steady", "learned", "move_limit"):
         words[WORD[name]] = comm_ctas
     words[WORD["static"]] = int(bool(static))
     words[WORD["start_ns"]] = np.uint64(2**64 - 1)

@@ -66,6 +66,9 @@ growing adds one reduce CTA; a
     moves: int = 0
     steady: int = 0            # the split while compute work remained: what to remember
     last_backlog: int = 0
+    behind: bool = False       # the last step found the reduce role behind (backlog large,
+                               # growing): on the GPU, the only evidence that moves a CTA
+                               # to the reduce role within a launch (one more per step)
     _sum: list = dataclasses.field(default_factory=lambda: [0, 0, 0, 0])   # computed, reduced, wait, steps
 
     def __post_init__(self):
@@ -94,6 +97,7 @@ growing adds one reduce CTA; a
         # correction drains by itself)
         behind = s.backlog > self.backlog_high * self.reduce and s.backlog > self.last_backlog
         self.last_backlog = s.backlog
+        self.behind = behind
         idle = wait > self.idle_permille and not behind
         if self.frozen or (total[0] < self.min_tiles and not idle and not behind):
             return self._set(self._clamp(self.reduce, s))

@@ -18,9 +18,11 @@ kernel whose tasks sum in a fixed order stays bit-identical between calls). The 
 moves it, both ways, from what the tasks count: compute tiles finished, communication
 tasks finished, the time communication CTAs spent waiting, and the tasks left.
 
-* A compute CTA moves to communication when its producer is about to claim a tile and the
-  role has fewer CTAs than ``TARGET``, and when the compute queue is empty (every CTA then
-  helps with the communication left: the end of a launch is work-conserving).
+* A compute CTA moves to communication when its producer is about to claim a tile, the
+  role has fewer CTAs than ``TARGET`` and a control step found communication behind (its
+  backlog of ready tasks large and growing: one more CTA per such step, ``MOVE_LIMIT``),
+  and when the compute queue is empty (every CTA then helps with the communication left:
+  the end of a launch is work-conserving).
 * A communication CTA does not go back to compute within a launch: ptxas keeps the
   engine's register split between warpgroups (``setmaxnreg``) only in code reached once,
   and a second entry into the engine spilled about 1,500 registers per copy (H200
@@ -96,6 +98,7 @@ enum Word {
     TRACE,          // 0, or a trace buffer (see trace_event / trace_step)
     TRACE_EVENTS,   // events per CTA in the trace buffer
     TRACE_STEPS,    // control-step records in the trace buffer
+    MOVE_LIMIT,     // communication CTAs compute CTAs may make up within this launch
     WORDS
 };
 
@@ -197,8 +200,14 @@ __device__ void rule_update(const Board& b, const Signals& s) {
     const i64 wait = (i64)(w[SUM_WAIT] / w[SUM_STEPS]);
     const bool behind = s.backlog > BACKLOG_HIGH * reduce && s.backlog > (i64)w[LAST_BACKLOG];
     w[LAST_BACKLOG] = (u64)s.backlog;
+    // Within a launch a compute CTA moves only on evidence that communication is behind,
+    // one CTA per step (a move cannot be undone before the launch ends; the rule's rate
+    // balance, noisy early in a launch, sets where the next launch starts).
+    if (behind && s.reduce_ctas + 1 > (i64)w[MOVE_LIMIT]) st_release_gpu(w + MOVE_LIMIT, (u64)(s.reduce_ctas + 1));
     const bool idle = wait > IDLE_PERMILLE && !behind;
-    if (w[FROZEN] || ((i64)w[SUM_COMPUTED] < MIN_TILES && !idle && !behind)) {
+    // a rate is trusted after MIN_TILES tiles, or a sixteenth of the launch's tiles
+    const i64 min_tiles = max((i64)MIN_TILES, (i64)b.compute_tasks / 16);
+    if (w[FROZEN] || ((i64)w[SUM_COMPUTED] < min_tiles && !idle && !behind)) {
         set_split(b, clamp_split(b, reduce, s), true);
         return;
     }
@@ -296,10 +305,11 @@ __device__ __forceinline__ int first_role(const Board& b) {
 // *left_because: 1 the queue is empty, 2 moved by the controller.
 __device__ __forceinline__ int claim_tile(const Board& b, int* left_because) {
     if (!b.w[STATIC] && load(b, NEXT_COMPUTE) < (u64)b.compute_tasks) {
-        const u64 in_comm = load(b, IN_COMM), target = load(b, TARGET);
+        const u64 target = min(load(b, TARGET), load(b, MOVE_LIMIT));
+        const u64 in_comm = load(b, IN_COMM);
         if (in_comm < target) {
             const u64 before = add(b, IN_COMM, 1);
-            if (before < load(b, TARGET)) { *left_because = 2; return -1; }
+            if (before < min(load(b, TARGET), load(b, MOVE_LIMIT))) { *left_because = 2; return -1; }
             add(b, IN_COMM, ~0ull);        // someone else moved first
         }
     }
@@ -433,6 +443,7 @@ __device__ void end_launch(const Board& b) {
     w[TARGET] = learned;
     w[IN_COMM] = learned;
     w[STEADY] = learned;
+    w[MOVE_LIMIT] = learned;
     const int clear[] = {NEXT_COMPUTE, NEXT_COMM, COMPUTED, COMMUNICATED, STEP_LOCK, STEP_TASKS,
                          STEP_WAIT_NS, STEP_BUSY_NS, STEP_COMPUTED, SUM_COMPUTED, SUM_REDUCED,
                          SUM_WAIT, SUM_STEPS, LAST_MOVE, REVERSALS, FROZEN, LAST_BACKLOG, MOVES,
