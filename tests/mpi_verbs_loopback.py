@@ -27,11 +27,14 @@ def operands(rank, call):
 TIMEOUT_MS = int(os.environ.get("MPI_VERBS_TIMEOUT_MS", "20000"))
 
 
-def diagnose(world, error):
-    """What each process saw when a call failed: its world, SM share and NIC counters."""
-    proxy = world.proxy()
+def diagnose(world, proxy, error):
+    """What each process saw when a call failed: its world, SM share, every rank's first
+    failed wait and the NIC counters of the proxy the calls ran through (asking the world
+    for its proxy after a failure would give a fresh one: it retires the failed proxy)."""
     lines = [f"rank {world.local[0].rank}: {world!r}; sm_count={world.sm_count(world.local[0].rank)}; "
              f"proxy {proxy!r}; {type(error).__name__}: {str(error)[:300]}"]
+    for record in getattr(error, "records", None) or []:
+        lines.append(f"  first failed wait: {record}")
     for rank, transport in getattr(proxy, "transports", {}).items():
         for peer, qp in transport.qps.items():
             nic = getattr(qp, "nic", None)
@@ -48,6 +51,7 @@ world = mkrt.init()
 (me,) = world.local
 op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=TIMEOUT_MS)
 gather = mkrt.AllGather(world, timeout_ms=TIMEOUT_MS)
+proxy = world.proxy()
 worst, gathered_exact = 0.0, True
 for call in range(3):
     a, b = operands(me.rank, call)
@@ -57,7 +61,7 @@ for call in range(3):
         rows = gather(x)
         world.synchronize()
     except mkrt.MkrtError as error:
-        diagnose(world, error)
+        diagnose(world, proxy, error)
         raise
     expected = sum(to_float32(p[0]).astype(np.float64) @ to_float32(p[1]).astype(np.float64).T
                    for p in (operands(r, call) for r in range(world.size)))
