@@ -466,6 +466,15 @@ PIECES = [
           "gemm_allreduce", _gemm_allreduce_lines),
     Piece("host path", "prepared calls: arguments packed once per signature, launched with one "
           "`cuLaunchKernel`; ops are graph-capturable", "runtime", _runtime_lines),
+    Piece("controller", "gemm_allreduce / gemm_reducescatter on a role board: CTAs draw tiles and "
+          "reduce tasks from device queues, change role between tasks; the on-GPU controller moves "
+          "the split during a launch and the next launch starts from what it learned "
+          "(`roles='adaptive'`, default); `experiments/controller.py` sweeps every static split",
+          "controller",
+          lambda rows: family_lines(
+              [r for r in rows if r.get("metric") in ("controller_vs_best", "controller_vs_default")],
+              lambda r: f"{r['metric'].replace('_', ' ')}, {r.get('layout', '?')} emulated",
+              against="time ratio (>1: the controller is faster)")),
     Piece("planner", "`fuse=None` picks fused or unfused per shape (`mkrt/controller/cost.py`); "
           "`experiments/planner.py` times its picks against both paths", "planner", _planner_lines),
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
@@ -514,12 +523,12 @@ PIECES = [
           _attention_variant_lines),
     Piece("`mkrt.grouped_gemm`", "the GEMM engine over every group's tiles in one launch "
           "(MoE's experts), group offsets from the host or the device "
-          "(`experiments/grouped_gemm.py`; built, not yet run on a GPU)", "grouped_gemm",
+          "(`experiments/grouped_gemm.py`; GPU tests pass)", "grouped_gemm",
           lambda rows: family_lines(rows, lambda r: "expert GEMMs",
                                     against="of the best of torch._grouped_mm and a cuBLAS loop")),
     Piece("`mkrt.MoE`", "one node: dispatch in the planned order, grouped GEMMs, SwiGLU, "
-          "combine with a fixed-order fp32 sum, as five launches (`experiments/moe.py`; built, "
-          "not yet run on a GPU)", "moe",
+          "combine with a fixed-order fp32 sum, as five launches (`experiments/moe.py`; GPU tests "
+          "pass)", "moe",
           lambda rows: family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated",
                                     against="of host splits + copies + torch._grouped_mm")),
     Piece("not yet", "MoE across nodes and fused into one kernel, the role queues and controller in the "
