@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,3 +134,38 @@ def test_the_weighted_rule_settles_near_the_best_static_split(ctas, per_tile, c,
         steps = simulate(ctas, controller.reduce, compute_tiles, per_tile, c, r, controller)
         memory.remember("k", controller.steady)
     assert steps <= 1.03 * best, (steps, best, controller.steady)
+
+
+# ---- the rule against what the GPU did ----------------------------------------------
+
+TRACE = Path(__file__).resolve().parents[1] / "experiments" / "results" / "controller_trace.json"
+
+
+def _replays():
+    """(layout, launch, rank, trace) of the committed GPU trace (experiments/controller.py
+    --trace at 40eba35: 4096x4096x512 on 1x2 and 2x2, six launches from one reduce CTA)."""
+    data = json.loads(TRACE.read_text())
+    return [(layout, i, r, entry["shape"], trace) for layout, entry in data.items()
+            for i, launch in enumerate(entry["launches"]) for r, trace in enumerate(launch)]
+
+
+@pytest.mark.parametrize("layout,launch,rank,shape,trace", _replays(),
+                         ids=lambda v: str(v) if not isinstance(v, (dict, list)) else "")
+def test_the_rule_replays_every_control_step_the_gpu_took(layout, launch, rank, shape, trace):
+    """Every control step recorded on the GPU, fed to SplitController from the split the
+    launch started with: the same decision each time (the device runs this rule)."""
+    from mkrt.kernels.gemm_allreduce_plan import plan
+    from mkrt.world import parse_layout
+    nodes, per_node = parse_layout(layout)
+    ctas = len(trace["ctas"])
+    p = plan(*shape, nodes=nodes, ranks_per_node=per_node, ctas=ctas, reduce_ctas=1, fuse=True)
+    groups = -(-len(p.owned(rank % per_node)) // p.send_batch)
+    controller = SplitController(
+        ctas=ctas, reduce=sum(1 for events in trace["ctas"] if events and events[0][1] == "comm"),
+        compute_total=p.tiles, reduce_total=groups * (2 if nodes > 1 else 1),
+        min_tiles=max(4, p.tiles // 16))
+    assert trace["steps"], "a launch without control steps replays nothing"
+    for i, step in enumerate(trace["steps"]):
+        fields = [step[f] for f in ("computed", "reduced", "wait_permille", "compute_left",
+                                    "backlog", "reduce_left", "reduce_ctas")]
+        assert controller.update(Signals(*fields)) == step["target"], f"step {i}: {step}"
