@@ -367,7 +367,9 @@ __device__ __forceinline__ bool reduce_task_inline(const Args& a, const Layout& 
                 st_release_gpu(a.flags + L.inter(a.node, run), epoch);
         }
         // (The two send loops stay apart: merged into one, the fused all-reduce kernel
-        // spills registers.)
+        // spills registers.) The CTA waits while thread 0 sends (other nodes' arrival, room
+        // in the proxy's queue): the controller counts that time as waiting.
+        const u64 send_began = threadIdx.x == 0 ? global_timer_ns() : 0;
         if (SCATTER && threadIdx.x == 0) {
             // Only the node that keeps a tile's rows gets its node sum: one put per run.
             __threadfence_system();
@@ -406,6 +408,7 @@ __device__ __forceinline__ bool reduce_task_inline(const Args& a, const Layout& 
                 if (ticket == POST_FAILED) { wait_ids[0] = -1; break; }
             }
         }
+        if (threadIdx.x == 0) reduce_wait_ns += global_timer_ns() - send_began;
         __syncthreads();
         const bool failed = wait_ids[0] == -1;
         // every thread has read the word before thread 0 writes the next wait's ids
