@@ -471,10 +471,11 @@ PIECES = [
           "the split during a launch and the next launch starts from what it learned "
           "(`roles='adaptive'`, default); `experiments/controller.py` sweeps every static split",
           "controller",
-          lambda rows: family_lines(
+          lambda rows: [dataclasses.replace(line, same_commit=True, at_least=1 / 1.03)
+                        for line in family_lines(
               [r for r in rows if r.get("metric") in ("controller_vs_best", "controller_vs_default")],
               lambda r: f"{r['metric'].replace('_', ' ')}, {r.get('layout', '?')} emulated",
-              against="time ratio (>1: the controller is faster)")),
+              against="time ratio (>1: the controller is faster)")]),
     Piece("planner", "`fuse=None` picks fused or unfused per shape (`mkrt/controller/cost.py`); "
           "`experiments/planner.py` times its picks against both paths", "planner", _planner_lines),
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
