@@ -394,8 +394,15 @@ struct Counted {
 template <class Cfg>
 __device__ __forceinline__ int after_compute(const Board& b, Ring& ring) {
     constexpr int LAUNCH_REGISTERS = (65536 / Cfg::THREADS > 256 ? 256 : 65536 / Cfg::THREADS) & ~7;
-    if (threadIdx.x < 128) warpgroup_registers_increase<LAUNCH_REGISTERS>();
-    else warpgroup_registers_decrease<LAUNCH_REGISTERS>();
+    // every warp of a warpgroup executes its setmaxnreg together (the producer thread
+    // leaves the engine later than the rest of its warpgroup): named barriers 6 and 7
+    if (threadIdx.x < 128) {
+        asm volatile("bar.sync 6, 128;" ::: "memory");
+        warpgroup_registers_increase<LAUNCH_REGISTERS>();
+    } else {
+        asm volatile("bar.sync 7, %0;" :: "n"(Cfg::THREADS - 128) : "memory");
+        warpgroup_registers_decrease<LAUNCH_REGISTERS>();
+    }
     __syncthreads();
     // moved by the controller: IN_COMM already counts it. Queue empty: join (a static
     // board's compute CTAs go to the kernel's final waits instead).
