@@ -175,6 +175,13 @@ class Plan:
         (:meth:`groups`) and node-reduces them; with several nodes its proxy sends each
         group to every other node and a second pass adds the nodes' sums; finally every
         rank's reduce CTAs wait for its whole C.
+
+        The kernel hands these tasks out from a queue (mkrt/kernels/device/roles.py): any
+        free CTA takes the next one, every pass-1 task before any pass-2 task, and a role
+        with work left always keeps a CTA. The round-robin assignment here is one way the
+        queue can hand them out; a stall free for it and for every interleaving of the
+        queue's order rests on the same two facts: compute never waits, and each task
+        waits only for tasks earlier in queue order or for compute.
         """
         workers: dict = {}
         depends: dict = {}
