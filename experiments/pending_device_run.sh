@@ -5,7 +5,8 @@
 # 1. the controller's multi-node wait signal (changed after the sweep): GPU tests, then the
 #    sweep on both shape sets and the role timeline;
 # 2. the mpiexec verbs test twice with its diagnostics (it failed 4 of 5 at 9c5fb11 and
-#    every time at 8c94938 / 57ba839: CommTimeout, each rank waiting for the other's pass-1 data);
+#    every time at 8c94938 / 57ba839: CommTimeout, each rank waiting for the other's pass-1 data),
+#    then once under MPS (are the two processes' time-sliced kernels the cause?);
 # 3. racecheck of the role-board gemm_allreduce alone (three cases in parallel did not finish
 #    in 90 s; memcheck, synccheck, 2x2 and the attention cases: a later call);
 # 4. AllGather+GEMM's benchmark (never run).
@@ -28,6 +29,10 @@ for i in 1 2; do
       tests/test_verbs_loopback_gpu.py::test_across_processes_through_the_loopback_nic \
       -p no:cacheprovider > $OUT/verbs_mpi_$i.log 2>&1; tail -1 $OUT/verbs_mpi_$i.log
 done
+echo "== verbs mpiexec under MPS (processes' kernels side by side instead of time-sliced)"
+timeout 80 bash experiments/with_mps.sh python3 -m pytest -q -m gpu \
+    tests/test_verbs_loopback_gpu.py::test_across_processes_through_the_loopback_nic \
+    -p no:cacheprovider > $OUT/verbs_mpi_mps.log 2>&1; tail -1 $OUT/verbs_mpi_mps.log
 echo "== sanitizers"
 timeout 130 python3 experiments/sanitize.py --tools racecheck \
     --cases gemm_allreduce_fused_1x2 --ce-copy-method each \
