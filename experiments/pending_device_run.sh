@@ -23,6 +23,11 @@ timeout 150 python3 experiments/controller.py --layouts 1x2 1x4 2x2 --sets calib
 timeout 40 python3 experiments/controller.py --trace --layouts 1x2 2x2 --shape 4096x4096x512 \
     --trace-start 1 --trace-calls 6 --trace-out $OUT/controller_trace.json \
     --plot $OUT/controller_timeline.png 2>&1 | tail -2
+# the shapes where the controller lost most at 40eba35 (2x2, small, network-bound): what it saw
+for shape in 768x2560x384 512x4096x1024; do
+  timeout 30 python3 experiments/controller.py --trace --layouts 2x2 --shape $shape --trace-calls 8 \
+      --trace-out $OUT/controller_trace_2x2_$shape.json --plot $OUT/controller_timeline_2x2_$shape.png 2>&1 | tail -1
+done
 echo "== verbs mpiexec x2"
 for i in 1 2; do
   timeout 70 python3 -m pytest -q -m gpu \
