@@ -169,3 +169,21 @@ def test_the_rule_replays_every_control_step_the_gpu_took(layout, launch, rank, 
         fields = [step[f] for f in ("computed", "reduced", "wait_permille", "compute_left",
                                     "backlog", "reduce_left", "reduce_ctas")]
         assert controller.update(Signals(*fields)) == step["target"], f"step {i}: {step}"
+
+
+def test_the_op_checks_its_role_options_before_anything_runs():
+    import mkrt
+    world = mkrt.init(emulate="1x2")
+    try:
+        for bad in ("Adaptive", "dynamic", None, 3, ["static"]):
+            with pytest.raises(ValueError, match="mkrt.gemm_allreduce: roles="):
+                mkrt.GemmAllReduce(world, roles=bad)
+        with pytest.raises(ValueError, match="mkrt.gemm_reducescatter: roles="):
+            mkrt.GemmReduceScatter(world, roles="none")
+        with pytest.raises(ValueError, match="role_trace needs trace=True"):
+            mkrt.GemmAllReduce(world).role_trace()
+        op = mkrt.GemmAllReduce(world, roles="static", trace=True)
+        assert (op.roles, op.trace) == ("static", True)
+        assert op.controller_state() == []          # no call yet: no board
+    finally:
+        world.close()
