@@ -13,6 +13,12 @@ a float32 reference), then times, in the same run:
   gemm_allreduce: mkrt fused vs torch.matmul (cuBLAS) + NCCL all_reduce vs mkrt unfused, and
                   torch.matmul + symmetric-memory all-reduce where torch offers one without
                   multicast (else the reason it does not apply is recorded)
+  allgather_gemm: mkrt fused vs NCCL all_gather + torch.matmul, and torch's symmetric-memory
+                  fused_all_gather_matmul where it runs (the reference's sweep: M = K,
+                  N = M/16 per rank, plus Llama-3 70B's column-parallel widths)
+  gemm_reducescatter: mkrt fused vs torch.matmul + NCCL reduce_scatter, and torch's
+                  fused_matmul_reduce_scatter where it runs (K = M/16 per rank, plus Llama-3
+                  70B's row-parallel shapes)
 Results: experiments/results/multi_gpu.jsonl (one line per case, with GPU count and layout),
 multi_gpu_topology.txt (``nvidia-smi topo -m``) and multi_gpu.png.
 
@@ -44,6 +50,12 @@ for _name, _value in NO_MULTICAST.items():
 ALLGATHER_MIB = [1, 4, 16, 64, 256]
 GEMM_CASES = [(2048, 2048, 128), (4096, 4096, 256), (8192, 8192, 512), (16384, 16384, 1024),
               (4096, 8192, 3584), (8192, 8192, 3584)]
+#: AllGather+GEMM (M, N per rank, K): the reference's sweep, then Llama-3 70B's fused QKV and
+#: gate/up widths at TP 8 (10240 / 8, 57344 / 8) for 8192 tokens
+AG_CASES = [(4096, 256, 4096), (8192, 512, 8192), (8192, 1280, 8192), (8192, 7168, 8192)]
+#: GEMM+ReduceScatter (M, N, K per rank): K = M/16, then Llama-3 70B's o_proj and down_proj
+#: at TP 8 for 8192 tokens
+RS_CASES = [(4096, 4096, 256), (8192, 8192, 512), (8192, 8192, 1024), (8192, 8192, 3584)]
 
 
 # ---- launcher ------------------------------------------------------------------------------
@@ -191,6 +203,7 @@ def rank_job(args) -> int:
                               symm_mem_note=symm_note, rel_error=error,
                               baseline_name="torch.matmul + NCCL all_reduce", **tag))
     op.close()
+    records += tensor_parallel_pair(args, world, dist, tag, lead)
     if lead:
         from mkrt.bench import append_jsonl
         append_jsonl(args.out, records)
@@ -199,6 +212,111 @@ def rank_job(args) -> int:
     dist.destroy_process_group()
     world.close()
     return 0
+
+
+def tensor_parallel_pair(args, world, dist, tag, lead) -> list:
+    """AllGather+GEMM and GEMM+ReduceScatter: mkrt fused vs NCCL + cuBLAS vs torch's fused
+    symmetric-memory ops, same run; correctness against the NCCL path's output."""
+    import cupy
+    import numpy as np
+    import torch
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.bench import median_ms, record
+    from mkrt.kernels.gemm import to_float32
+    (me,) = world.local
+    W, layout, records = world.size, world.layout, []
+    group = dist.group.WORLD.group_name
+
+    def relative(mine, theirs) -> float:
+        mine, theirs = to_float32(mine).astype(np.float64), to_float32(theirs).astype(np.float64)
+        return float(cupy.linalg.norm(mine - theirs) / max(float(cupy.linalg.norm(theirs)), 1e-30))
+
+    ag = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=60000)
+    for m, n, k in AG_CASES:
+        rng = cupy.random.default_rng(2000 + me.rank)
+        a = rng.standard_normal((m // W, k), dtype=np.float32).astype(bfloat16)
+        b = (rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+        out = cupy.empty((m, n), bfloat16)
+        at, bt = torch.from_dlpack(a), torch.from_dlpack(b)
+        a_full = torch.empty((m, k), device="cuda", dtype=torch.bfloat16)
+        ct = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+
+        def nccl():
+            dist.all_gather_into_tensor(a_full, at)
+            torch.matmul(a_full, bt, out=ct)
+        ag(a, b, out=out)
+        nccl()
+        torch.cuda.synchronize()
+        world.synchronize()
+        error = relative(out, cupy.from_dlpack(ct))
+        fused_ms = slowest(world, median_ms(lambda: ag(a, b, out=out), iters=args.iters))
+        nccl_ms = slowest(world, median_ms(nccl, iters=args.iters))
+        symm_ms, note = _symm_fused(world, args.iters, lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+            at, [bt], gather_dim=0, group_name=group), group)
+        case = f"{m}x{n}x{k}"
+        if lead:
+            print(f"[{layout}] allgather_gemm {case:>16}: fused {fused_ms * 1e3:9.1f} us, NCCL+cuBLAS "
+                  f"{nccl_ms * 1e3:9.1f} us ({nccl_ms / fused_ms:.2f}x), torch fused "
+                  + (f"{symm_ms * 1e3:.1f} us" if symm_ms else note) + f", error {error:.1e}")
+        records.append(record("multi_gpu", f"{layout}_allgather_gemm_{case}", "time", fused_ms * 1e3,
+                              nccl_ms * 1e3, "us", higher_is_better=False, m=m, n_per_rank=n, k=k,
+                              torch_fused_us=symm_ms and symm_ms * 1e3, torch_fused_note=note,
+                              rel_error=error, baseline_name="NCCL all_gather + torch.matmul", **tag))
+    ag.close()
+
+    rs = mkrt.GemmReduceScatter(world, fuse=True, timeout_ms=60000)
+    for m, n, k in RS_CASES:
+        rng = cupy.random.default_rng(3000 + me.rank)
+        a = rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16)
+        b = (rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+        out = cupy.empty((m // W, n), bfloat16)
+        at, bt = torch.from_dlpack(a), torch.from_dlpack(b)
+        partial = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+        ct = torch.empty((m // W, n), device="cuda", dtype=torch.bfloat16)
+
+        def nccl():
+            torch.matmul(at, bt, out=partial)
+            dist.reduce_scatter_tensor(ct, partial)
+        rs(a, b, out=out)
+        nccl()
+        torch.cuda.synchronize()
+        world.synchronize()
+        error = relative(out, cupy.from_dlpack(ct))
+        fused_ms = slowest(world, median_ms(lambda: rs(a, b, out=out), iters=args.iters))
+        nccl_ms = slowest(world, median_ms(nccl, iters=args.iters))
+        symm_ms, note = _symm_fused(world, args.iters, lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            at, bt, "sum", scatter_dim=0, group_name=group), group)
+        case = f"{m}x{n}x{k}"
+        if lead:
+            print(f"[{layout}] gemm_reducescatter {case:>12}: fused {fused_ms * 1e3:9.1f} us, cuBLAS+NCCL "
+                  f"{nccl_ms * 1e3:9.1f} us ({nccl_ms / fused_ms:.2f}x), torch fused "
+                  + (f"{symm_ms * 1e3:.1f} us" if symm_ms else note) + f", error {error:.1e}")
+        records.append(record("multi_gpu", f"{layout}_gemm_reducescatter_{case}", "time",
+                              fused_ms * 1e3, nccl_ms * 1e3, "us", higher_is_better=False, m=m, n=n,
+                              k_per_rank=k, torch_fused_us=symm_ms and symm_ms * 1e3,
+                              torch_fused_note=note, rel_error=error,
+                              baseline_name="torch.matmul + NCCL reduce_scatter", **tag))
+    rs.close()
+    return records
+
+
+def _symm_fused(world, iters, run, group):
+    """Time one of torch's fused symmetric-memory ops, or say why it does not run here."""
+    from mkrt.bench import median_ms
+    note = ""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        symm_mem.enable_symm_mem_for_group(group)
+        run()
+    except Exception as error:       # not in this torch, or it needs what this host lacks
+        note = f"n/a ({type(error).__name__}: {str(error)[:80]})"
+    # every rank times it or none does (a rank alone in a collective would wait forever)
+    runs_everywhere = world.comm.allreduce(int(not note), op=__import__("mpi4py").MPI.MIN)
+    if not runs_everywhere:
+        return None, note or "n/a (failed on another rank)"
+    return slowest(world, median_ms(run, iters=iters)), ""
 
 
 def symmetric_memory_baseline(world, dist, at, bt, iters):
@@ -240,7 +358,15 @@ def dry_run(args) -> int:
         c = op(a, b)
         world.synchronize()
         ok = float(c[0][0, 0].astype(np.float32)) == 64.0 * world.size
-        print(f"dry run {layout}: allgather {out[0].shape}, gemm_allreduce correct={ok}")
+        rows = [cupy.ones((128, 64), bfloat16) for _ in world.local]
+        gathered = mkrt.AllGatherGemm(world, fuse=True)(rows, [cupy.ones((64, 256), bfloat16)
+                                                               for _ in world.local])
+        scattered = mkrt.GemmReduceScatter(world, fuse=True)(a, b)
+        world.synchronize()
+        ok_tp = (gathered[0].shape == (128 * world.size, 256)
+                 and float(scattered[0][0, 0].astype(np.float32)) == 64.0 * world.size)
+        print(f"dry run {layout}: allgather {out[0].shape}, gemm_allreduce correct={ok}, "
+              f"allgather_gemm / gemm_reducescatter correct={ok_tp}")
         world.close()
     return 0
 
@@ -253,7 +379,8 @@ def plot(path):
     except ImportError:
         return
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["experiment"] == "multi_gpu" and r["metric"] == "time"]
+    rows = [r for r in rows if r["experiment"] == "multi_gpu" and r["metric"] == "time"
+            and "_gemm_allreduce_" in r["case"]]
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
