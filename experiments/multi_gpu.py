@@ -19,6 +19,8 @@ a float32 reference), then times, in the same run:
   gemm_reducescatter: mkrt fused vs torch.matmul + NCCL reduce_scatter, and torch's
                   fused_matmul_reduce_scatter where it runs (K = M/16 per rank, plus Llama-3
                   70B's row-parallel shapes)
+  ring_attention: mkrt's one-kernel ring (non-causal) vs NCCL all_gather of K and V + torch
+                  SDPA (its best backend here), B 1, 32 heads, D 128, 4096 tokens per rank
 Results: experiments/results/multi_gpu.jsonl (one line per case, with GPU count and layout),
 multi_gpu_topology.txt (``nvidia-smi topo -m``) and multi_gpu.png.
 
@@ -204,6 +206,7 @@ def rank_job(args) -> int:
                               baseline_name="torch.matmul + NCCL all_reduce", **tag))
     op.close()
     records += tensor_parallel_pair(args, world, dist, tag, lead)
+    records += ring_attention_cases(args, world, dist, tag, lead)
     if lead:
         from mkrt.bench import append_jsonl
         append_jsonl(args.out, records)
@@ -299,6 +302,57 @@ def tensor_parallel_pair(args, world, dist, tag, lead) -> list:
                               torch_fused_note=note, rel_error=error,
                               baseline_name="torch.matmul + NCCL reduce_scatter", **tag))
     rs.close()
+    return records
+
+
+def ring_attention_cases(args, world, dist, tag, lead) -> list:
+    """Non-causal ring attention: mkrt vs NCCL all_gather(K, V) + SDPA, same run."""
+    import cupy
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.bench import median_ms, record
+    from mkrt.kernels.gemm import to_float32
+    W, layout, records = world.size, world.layout, []
+    op = mkrt.RingAttention(world, timeout_ms=60000)
+    for per_rank in (4096,):
+        B, H, D = 1, 32, 128
+        rng = cupy.random.default_rng(4000 + world.local[0].rank)
+        q, k, v = (rng.standard_normal((B, per_rank, H, D), dtype=np.float32).astype(bfloat16)
+                   for _ in range(3))
+        out = op(q, k, v, causal=False)[0]
+        qt, kt, vt = (torch.from_dlpack(x) for x in (q, k, v))
+        k_all = torch.empty((W, B, per_rank, H, D), device="cuda", dtype=torch.bfloat16)
+        v_all = torch.empty_like(k_all)
+
+        def nccl():
+            dist.all_gather_into_tensor(k_all, kt)
+            dist.all_gather_into_tensor(v_all, vt)
+            # non-causal chunks are in rank order: the full sequence is the ranks' K/V in turn
+            kf = k_all.permute(1, 3, 0, 2, 4).reshape(B, H, W * per_rank, D)
+            vf = v_all.permute(1, 3, 0, 2, 4).reshape(B, H, W * per_rank, D)
+            return F.scaled_dot_product_attention(qt.transpose(1, 2), kf, vf)
+        want = nccl().transpose(1, 2)
+        torch.cuda.synchronize()
+        world.synchronize()
+        mine, theirs = to_float32(out).astype(np.float64), cupy.from_dlpack(want.float().contiguous())
+        error = float(cupy.linalg.norm(mine - theirs) / cupy.linalg.norm(theirs))
+        ring_ms = slowest(world, median_ms(lambda: op(q, k, v, causal=False), iters=args.iters))
+        nccl_ms = slowest(world, median_ms(nccl, iters=args.iters))
+        flops = 4 * B * H * per_rank * (W * per_rank) * D
+        case = f"b{B}_s{W * per_rank}_h{H}_d{D}"
+        if lead:
+            print(f"[{layout}] ring_attention {case}: mkrt {ring_ms * 1e3:9.1f} us "
+                  f"({flops / ring_ms / 1e9:.0f} TFLOP/s per GPU), NCCL+SDPA {nccl_ms * 1e3:9.1f} us "
+                  f"({nccl_ms / ring_ms:.2f}x), error {error:.1e}")
+        records.append(record("multi_gpu", f"{layout}_ring_attention_{case}", "time", ring_ms * 1e3,
+                              nccl_ms * 1e3, "us", higher_is_better=False, rel_error=error,
+                              tflops_per_gpu=flops / ring_ms / 1e9,
+                              baseline_name="NCCL all_gather K,V + torch SDPA", **tag))
+    op.close()
     return records
 
 
