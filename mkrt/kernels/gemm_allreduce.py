@@ -935,9 +935,8 @@ class GemmAllReduce(Op):
         spec = spec_for(p, mode)
         self._ensure_buffers(p)
         if call.buffers_key != self._generation:     # buffers were re-made: re-patch all
-            call.launches.clear()
-            call.boards.clear()
-            call.words.clear()
+            call.launches.clear()      # (boards stay: they point into no buffer, and what
+            call.words.clear()         # a shape's board learned outlives a re-allocation)
             call.operand_pointers.clear()
             call.buffers_key = self._generation
         if mode not in call.boards:
