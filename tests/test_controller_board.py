@@ -187,3 +187,38 @@ def test_the_op_checks_its_role_options_before_anything_runs():
         assert op.controller_state() == []          # no call yet: no board
     finally:
         world.close()
+
+
+def _replay(layout, shape, trace, rank, start):
+    from mkrt.kernels.gemm_allreduce_plan import plan
+    from mkrt.world import parse_layout
+    nodes, per_node = parse_layout(layout)
+    ctas = len(trace["ctas"])
+    p = plan(*shape, nodes=nodes, ranks_per_node=per_node, ctas=ctas, reduce_ctas=1, fuse=True)
+    groups = -(-len(p.owned(rank % per_node)) // p.send_batch)
+    controller = SplitController(ctas=ctas, reduce=start, compute_total=p.tiles,
+                                 reduce_total=groups * (2 if nodes > 1 else 1),
+                                 min_tiles=max(4, p.tiles // 16))
+    for step in trace["steps"]:
+        controller.update(Signals(*[step[f] for f in ("computed", "reduced", "wait_permille",
+                                                      "compute_left", "backlog", "reduce_left",
+                                                      "reduce_ctas")]))
+    return controller
+
+
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_each_launch_starts_where_the_rule_left_the_last_one(layout):
+    """Across the six recorded launches of every rank: the split the rule held while compute
+    remained (SplitController.steady) is the split the GPU's next launch started with, and
+    the last one is the board's LEARNED word; it settles (the last three launches' starts
+    lie within a few CTAs of each other)."""
+    entry = json.loads(TRACE.read_text())[layout]
+    launches = entry["launches"]
+    for rank in range(len(launches[0])):
+        starts = [sum(1 for events in launch[rank]["ctas"] if events and events[0][1] == "comm")
+                  for launch in launches]
+        steady = [_replay(layout, entry["shape"], launch[rank], rank, start).steady
+                  for launch, start in zip(launches, starts)]
+        assert steady[:-1] == starts[1:], (rank, starts, steady)
+        assert steady[-1] == entry["state"][rank]["learned"]
+        assert max(starts[-3:]) - min(starts[-3:]) <= 6, starts
