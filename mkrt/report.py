@@ -461,6 +461,8 @@ PIECES = [
           "node once (proxy), then spreads inside the node over peer pointers; `group=\"node\"` "
           "gathers inside the node only", "allgather", _allgather_lines),
     Piece("`mkrt.gemm_allreduce`", "fused, hierarchical (proxy between nodes), graph-capturable; "
+          "its CTAs take tiles and reduce tasks from device queues, split by the controller "
+          "(below; the figures here predate it); "
           "the planner falls back to the unfused path where it predicts fusion loses. "
           "Emulated worlds share one GPU: ratios measure overlap and protocol cost, not NVLink",
           "gemm_allreduce", _gemm_allreduce_lines),
