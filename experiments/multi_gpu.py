@@ -226,83 +226,82 @@ def tensor_parallel_pair(args, world, dist, tag, lead) -> list:
 
     import mkrt
     from mkrt.arrays import bfloat16
-    from mkrt.bench import median_ms, record
-    from mkrt.kernels.gemm import to_float32
     (me,) = world.local
-    W, layout, records = world.size, world.layout, []
+    W, records = world.size, []
     group = dist.group.WORLD.group_name
 
-    def relative(mine, theirs) -> float:
-        mine, theirs = to_float32(mine).astype(np.float64), to_float32(theirs).astype(np.float64)
-        return float(cupy.linalg.norm(mine - theirs) / max(float(cupy.linalg.norm(theirs)), 1e-30))
+    def operands(rows, k, n, seed):
+        rng = cupy.random.default_rng(seed + me.rank)
+        a = rng.standard_normal((rows, k), dtype=np.float32).astype(bfloat16)
+        b = (rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+        return a, b, torch.from_dlpack(a), torch.from_dlpack(b)
 
     ag = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=60000)
     for m, n, k in AG_CASES:
-        rng = cupy.random.default_rng(2000 + me.rank)
-        a = rng.standard_normal((m // W, k), dtype=np.float32).astype(bfloat16)
-        b = (rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+        a, b, at, bt = operands(m // W, k, n, 2000)
         out = cupy.empty((m, n), bfloat16)
-        at, bt = torch.from_dlpack(a), torch.from_dlpack(b)
         a_full = torch.empty((m, k), device="cuda", dtype=torch.bfloat16)
         ct = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
 
         def nccl():
             dist.all_gather_into_tensor(a_full, at)
             torch.matmul(a_full, bt, out=ct)
-        ag(a, b, out=out)
-        nccl()
-        torch.cuda.synchronize()
-        world.synchronize()
-        error = relative(out, cupy.from_dlpack(ct))
-        fused_ms = slowest(world, median_ms(lambda: ag(a, b, out=out), iters=args.iters))
-        nccl_ms = slowest(world, median_ms(nccl, iters=args.iters))
-        symm_ms, note = _symm_fused(world, args.iters, lambda: torch.ops.symm_mem.fused_all_gather_matmul(
-            at, [bt], gather_dim=0, group_name=group), group)
-        case = f"{m}x{n}x{k}"
-        if lead:
-            print(f"[{layout}] allgather_gemm {case:>16}: fused {fused_ms * 1e3:9.1f} us, NCCL+cuBLAS "
-                  f"{nccl_ms * 1e3:9.1f} us ({nccl_ms / fused_ms:.2f}x), torch fused "
-                  + (f"{symm_ms * 1e3:.1f} us" if symm_ms else note) + f", error {error:.1e}")
-        records.append(record("multi_gpu", f"{layout}_allgather_gemm_{case}", "time", fused_ms * 1e3,
-                              nccl_ms * 1e3, "us", higher_is_better=False, m=m, n_per_rank=n, k=k,
-                              torch_fused_us=symm_ms and symm_ms * 1e3, torch_fused_note=note,
-                              rel_error=error, baseline_name="NCCL all_gather + torch.matmul", **tag))
+        records.append(_compare(
+            args, world, lead, "allgather_gemm", f"{m}x{n}x{k}", lambda: ag(a, b, out=out), out,
+            nccl, ct, "NCCL all_gather + torch.matmul",
+            lambda: torch.ops.symm_mem.fused_all_gather_matmul(at, [bt], gather_dim=0,
+                                                               group_name=group),
+            group, dict(tag, m=m, n_per_rank=n, k=k)))
     ag.close()
 
     rs = mkrt.GemmReduceScatter(world, fuse=True, timeout_ms=60000)
     for m, n, k in RS_CASES:
-        rng = cupy.random.default_rng(3000 + me.rank)
-        a = rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16)
-        b = (rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
+        a, b, at, bt = operands(m, k, n, 3000)
         out = cupy.empty((m // W, n), bfloat16)
-        at, bt = torch.from_dlpack(a), torch.from_dlpack(b)
         partial = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
         ct = torch.empty((m // W, n), device="cuda", dtype=torch.bfloat16)
 
         def nccl():
             torch.matmul(at, bt, out=partial)
             dist.reduce_scatter_tensor(ct, partial)
-        rs(a, b, out=out)
-        nccl()
-        torch.cuda.synchronize()
-        world.synchronize()
-        error = relative(out, cupy.from_dlpack(ct))
-        fused_ms = slowest(world, median_ms(lambda: rs(a, b, out=out), iters=args.iters))
-        nccl_ms = slowest(world, median_ms(nccl, iters=args.iters))
-        symm_ms, note = _symm_fused(world, args.iters, lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
-            at, bt, "sum", scatter_dim=0, group_name=group), group)
-        case = f"{m}x{n}x{k}"
-        if lead:
-            print(f"[{layout}] gemm_reducescatter {case:>12}: fused {fused_ms * 1e3:9.1f} us, cuBLAS+NCCL "
-                  f"{nccl_ms * 1e3:9.1f} us ({nccl_ms / fused_ms:.2f}x), torch fused "
-                  + (f"{symm_ms * 1e3:.1f} us" if symm_ms else note) + f", error {error:.1e}")
-        records.append(record("multi_gpu", f"{layout}_gemm_reducescatter_{case}", "time",
-                              fused_ms * 1e3, nccl_ms * 1e3, "us", higher_is_better=False, m=m, n=n,
-                              k_per_rank=k, torch_fused_us=symm_ms and symm_ms * 1e3,
-                              torch_fused_note=note, rel_error=error,
-                              baseline_name="torch.matmul + NCCL reduce_scatter", **tag))
+        records.append(_compare(
+            args, world, lead, "gemm_reducescatter", f"{m}x{n}x{k}", lambda: rs(a, b, out=out), out,
+            nccl, ct, "torch.matmul + NCCL reduce_scatter",
+            lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(at, bt, "sum", scatter_dim=0,
+                                                                   group_name=group),
+            group, dict(tag, m=m, n=n, k_per_rank=k)))
     rs.close()
     return records
+
+
+def _compare(args, world, lead, op_name, case, fused, out, baseline, baseline_out, baseline_name,
+             torch_fused, group, fields):
+    """One case: both paths once (the fused output against the baseline's), then both timed
+    (the slowest rank's median), then torch's fused op where it runs; one record."""
+    import cupy
+    import numpy as np
+    import torch
+
+    from mkrt.bench import median_ms, record
+    from mkrt.kernels.gemm import to_float32
+    fused()
+    baseline()
+    torch.cuda.synchronize()
+    world.synchronize()
+    mine = to_float32(out).astype(np.float64)
+    theirs = cupy.from_dlpack(baseline_out.float().contiguous()).astype(np.float64)   # (no bf16 in CuPy)
+    error = float(cupy.linalg.norm(mine - theirs) / max(float(cupy.linalg.norm(theirs)), 1e-30))
+    fused_ms = slowest(world, median_ms(fused, iters=args.iters))
+    base_ms = slowest(world, median_ms(baseline, iters=args.iters))
+    symm_ms, note = _symm_fused(world, args.iters, torch_fused, group)
+    layout = world.layout
+    if lead:
+        print(f"[{layout}] {op_name} {case:>16}: fused {fused_ms * 1e3:9.1f} us, {baseline_name} "
+              f"{base_ms * 1e3:9.1f} us ({base_ms / fused_ms:.2f}x), torch fused "
+              + (f"{symm_ms * 1e3:.1f} us" if symm_ms else note) + f", error {error:.1e}")
+    return record("multi_gpu", f"{layout}_{op_name}_{case}", "time", fused_ms * 1e3, base_ms * 1e3,
+                  "us", higher_is_better=False, torch_fused_us=symm_ms and symm_ms * 1e3,
+                  torch_fused_note=note, rel_error=error, baseline_name=baseline_name, **fields)
 
 
 def ring_attention_cases(args, world, dist, tag, lead) -> list:
