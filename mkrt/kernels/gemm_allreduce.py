@@ -14,7 +14,7 @@ Every rank ends with the full C. One persistent kernel per rank; its CTAs take r
     ``verbs`` on clusters), to the rank with the same local index on every other node:
     each byte crosses the network once. A second pass adds the nodes' sums in node order
     and all-gathers the final tile inside the node.
-* every rank's reduce CTAs finally wait until all T tiles of its own C are final.
+* every CTA of a rank finally waits for its share of the rank's own C to be final.
 
 Flags are epochs read and advanced on the device, so calls need no host sync and the op
 can be captured in a CUDA graph. Every wait is bounded (mkrt.CommTimeout on timeout).
