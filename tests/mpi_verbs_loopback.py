@@ -31,6 +31,9 @@ def diagnose(world, proxy, error):
     """What each process saw when a call failed: its world, SM share, every rank's first
     failed wait and the NIC counters of the proxy the calls ran through (asking the world
     for its proxy after a failure would give a fresh one: it retires the failed proxy)."""
+    if proxy is None:
+        print(f"rank {world.local[0].rank}: failed before the proxy started: {error}", flush=True)
+        return
     lines = [f"rank {world.local[0].rank}: {world!r}; sm_count={world.sm_count(world.local[0].rank)}; "
              f"proxy {proxy!r}; {type(error).__name__}: {str(error)[:300]}"]
     for record in getattr(error, "records", None) or []:
@@ -51,12 +54,13 @@ world = mkrt.init()
 (me,) = world.local
 op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=TIMEOUT_MS)
 gather = mkrt.AllGather(world, timeout_ms=TIMEOUT_MS)
-proxy = world.proxy()
+proxy = None       # the proxy the calls run through (the first call starts it)
 worst, gathered_exact = 0.0, True
 for call in range(3):
     a, b = operands(me.rank, call)
     try:
         out = op(cupy.asarray(a), cupy.asarray(b))
+        proxy = proxy or world.running_service("proxy")
         x = cupy.arange(3000, dtype=np.float32) + 1000 * me.rank + call
         rows = gather(x)
         world.synchronize()
