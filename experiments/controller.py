@@ -15,7 +15,9 @@ back-to-back calls, medians). Rows go to ``experiments/results/controller.jsonl`
   found the best split);
 * ``controller_vs_best``: ratio = best static / controller (the issue's target: >= 1/1.03);
 * ``controller_vs_default``: ratio = default / controller (> 1: the controller is faster);
-* ``controller_overhead``: ratio = best static / the controller started at the best split.
+* ``controller_overhead``: ratio = best static / the controller started at the best split;
+* ``search_vs_best``: ratio = best static / ``roles="search"`` after ``--search-warmup``
+  launches (the split found by measuring launch times).
 
     PYTHONPATH=$PWD python3 experiments/controller.py --layouts 1x2 2x2 --sets calibration \
         --limit 10 --step 4
@@ -81,6 +83,7 @@ def run(args) -> None:
                            roles="static") for r in grid}
         default_op = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000, roles="static")
         controlled = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000)
+        searching = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000, roles="search")
         for set_name in args.sets:
             for m, n, k, family in shapes_of(set_name, args.limit, args.start):
                 if m % world.size or (args.op == "gemm_reducescatter" and world.nodes > 1
@@ -97,8 +100,11 @@ def run(args) -> None:
                 # the controller learns over launches: let it settle before it is timed
                 for _ in range(args.controller_warmup):
                     controlled(a, b, out=outs)
+                for _ in range(args.search_warmup):      # the search settles in 20-40 launches
+                    searching(a, b, out=outs)
                 world.synchronize()
                 paths["controller"] = lambda: controlled(a, b, out=outs)
+                paths["search"] = lambda: searching(a, b, out=outs)
                 times = time_paths(world, paths, args.rounds, args.batch)
                 learned = [s for s in controlled.controller_state() if s["shape"] == (m, n, k)]
                 best_split = min(grid, key=lambda r: times[str(r)])
@@ -130,6 +136,13 @@ def run(args) -> None:
                                    switches=[s["last_switches"] for s in learned],
                                    steps=[s["last_steps"] for s in learned],
                                    launches=[s["launches"] for s in learned]))
+                found = [s for s in searching.controller_state() if s["shape"] == (m, n, k)]
+                rows.append(record("controller", case, "search_vs_best", times["search"], best,
+                                   "us", higher_is_better=False, op=args.op, layout=layout, m=m,
+                                   n=n, k=k, family=family, set=set_name, ctas=ctas,
+                                   best_split=best_split, step=args.step,
+                                   found_splits=[s["s_best"] for s in found],
+                                   settled=[s["s_settled"] for s in found]))
                 rows.append(record("controller", case, "controller_vs_default",
                                    times["controller"], times["default"], "us",
                                    higher_is_better=False, op=args.op, layout=layout, m=m, n=n,
@@ -146,7 +159,9 @@ def run(args) -> None:
                       f"(best/default {best / times['default']:.3f}), controller "
                       f"r={[s['learned'] for s in learned]} {times['controller']:9.1f} us "
                       f"(best/controller {best / times['controller']:.3f}, default/controller "
-                      f"{times['default'] / times['controller']:.3f}), overhead at best "
+                      f"{times['default'] / times['controller']:.3f}), search "
+                      f"r={[s['s_best'] for s in found]} (best/search {best / times['search']:.3f}), "
+                      f"overhead at best "
                       f"{overhead['best'] / overhead['at_best']:.3f}", flush=True)
                 a = b = outs = paths = at_best = None          # free this shape's memory
                 cupy.get_default_memory_pool().free_all_blocks()
@@ -234,6 +249,8 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--controller-warmup", type=int, default=30)
+    parser.add_argument("--search-warmup", type=int, default=40,
+                        help="launches of the roles='search' op before it is timed")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="print the grid and default picks only")
     parser.add_argument("--trace", action="store_true", help="trace the controller's roles")

@@ -475,7 +475,8 @@ PIECES = [
           "controller",
           lambda rows: [dataclasses.replace(line, same_commit=True, at_least=1 / 1.03)
                         for line in family_lines(
-              [r for r in rows if r.get("metric") in ("controller_vs_best", "controller_vs_default")],
+              [r for r in rows if r.get("metric") in ("controller_vs_best", "controller_vs_default",
+                                                      "search_vs_best")],
               lambda r: f"{r['metric'].replace('_', ' ')}, {r.get('layout', '?')} emulated",
               against="time ratio (>1: the controller is faster)")]),
     Piece("planner", "`fuse=None` picks fused or unfused per shape (`mkrt/controller/cost.py`); "

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from mkrt.controller import board
-from mkrt.controller.rule import Signals, SplitController, SplitMemory
+from mkrt.controller.rule import (RULE_LAUNCHES, LaunchSearch, Signals, SplitController,
+                                  SplitMemory)
 from mkrt.kernels.device.roles import ROLES
 
 
@@ -41,6 +42,11 @@ def test_rule_constants_match_the_controller_defaults():
         "IDLE_PERMILLE": defaults["idle_permille"], "SETTLE": defaults["settle"],
         "MIN_REDUCE": defaults["min_reduce"]}
     assert len(board.STEP_FIELDS) == int(re.search(r"STEP_RECORD = (\d+)", ROLES.text).group(1))
+    search = {f.name: f.default for f in dataclasses.fields(LaunchSearch)}
+    device = dict(re.findall(r"(RULE_LAUNCHES|SEARCH_SAMPLES|MIN_GAIN_PERMILLE) = (\d+)", ROLES.text))
+    assert {k: int(v) for k, v in device.items()} == {
+        "RULE_LAUNCHES": RULE_LAUNCHES, "SEARCH_SAMPLES": search["samples"],
+        "MIN_GAIN_PERMILLE": search["min_gain_permille"]}
 
 
 def test_a_fresh_board_starts_from_the_split_it_is_given():
@@ -222,3 +228,36 @@ def test_each_launch_starts_where_the_rule_left_the_last_one(layout):
         assert steady[:-1] == starts[1:], (rank, starts, steady)
         assert steady[-1] == entry["state"][rank]["learned"]
         assert max(starts[-3:]) - min(starts[-3:]) <= 6, starts
+
+
+# ---- roles="search": the split found by launch time ----------------------------------
+
+@pytest.mark.parametrize("ctas,per_tile,c,r", [(66, 2, 0.2, 0.5), (66, 4, 0.1, 0.3),
+                                               (32, 2, 0.3, 0.2), (132, 1, 0.05, 0.2),
+                                               (33, 16, 0.5, 0.05)])
+@pytest.mark.parametrize("noise", [0.0, 0.005])
+def test_the_search_settles_within_3_percent_of_the_best_static_split(ctas, per_tile, c, r, noise):
+    """Launch times of every static split from the fluid model (with multiplicative noise
+    on each measured launch): from any start the search settles in a few dozen launches on
+    a split within 3% of the best one."""
+    import random
+    times = {k: simulate(ctas, k, 4000, per_tile, c, r) for k in range(1, ctas)}
+    best = min(times.values())
+    rng = random.Random(ctas * 1000 + per_tile)
+    for start in (1, ctas // 2, ctas - 1):
+        search = LaunchSearch(ctas, start)
+        split, launches = search.trial, 0
+        while not search.settled:
+            split = search.record(int(times[split] * 1000 * (1 + rng.uniform(-noise, noise))))
+            launches += 1
+            assert launches <= 80, (start, search)
+            assert 1 <= split <= ctas - 1
+        assert times[search.best] <= 1.03 * best, (start, search.best, times[search.best], best)
+        assert search.record(1) == search.best          # settled: it stays
+
+
+def test_the_search_refuses_a_start_outside_the_roles():
+    with pytest.raises(ValueError, match="start=0"):
+        LaunchSearch(8, 0)
+    with pytest.raises(ValueError, match="start=8"):
+        LaunchSearch(8, 8)

@@ -147,3 +147,27 @@ def test_trace_records_every_role_change(make_world):
                       / cupy.linalg.norm(expected))
         assert error < 1e-2
     op.close()
+
+
+def test_search_mode_measures_launches_and_loses_no_tile(make_world):
+    """roles="search": four launches under the rate rule, then a search by launch time (no
+    moves within a launch); 40 calls, each exact; the board says it is searching (or has
+    settled) on a split that keeps a CTA in each role."""
+    import cupy
+    world = make_world("1x2")
+    m, n, k = 2048, 2304, 64
+    a_list, b_list = rank_encoded(world, m, n, k)
+    want = exact_sum(a_list, b_list)
+    op = gar.GemmAllReduce(world, b_layout="nk", fuse=True, roles="search", timeout_ms=20000)
+    outs = [cupy.empty((m, n), np.float16) for _ in world.local]
+    for call in range(40):
+        op(a_list, b_list, out=outs)
+        world.synchronize()
+        for info, out in zip(world.local, outs):
+            assert int(cupy.count_nonzero(out.astype(cupy.float64) != want)) == 0, (call, info.rank)
+    for state in op.controller_state():
+        assert state["launches"] == 40 and state["search"] == 1 and state["searching"] == 1
+        assert 1 <= state["learned"] <= state["ctas"] - 1
+        assert 1 <= state["s_best"] <= state["ctas"] - 1 and state["s_best_ns"] > 0
+        assert state["last_switches"] >= 0 and state["last_ns"] > 0
+    op.close()

@@ -213,7 +213,7 @@ GOOD_GAR_OPTIONS = st.fixed_dictionaries({
     "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
     "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
     "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS,
-    "roles": st.sampled_from(["adaptive", "static"]), "trace": st.booleans()})
+    "roles": st.sampled_from(["adaptive", "static", "search"]), "trace": st.booleans()})
 BAD_COUNTS = st.one_of(st.integers(-3, 0), st.floats(-2, 300), st.sampled_from(["4", True, [2]]),
                       st.just(2**40))
 BAD_GAR_OPTIONS = {"b_layout": st.one_of(st.text(max_size=3), st.none(), st.just(["kn"])),
@@ -238,7 +238,7 @@ def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, con
         assert op.ctas is None or (isinstance(op.ctas, int) and 1 <= op.ctas <= MAX_GRID)
         assert op.reduce_ctas is None or (isinstance(op.reduce_ctas, int) and op.reduce_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31    # an int32 argument
-        assert op.roles in ("adaptive", "static") and op.trace in (True, False)
+        assert op.roles in ("adaptive", "static", "search") and op.trace in (True, False)
         assert_timeout_valid(op)
 
 

@@ -19,7 +19,9 @@ WORDS = ("next_compute", "next_comm", "in_comm", "target", "computed", "communic
          "sum_computed", "sum_reduced", "sum_wait", "sum_steps", "last_move", "reversals",
          "frozen", "last_backlog", "moves", "steady", "learned", "static", "switches", "steps",
          "launches", "last_switches", "last_steps", "last_moves", "start_ns", "trace",
-         "trace_events", "trace_steps", "move_limit")
+         "trace_events", "trace_steps", "move_limit", "search", "searching", "s_best",
+         "s_best_ns", "s_trial", "s_step", "s_down", "s_tried_down", "s_settled", "s_n",
+         "s_sum_ns", "last_ns")
 WORD = {name: i for i, name in enumerate(WORDS)}
 #: roles in the trace (``enum Role``)
 ROLES = ("compute", "comm", "final", "done")
@@ -50,11 +52,13 @@ def check_split(ctas: int, comm_ctas: int, area: str) -> None:
                          f"[1, {ctas - 1}] (each role keeps at least one CTA)")
 
 
-def initial_words(ctas: int, comm_ctas: int, *, static: bool, trace_ptr: int = 0,
-                  trace: TraceShape | None = None) -> np.ndarray:
-    """A fresh board: no launch yet, starting with `comm_ctas` CTAs communicating."""
+def initial_words(ctas: int, comm_ctas: int, *, static: bool, search: bool = False,
+                  trace_ptr: int = 0, trace: TraceShape | None = None) -> np.ndarray:
+    """A fresh board: no launch yet, starting with `comm_ctas` CTAs communicating;
+    `search`: after the rule's first launches, search the split by launch time."""
     check_split(ctas, comm_ctas, "controller")
     words = np.zeros(len(WORDS), dtype=np.uint64)
+    words[WORD["search"]] = int(bool(search) and not static)
     for name in ("in_comm", "target", "steady", "learned", "move_limit"):
         words[WORD[name]] = comm_ctas
     words[WORD["static"]] = int(bool(static))
@@ -69,15 +73,15 @@ def initial_words(ctas: int, comm_ctas: int, *, static: bool, trace_ptr: int = 0
 class Board:
     """One rank's board on its device (a CuPy array), with an optional trace buffer."""
 
-    def __init__(self, ctas: int, comm_ctas: int, *, static: bool, trace: bool = False,
-                 trace_events: int = 64, trace_steps: int = 512):
+    def __init__(self, ctas: int, comm_ctas: int, *, static: bool, search: bool = False,
+                 trace: bool = False, trace_events: int = 64, trace_steps: int = 512):
         import cupy
         self.ctas = ctas
         self.trace_shape = TraceShape(ctas, trace_events, trace_steps) if trace else None
         self.trace = (cupy.zeros(self.trace_shape.words, dtype=cupy.uint64)
                       if trace else None)
         self.words = cupy.asarray(initial_words(
-            ctas, comm_ctas, static=static,
+            ctas, comm_ctas, static=static, search=search,
             trace_ptr=self.trace.data.ptr if trace else 0, trace=self.trace_shape))
 
     @property

@@ -161,3 +161,79 @@ class SplitMemory:
 
     def remember(self, key, reduce: int) -> None:
         self.splits[key] = reduce
+
+
+#: launches a ``roles="search"`` board runs under the rate rule before it searches
+RULE_LAUNCHES = 4
+
+
+@dataclasses.dataclass
+class LaunchSearch:
+    """``roles="search"``: after the rate rule's first launches, find the split by measuring.
+
+    Each launch runs at a fixed split (no moves within it, every CTA still joins the reduce
+    queue at the end); its duration (first CTA in to last CTA out, ``%globaltimer``) is
+    averaged over ``samples`` launches per split. From the rule's split a hill climb tries
+    best + step, then best - step; a split at least ``min_gain_permille`` faster becomes the
+    best and the climb goes on in that direction; with no gain either way the step halves;
+    at step 0 it settles on the best. The device runs the same integer arithmetic in the
+    last CTA out of each launch (``roles::search_step``)."""
+
+    ctas: int
+    start: int
+    samples: int = 2
+    min_gain_permille: int = 10
+    best: int = 0
+    best_ns: int = 0           # 0: the best split is not measured yet
+    trial: int = 0             # the split the next launches run
+    step: int = 0
+    down: bool = False         # the climb's direction
+    tried_down: bool = False   # best - step tried at this step
+    settled: bool = False
+    n: int = 0
+    sum_ns: int = 0
+
+    def __post_init__(self):
+        if self.ctas < 2 or not 1 <= self.start <= self.ctas - 1:
+            raise ValueError(f"mkrt.controller: a search needs 1 <= start={self.start} <= "
+                             f"ctas - 1 = {self.ctas - 1}")
+        self.best = self.trial = self.start
+        self.step = max(1, self.ctas // 8)
+
+    def record(self, ns: int) -> int:
+        """A launch at `trial` took `ns`; the split of the next launch."""
+        self.n += 1
+        self.sum_ns += ns
+        if self.n < self.samples or self.settled:
+            if self.settled:
+                self.n = self.sum_ns = 0
+            return self.trial
+        average = self.sum_ns // self.n
+        self.n = self.sum_ns = 0
+        if self.best_ns == 0:
+            self.best_ns = average                 # the starting split, measured
+        elif average * 1000 < self.best_ns * (1000 - self.min_gain_permille):
+            self.best, self.best_ns = self.trial, average
+            self.tried_down = True                 # the other side is where it came from
+        elif not self.down and not self.tried_down:
+            self.down = self.tried_down = True
+        else:
+            self.step //= 2
+            self.down = self.tried_down = False
+        return self._next()
+
+    def _next(self) -> int:
+        while self.step > 0:
+            trial = max(1, min(self.ctas - 1, self.best + (-self.step if self.down else self.step)))
+            if trial != self.best:
+                self.trial = trial
+                return trial
+            # at the edge: nothing to try this way
+            if not self.down and not self.tried_down:
+                self.down = self.tried_down = True
+            else:
+                self.step //= 2
+                self.down = self.tried_down = False
+        self.settled = True
+        self.trial = self.best
+        return self.trial

@@ -615,7 +615,7 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
 
 KERNEL_ID = kernel_id("gemm_allreduce")
 #: how the CTAs' split between compute and reduce is decided (see GemmAllReduce)
-ROLE_MODES = ("adaptive", "static")
+ROLE_MODES = ("adaptive", "static", "search")
 #: what the reduce role ends with: every rank all of C, or each rank its rows of C
 COLLECTIVES = ("allreduce", "reducescatter")
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
@@ -714,7 +714,10 @@ class GemmAllReduce(Op):
     ``roles``: ``"adaptive"`` (default) lets the on-GPU controller move CTAs between the
     compute and reduce queues during each launch, starting from ``reduce_ctas`` (or the
     default rule) and then from what the last launch learned; ``"static"`` keeps
-    ``reduce_ctas`` reduce CTAs for the whole launch (experiments, sweeps).
+    ``reduce_ctas`` reduce CTAs for the whole launch (experiments, sweeps); ``"search"``
+    runs the adaptive rule for four launches, then finds the split by measuring launch times
+    (a hill climb over splits, two launches each; no moves within a launch; it settles after
+    about 20 to 30 launches: :class:`mkrt.controller.rule.LaunchSearch`).
     :meth:`controller_state` shows each rank's board; ``trace=True`` records every CTA's
     role changes and every control step (:meth:`role_trace`).
 
@@ -941,7 +944,9 @@ class GemmAllReduce(Op):
             call.buffers_key = self._generation
         if mode not in call.boards:
             static = mode == "copy" or self.roles == "static"
-            call.boards[mode] = [self._new_board(p, device, static) for device in self._local_devices]
+            search = mode == "gemm" and self.roles == "search"
+            call.boards[mode] = [self._new_board(p, device, static, search)
+                                 for device in self._local_devices]
         launches = []
         for i, info in enumerate(self.world.local):
             function = spec.function("gemm_allreduce", info.device, spec.smem_bytes)
@@ -958,10 +963,11 @@ class GemmAllReduce(Op):
                              launch.params.field_view("args", "copy_source")) for launch in launches]
         return launches
 
-    def _new_board(self, p: Plan, device: int, static: bool):
+    def _new_board(self, p: Plan, device: int, static: bool, search: bool = False):
         """A rank's role board for one shape: no launch yet, `p.reduce_ctas` reducing."""
         with self.on_device(device):
-            return Board(p.ctas, p.reduce_ctas, static=static, trace=self.trace and not static)
+            return Board(p.ctas, p.reduce_ctas, static=static, search=search,
+                         trace=self.trace and not static)
 
     def controller_state(self) -> list[dict]:
         """Per prepared shape and local rank, the fused kernel's board (synchronizes): the

@@ -99,6 +99,18 @@ enum Word {
     TRACE_EVENTS,   // events per CTA in the trace buffer
     TRACE_STEPS,    // control-step records in the trace buffer
     MOVE_LIMIT,     // communication CTAs compute CTAs may make up within this launch
+    SEARCH,         // 1: roles="search" (after RULE_LAUNCHES launches, search by launch time)
+    SEARCHING,      // 1: the search has begun (no moves within a launch any more)
+    S_BEST,         // the search (controller/rule.py LaunchSearch): best split so far,
+    S_BEST_NS,      //   its average launch time (0: not measured yet),
+    S_TRIAL,        //   the split being measured,
+    S_STEP,         //   the climb's step,
+    S_DOWN,         //   its direction (1: towards fewer communication CTAs),
+    S_TRIED_DOWN,   //   best - step tried at this step,
+    S_SETTLED,      //   settled on S_BEST,
+    S_N,            //   launches measured at S_TRIAL,
+    S_SUM_NS,       //   and their summed time
+    LAST_NS,        // the last launch's time, first CTA in to last CTA out
     WORDS
 };
 
@@ -107,6 +119,9 @@ enum Role { COMPUTE = 0, COMM = 1, FINAL = 2, DONE = 3 };
 // The rule's constants (mkrt/controller/rule.py SplitController defaults; a CPU test
 // compares).
 constexpr int MIN_TILES = 4, BACKLOG_HIGH = 2, IDLE_PERMILLE = 900, SETTLE = 2, MIN_REDUCE = 1;
+// The search's (LaunchSearch defaults; a CPU test compares): launches under the rate rule
+// first, launches averaged per split, the gain that makes a split the best.
+constexpr int RULE_LAUNCHES = 4, SEARCH_SAMPLES = 2, MIN_GAIN_PERMILLE = 10;
 // Trace records: per CTA [count, (time, role) x TRACE_EVENTS]; then [count, step x
 // TRACE_STEPS] with STEP_RECORD words per step.
 constexpr int STEP_RECORD = 9;
@@ -304,7 +319,7 @@ __device__ __forceinline__ int first_role(const Board& b) {
 // compute role: the queue is empty, or the board wants another communication CTA).
 // *left_because: 1 the queue is empty, 2 moved by the controller.
 __device__ __forceinline__ int claim_tile(const Board& b, int* left_because) {
-    if (!b.w[STATIC] && load(b, NEXT_COMPUTE) < (u64)b.compute_tasks) {
+    if (!b.w[STATIC] && !b.w[SEARCHING] && load(b, NEXT_COMPUTE) < (u64)b.compute_tasks) {
         const u64 target = min(load(b, TARGET), load(b, MOVE_LIMIT));
         const u64 in_comm = load(b, IN_COMM);
         if (in_comm < target) {
@@ -433,15 +448,82 @@ __device__ __forceinline__ int next_comm_task(const Board& b) {
     return task;
 }
 
+// ---- the search by launch time (roles="search"; LaunchSearch in controller/rule.py) -----
+
+__device__ u64 search_next(u64* w, int ctas) {
+    while (w[S_STEP] > 0) {
+        i64 trial = (i64)w[S_BEST] + (w[S_DOWN] ? -(i64)w[S_STEP] : (i64)w[S_STEP]);
+        trial = max((i64)1, min((i64)ctas - 1, trial));
+        if (trial != (i64)w[S_BEST]) { w[S_TRIAL] = (u64)trial; return (u64)trial; }
+        // at the edge: nothing to try this way
+        if (!w[S_DOWN] && !w[S_TRIED_DOWN]) { w[S_DOWN] = 1; w[S_TRIED_DOWN] = 1; }
+        else { w[S_STEP] /= 2; w[S_DOWN] = 0; w[S_TRIED_DOWN] = 0; }
+    }
+    w[S_SETTLED] = 1;
+    w[S_TRIAL] = w[S_BEST];
+    return w[S_BEST];
+}
+
+// A launch at S_TRIAL took `ns`: the split of the next launch.
+__device__ u64 search_step(u64* w, int ctas, u64 ns) {
+    w[S_N] += 1;
+    w[S_SUM_NS] += ns;
+    if (w[S_SETTLED]) { w[S_N] = 0; w[S_SUM_NS] = 0; return w[S_TRIAL]; }
+    if (w[S_N] < (u64)SEARCH_SAMPLES) return w[S_TRIAL];
+    const u64 average = w[S_SUM_NS] / w[S_N];
+    w[S_N] = 0;
+    w[S_SUM_NS] = 0;
+    if (w[S_BEST_NS] == 0) {
+        w[S_BEST_NS] = average;                        // the starting split, measured
+    } else if (average * 1000 < w[S_BEST_NS] * (1000 - MIN_GAIN_PERMILLE)) {
+        w[S_BEST] = w[S_TRIAL];
+        w[S_BEST_NS] = average;
+        w[S_TRIED_DOWN] = 1;                           // the other side is where it came from
+    } else if (!w[S_DOWN] && !w[S_TRIED_DOWN]) {
+        w[S_DOWN] = 1;
+        w[S_TRIED_DOWN] = 1;
+    } else {
+        w[S_STEP] /= 2;
+        w[S_DOWN] = 0;
+        w[S_TRIED_DOWN] = 0;
+    }
+    return search_next(w, ctas);
+}
+
+__device__ void search_begin(u64* w, int ctas, u64 start) {
+    w[S_BEST] = start;
+    w[S_TRIAL] = start;
+    w[S_BEST_NS] = 0;
+    w[S_STEP] = ctas / 8 > 1 ? (u64)(ctas / 8) : 1;
+    w[S_DOWN] = 0;
+    w[S_TRIED_DOWN] = 0;
+    w[S_SETTLED] = 0;
+    w[S_N] = 0;
+    w[S_SUM_NS] = 0;
+    w[SEARCHING] = 1;
+}
+
 // Thread 0 of every CTA when it leaves the kernel; the last one out resets the board for
-// the next launch, which starts from the split this one learned.
+// the next launch, which starts from the split this one learned (or, searching, the split
+// the search measures next).
 __device__ void end_launch(const Board& b) {
     trace_event(b, DONE);
     __threadfence();
     if (add(b, EXITED, 1) != (u64)b.ctas - 1) return;
     __threadfence();
     u64* w = b.w;
-    const u64 learned = w[STATIC] ? w[LEARNED] : w[STEADY];
+    const u64 now = global_timer_ns();
+    const u64 duration = now > w[START_NS] ? now - w[START_NS] : 1;
+    w[LAST_NS] = duration;
+    u64 learned = w[STATIC] ? w[LEARNED] : w[STEADY];
+    if (w[SEARCH] && !w[STATIC]) {
+        if (w[SEARCHING]) {
+            learned = search_step(w, b.ctas, duration);
+        } else if (w[LAUNCHES] + 1 >= (u64)RULE_LAUNCHES) {
+            search_begin(w, b.ctas, learned);          // from the rule's split
+        }
+    }
+    learned = learned < 1 ? 1 : (learned > (u64)b.ctas - 1 ? (u64)b.ctas - 1 : learned);
     w[LAST_SWITCHES] = w[SWITCHES];
     w[LAST_STEPS] = w[STEPS];
     w[LAST_MOVES] = w[MOVES];
