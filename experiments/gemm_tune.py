@@ -14,6 +14,11 @@ launches); torch.matmul (cuBLASLt) is timed on the same operands in the same run
 ``--table`` also writes the fastest configuration per shape to ``gemm_table.json`` in the
 JIT cache folder (``MKRT_JIT_CACHE_DIR``). ``--compile-only`` builds every configuration
 for sm_90a (no GPU needed) and prints registers, spills and shared memory.
+
+``--fit`` (no GPU) fits the rule's wave model (mkrt/kernels/gemm_rule.py) on the FIT rows
+of ``--out`` (of ``--commit`` if given), writes ``mkrt/kernels/gemm_rule_fit.json``, and
+judges it on the HELD_OUT rows: per shape, the measured time of the model's pick against
+the fastest configuration measured and against torch.matmul.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ def parse():
     parser.add_argument("--table", action="store_true",
                         help="write the fastest configuration per shape to the JIT cache folder")
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--fit", action="store_true", help="fit and judge the rule (no GPU)")
+    parser.add_argument("--commit", default=None, help="--fit: rows of this commit only")
     parser.add_argument("--out", default="experiments/results/gemm_tune.jsonl")
     return parser.parse_args()
 
@@ -155,9 +162,92 @@ def sweep(args) -> None:
         print(f"wrote {len(best)} entries to {path}")
 
 
+# ---- the rule's fit (no GPU) ----------------------------------------------------------
+
+def _configuration(row) -> tuple[int, int, int]:
+    return int(row["block_m"]), int(row["block_n"]), int(row.get("split_k", 1))
+
+
+def fit_model(rows) -> dict:
+    """Least squares (relative errors) of the wave model's terms on `rows` (measured times
+    of (shape, configuration)): 1 / rate per tile, the split-K cost, a fixed launch cost."""
+    from mkrt.kernels import gemm_rule
+    tiles = [f"{bm}x{bn}" for bm, bn in gemm_rule.TILES]
+    columns = tiles + ["split_cost", "launch_us"]
+    matrix, target = [], []
+    for row in rows:
+        m, n, k = (int(x) for x in row["case"].split("x"))
+        sms = int(row["sms"])
+        block_m, block_n, split = _configuration(row)
+        count = -(-m // block_m) * -(-n // block_n)
+        x = [0.0] * len(columns)
+        x[tiles.index(f"{block_m}x{block_n}")] = -(-count * split // sms) * block_m * block_n * k / split
+        x[-2] = (split - 1) * block_m * block_n * count / sms
+        x[-1] = 1.0
+        us = float(row["value"])
+        matrix.append([v / us for v in x])       # relative: every shape counts alike
+        target.append(1.0)
+    solution = np.linalg.lstsq(np.array(matrix), np.array(target), rcond=None)[0]
+    inverse = {t: float(v) for t, v in zip(tiles, solution)}
+    return {"rates": {t: 1.0 / v for t, v in inverse.items() if v > 0},
+            "split_cost": max(0.0, float(solution[-2])), "launch_us": max(0.0, float(solution[-1])),
+            "rows": len(rows)}
+
+
+def judge(rows, fit) -> list[dict]:
+    """Per shape of `rows`: the model's pick, its measured time (None: not measured), the
+    fastest measured configuration, and torch.matmul's time."""
+    from mkrt.kernels import gemm_rule
+    by_case: dict = {}
+    for row in rows:
+        by_case.setdefault(row["case"], []).append(row)
+    out = []
+    for case, measured in by_case.items():
+        m, n, k = (int(x) for x in case.split("x"))
+        sms = int(measured[0]["sms"])
+        pick = gemm_rule.best_configuration(m, n, k, sms, fit)
+        times = {_configuration(r): float(r["value"]) for r in measured}
+        fastest = min(times, key=times.get)
+        out.append({"case": case, "pick": pick, "pick_us": times.get(pick),
+                    "fastest": fastest, "fastest_us": times[fastest],
+                    "torch_us": float(measured[0]["baseline"])})
+    return out
+
+
+def fit_and_judge(args) -> None:
+    rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("experiment") == "gemm_tune" and r.get("metric") == "us"
+            and (args.commit is None or r.get("commit") == args.commit)]
+    fit_rows = [r for r in rows if r.get("set") == "fit"]
+    held = [r for r in rows if r.get("set") == "held_out"]
+    if not fit_rows:
+        raise SystemExit(f"gemm_tune --fit: no FIT rows in {args.out}")
+    from mkrt.kernels import gemm_rule
+    fit = fit_model(fit_rows)
+    fit["commit"] = args.commit or fit_rows[-1].get("commit")
+    gemm_rule.FIT_PATH.write_text(json.dumps(fit, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {gemm_rule.FIT_PATH}: rates {fit['rates']}, split cost {fit['split_cost']:.3g}, "
+          f"launch {fit['launch_us']:.1f} us ({fit['rows']} FIT rows)")
+    for name, subset in (("FIT", fit_rows), ("HELD_OUT", held)):
+        lines = judge(subset, fit)
+        scored = [x for x in lines if x["pick_us"]]
+        print(f"{name}: {len(lines)} shapes, the pick measured on {len(scored)}")
+        for x in lines:
+            pick = "x".join(map(str, x["pick"]))
+            got = f"{x['fastest_us'] / x['pick_us']:.3f} of fastest, {x['torch_us'] / x['pick_us']:.3f}x torch" \
+                if x["pick_us"] else "pick not measured"
+            print(f"  {x['case']:18s} pick {pick:12s} {got}")
+        if scored:
+            geo = math.exp(sum(math.log(x["torch_us"] / x["pick_us"]) for x in scored) / len(scored))
+            print(f"  geomean x torch {geo:.3f}; worst of fastest "
+                  f"{min(x['fastest_us'] / x['pick_us'] for x in scored):.3f}")
+
+
 def main() -> None:
     args = parse()
-    if args.compile_only:
+    if args.fit:
+        fit_and_judge(args)
+    elif args.compile_only:
         compile_only(args)
     else:
         sweep(args)

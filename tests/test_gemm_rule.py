@@ -50,3 +50,56 @@ def test_the_sweep_measures_every_tile_the_rule_may_choose():
     assert tuple(map(tuple, gemm_tune.CONFIGS)) == gemm_rule.TILES
     assert not set(gemm_tune.FIT) & set(gemm_tune.HELD_OUT)
     assert len(gemm_tune.FIT) + len(gemm_tune.HELD_OUT) == 30
+
+
+def _sweep_rows(shapes, set_name, truth, sms=132, noise=0.0, seed=0):
+    """Rows as experiments/gemm_tune.py writes them, timed by the wave model with `truth`."""
+    import random
+    rng = random.Random(seed)
+    rows = []
+    for m, n, k in shapes:
+        for block_m, block_n in gemm_rule.TILES:
+            for split in gemm_rule.SPLITS:
+                us = gemm_rule.predicted_us(m, n, k, sms, (block_m, block_n), split, truth)
+                if us == float("inf"):
+                    continue
+                rows.append({"experiment": "gemm_tune", "metric": "us", "case": f"{m}x{n}x{k}",
+                             "value": us * (1 + rng.uniform(-noise, noise)), "baseline": us * 1.05,
+                             "set": set_name, "block_m": block_m, "block_n": block_n,
+                             "split_k": split, "sms": sms})
+    return rows
+
+
+def test_the_wave_model_fit_recovers_its_rates_and_picks_on_held_out_shapes():
+    """Times made by a known wave model (1% noise) on the FIT shapes: the fit gets its rates
+    back, and on the HELD_OUT shapes (never fitted) the pick is within 2% of the fastest."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import gemm_tune
+    truth = {"rates": {"128x256": 5.0e6, "128x192": 4.6e6, "128x128": 4.2e6,
+                       "64x256": 3.9e6, "64x128": 3.3e6}, "split_cost": 2e-4, "launch_us": 6.0}
+    fit = gemm_tune.fit_model(_sweep_rows(gemm_tune.FIT, "fit", truth, noise=0.01, seed=1))
+    for tile, rate in truth["rates"].items():
+        assert abs(fit["rates"][tile] / rate - 1) < 0.03, (tile, fit["rates"][tile], rate)
+    lines = gemm_tune.judge(_sweep_rows(gemm_tune.HELD_OUT, "held_out", truth), fit)
+    assert len(lines) == len(gemm_tune.HELD_OUT)
+    for line in lines:
+        assert line["pick_us"] is not None and line["fastest_us"] / line["pick_us"] > 0.98, line
+
+
+def test_the_rule_uses_a_committed_fit_and_not_a_broken_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    fit_path = tmp_path / "fit.json"
+    monkeypatch.setattr(gemm_rule, "FIT_PATH", fit_path)
+    fit = {"rates": {"128x256": 5.0e6, "128x128": 4.9e6}, "split_cost": 0.0, "launch_us": 5.0}
+    fit_path.write_text(json.dumps(fit))
+    # 2048^3: 128 tiles of 128x256 leave 4 of 132 SMs idle in one wave; with split-K 2 on
+    # 128x256 (256 part-tiles, 2 waves) the model sees no gain; the fitted rule decides
+    tile, why = gemm_rule.choose_tile(2048, 2048, 2048, sms=132)
+    assert why == "rule: the fitted wave model"
+    assert tile == gemm_rule.best_configuration(2048, 2048, 2048, 132, fit)
+    # a tile the fit does not rate is never chosen
+    assert tile[:2] in ((128, 256), (128, 128))
+    fit_path.write_text("{broken")
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1)
