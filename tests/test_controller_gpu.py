@@ -171,3 +171,33 @@ def test_search_mode_measures_launches_and_loses_no_tile(make_world):
         assert 1 <= state["s_best"] <= state["ctas"] - 1 and state["s_best_ns"] > 0
         assert state["last_switches"] >= 0 and state["last_ns"] > 0
     op.close()
+
+
+def test_allgather_gemm_search_keeps_every_result_bit_identical(make_world):
+    """AllGather+GEMM with roles="search": the split between the gathering and compute CTAs
+    changes between launches; the product never does (30 calls against the static op)."""
+    import cupy
+    from test_gemm_allreduce_gpu import operands
+    import mkrt
+    world = make_world("2x2")
+    m_rows, n, k = 384, 768, 512
+    a_list, b_list = operands(world, m_rows, n, k, "kn", "bf16", seed=9)
+    static = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=20000)
+    searching = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=20000, roles="search")
+    want = [o.copy() for o in static(a_list, b_list)]
+    outs = [cupy.empty_like(w) for w in want]
+    splits = set()
+    for _ in range(30):
+        searching(a_list, b_list, out=outs)
+        world.synchronize()
+        for out, w in zip(outs, want):
+            assert cupy.array_equal(out.view(cupy.uint16), w.view(cupy.uint16))
+        splits.update(s["learned"] for s in searching.controller_state())
+    states = searching.controller_state()
+    assert len(states) == len(world.local) and static.controller_state() == []
+    for state in states:
+        assert state["launches"] == 30 and state["searching"] == 1
+        assert 1 <= state["learned"] <= state["ctas"] - 1
+    assert len(splits) > 1                       # the search tried more than one split
+    static.close()
+    searching.close()

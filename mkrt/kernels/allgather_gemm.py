@@ -38,6 +38,7 @@ from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
 from mkrt.kernels import gemm as gemm_module
+from mkrt.controller.board import Board
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
 from mkrt.kernels.gathering import MAX_NODE_RANKS, FlagLayout, GatheringOp, default_comm_ctas  # noqa: F401
 from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
@@ -65,6 +66,7 @@ struct Args {
     int m, n, k, rows;          // rows = m / world size: one block
     int group_m, me, node, G, N, compute_ctas;
     int gathered_region, flags_region;
+    u64* board;                 // roles="search": the split comes from the role board (null: compute_ctas)
 };
 $ARGS_CHECKS
 
@@ -104,25 +106,40 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     const Args& a = args;
     const Layout L{a.G, a.N};
     const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
-    const int comm_ctas = gridDim.x - a.compute_ctas;
+    // The split: the plan's, or (roles="search") the one the board's search measures next;
+    // every CTA of a launch reads the same (roles.py: LEARNED changes only between launches).
+    __shared__ int compute_shared;
+    const roles::Board board{a.board, (int)gridDim.x, 0, 0, 0};
+    if (threadIdx.x == 0) {
+        int compute = a.compute_ctas;
+        if (a.board) {
+            roles::begin_launch(board);
+            compute = (int)gridDim.x - (int)a.board[roles::LEARNED];
+        }
+        compute_shared = compute;
+    }
+    __syncthreads();
+    const int compute_ctas = compute_shared;
+    const int comm_ctas = gridDim.x - compute_ctas;
 
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
     const u64 epoch = launch.epoch;
 
-    if ((int)blockIdx.x < a.compute_ctas) {
+    if ((int)blockIdx.x < compute_ctas) {
         const int mine = a.node * a.G + a.me;
-        const GatheredWork work{{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, a.compute_ctas},
+        const GatheredWork work{{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, compute_ctas},
                                 (mine * a.rows) / BM, a.rows, a.m, a.flags, L, epoch, ctx};
         const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
         gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem);
     } else {
         const GatherArgs gather = gather_args(a, a.input, (u64)a.rows * a.k * sizeof(T), nullptr, 0);
-        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, launch.comm_all,
+        gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
     }
     launch.end(a.flags, L);
+    if (a.board && threadIdx.x == 0) roles::end_launch(board);   // the last CTA out: the search
 }
-""", requires=("gemm_tile", "gather_role"), register=False)
+""", requires=("gemm_tile", "gather_role", "roles"), register=False)
 
 KERNEL_ID = kernel_id("allgather_gemm")
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
@@ -134,6 +151,7 @@ ARGS_DTYPE = np.dtype([
     ("m", "<i4"), ("n", "<i4"), ("k", "<i4"), ("rows", "<i4"),
     ("group_m", "<i4"), ("me", "<i4"), ("node", "<i4"), ("G", "<i4"), ("N", "<i4"),
     ("compute_ctas", "<i4"), ("gathered_region", "<i4"), ("flags_region", "<i4"),
+    ("board", "<u8"),
 ], align=True)
 
 #: kernel parameters, in order (tensor maps 64-byte aligned)
@@ -351,6 +369,10 @@ class AllGatherGemm(GatheringOp):
     [W * R, N_r]. ``gathered_out=``: per rank [W * R, K] arrays that receive A as well.
     ``ctas`` (default: the rank's SM share) and ``comm_ctas`` (the communication role's
     share) split the CTAs; ``fuse=None`` lets the plan choose (``op.last_plan.reason``).
+    ``roles="search"`` (not yet measured on a GPU) starts from that split and, after four
+    launches, finds it by launch time, per shape, on the GPU
+    (:class:`mkrt.controller.rule.LaunchSearch`; :meth:`controller_state` shows it);
+    ``"static"`` (default) keeps it.
     Launches of one op stay ordered on each rank's stream (as for every mkrt op).
     """
 
@@ -358,9 +380,13 @@ class AllGatherGemm(GatheringOp):
 
     def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
                  comm_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
-                 timeout_ms: float | None = None, muted_rank: int | None = None):
+                 timeout_ms: float | None = None, muted_rank: int | None = None,
+                 roles: str = "static"):
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
                          muted_rank=muted_rank)
+        if not isinstance(roles, str) or roles not in ("static", "search"):
+            raise ValueError(f"mkrt.allgather_gemm: roles={roles!r}; expected 'static' or 'search'")
+        self.roles = roles
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.allgather_gemm: b_layout={b_layout!r}; expected 'kn' or 'nk'")
         area = self.name
@@ -449,18 +475,35 @@ class AllGatherGemm(GatheringOp):
         p = call.plan
         self._ensure_buffers(p)       # a new generation when it (re)allocates the buffer
         spec = spec_for(p)
+        if self.roles == "search" and call.boards is None:
+            # per rank, kept across re-allocations: the search is per shape
+            call.boards = []
+            for device in self._local_devices:
+                with self.on_device(device):
+                    call.boards.append(Board(p.ctas, p.comm_ctas, static=False, search=True))
         launches = []
-        for info in self.world.local:
+        for i, info in enumerate(self.world.local):
             function = spec.function("allgather_gemm", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
-            params.set(args=self._args(p, info), muted_rank=self.muted_rank,
-                       **self.context_params(info.rank))
+            args = self._args(p, info)
+            args["board"] = call.boards[i].ptr if call.boards else 0
+            params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
         call.launches, call.generation = launches, self._generation
         call.words = [(launch.params.field_view("args", "input"),
                        launch.params.field_view("args", "out")) for launch in launches]
         call.b_pointers = {}
         return launches
+
+    def controller_state(self) -> list[dict]:
+        """roles="search": per prepared shape and local rank, the board (synchronizes): the
+        split the next launch runs (``learned`` communication CTAs), the search's best
+        (``s_best``, ``s_best_ns``), whether it settled, the last launch's time."""
+        self.world.synchronize()
+        return [dict(board.state(), rank=info.rank, ctas=call.plan.ctas,
+                     shape=(call.plan.m, call.plan.n, call.plan.k))
+                for call in self._prepared.values()
+                for info, board in zip(self.world.local, call.boards or [])]
 
     def _run(self, call, a_list, b_list, outs) -> None:
         launches = self._launches(call)
@@ -528,6 +571,7 @@ class _PreparedCall:
     generation: int = -1
     words: list | None = None
     b_pointers: dict = dataclasses.field(default_factory=dict)
+    boards: list | None = None      # roles="search": per rank, the role board
 
 
 def allgather_gemm(a, b, *, world=None, out=None, b_layout: str = "kn", **options):
