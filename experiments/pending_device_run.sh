@@ -1,7 +1,7 @@
 #!/bin/bash
 # What the last session left unverified on a GPU, in one device call (about 9 min), each step
 # bounded, results under $OUT:
-#   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh   (run with carry [".bench_old"])
+#   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
 # 1. the controller's multi-node wait signal (changed after the sweep): GPU tests, then the
 #    sweep on both shape sets and the role timeline;
 # 2. the mpiexec verbs test twice with its diagnostics (it failed 4 of 5 at 9c5fb11 and
@@ -14,8 +14,9 @@ export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFF
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 echo "== tests"
-timeout 150 python3 -m pytest -q -m gpu tests/test_controller_gpu.py tests/test_gemm_allreduce_gpu.py \
-    tests/test_gemm_reducescatter_gpu.py -p no:cacheprovider -p timeout --timeout=120 2>&1 \
+timeout 200 python3 -m pytest -q -m gpu tests/test_controller_gpu.py tests/test_gemm_allreduce_gpu.py \
+    tests/test_gemm_reducescatter_gpu.py tests/test_allgather_gemm_gpu.py -p no:cacheprovider \
+    -p timeout --timeout=120 2>&1 \
     | tee $OUT/pytest_gpu.log | tail -5
 echo "== controller sweep"
 timeout 150 python3 experiments/controller.py --layouts 1x2 1x4 2x2 --sets calibration held_out \
@@ -46,11 +47,3 @@ timeout 130 python3 experiments/sanitize.py --tools racecheck \
 echo "== AllGather+GEMM benchmark"
 timeout 100 python3 experiments/tp_pair.py --quick --ops allgather_gemm --layouts 1x2 2x2 \
     --rounds 3 --out $OUT/tp_pair.jsonl 2>&1 | tail -16
-echo "== A/B: gemm_allreduce before the role board (9c5fb11, static strided roles) and now"
-# needs the run's carry: [".bench_old"] (git archive 9c5fb11 mkrt experiments | tar -x -C .bench_old)
-if [ -d .bench_old/mkrt ]; then
-  MKRT_JIT_CACHE_DIR=/tmp/mkrt-cache-old PYTHONPATH=$PWD/.bench_old timeout 90 python3 .bench_old/experiments/gemm_allreduce.py \
-      --layouts 1x2 2x2 --cases llm --iters 20 --out $OUT/gemm_allreduce_before.jsonl 2>&1 | tail -8
-  timeout 90 python3 experiments/gemm_allreduce.py --layouts 1x2 2x2 --cases llm --iters 20 \
-      --out $OUT/gemm_allreduce_now.jsonl 2>&1 | tail -8
-fi
