@@ -15,7 +15,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 echo "== tests"
 timeout 200 python3 -m pytest -q -m gpu tests/test_controller_gpu.py tests/test_gemm_allreduce_gpu.py \
-    tests/test_gemm_reducescatter_gpu.py tests/test_allgather_gemm_gpu.py -p no:cacheprovider \
+    tests/test_gemm_reducescatter_gpu.py tests/test_allgather_gemm_gpu.py \
+    tests/test_ring_attention_gpu.py -p no:cacheprovider \
     -p timeout --timeout=120 2>&1 \
     | tee $OUT/pytest_gpu.log | tail -5
 echo "== controller sweep"

@@ -201,3 +201,30 @@ def test_allgather_gemm_search_keeps_every_result_bit_identical(make_world):
     assert len(splits) > 1                       # the search tried more than one split
     static.close()
     searching.close()
+
+
+def test_ring_attention_search_keeps_every_result_bit_identical(make_world):
+    """Ring attention with roles="search": the gather/compute split moves between launches;
+    O and LSE never change (20 calls against the static op, 1x2 causal)."""
+    import cupy
+    import mkrt
+    from mkrt.arrays import bfloat16
+    world = make_world("1x2")
+    rng = cupy.random.default_rng(3)
+    q, k, v = ([rng.standard_normal((1, 1024, 8, 128), dtype=np.float32).astype(bfloat16)
+                for _ in world.local] for _ in range(3))
+    static = mkrt.RingAttention(world, timeout_ms=20000)
+    searching = mkrt.RingAttention(world, timeout_ms=20000, roles="search")
+    outs, lses = static(q, k, v, causal=True)
+    want = [(o.copy(), l.copy()) for o, l in zip(outs, lses)]
+    for _ in range(20):
+        outs, lses = searching(q, k, v, causal=True)
+        world.synchronize()
+        for o, l, (wo, wl) in zip(outs, lses, want):
+            assert cupy.array_equal(o.view(cupy.uint16), wo.view(cupy.uint16))
+            assert cupy.array_equal(l, wl)
+    for state in searching.controller_state():
+        assert state["launches"] == 20 and state["searching"] == 1
+        assert 1 <= state["learned"] <= state["ctas"] - 1
+    static.close()
+    searching.close()

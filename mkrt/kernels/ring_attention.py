@@ -41,6 +41,7 @@ from mkrt.kernels import ring_attention_plan as ring_plan
 from mkrt.kernels.device import attention_tile, gather  # noqa: F401  (register the pieces)
 from mkrt.kernels.gemm import tma_descriptor
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
+from mkrt.controller.board import Board
 from mkrt.kernels.gathering import GatheringOp, default_comm_ctas
 from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
 from mkrt.status import kernel_id
@@ -67,6 +68,7 @@ struct Args {
     int me, node, G, N, compute_ctas, causal;
     int gathered_region, flags_region;
     float scale_log2;
+    u64* board;                 // roles="search": the split comes from the role board (null: compute_ctas)
 };
 $ARGS_CHECKS
 
@@ -189,27 +191,42 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
     const Args& a = args;
     const Layout L{a.G, a.N};
-    const int comm_ctas = gridDim.x - a.compute_ctas;
+    // The split: the host's, or (roles="search") the one the board's search measures next;
+    // every CTA of a launch reads the same (roles.py: LEARNED changes only between launches).
+    __shared__ int compute_shared;
+    const roles::Board board{a.board, (int)gridDim.x, 0, 0, 0};
+    if (threadIdx.x == 0) {
+        int compute = a.compute_ctas;
+        if (a.board) {
+            roles::begin_launch(board);
+            compute = (int)gridDim.x - (int)a.board[roles::LEARNED];
+        }
+        compute_shared = compute;
+    }
+    __syncthreads();
+    const int compute_ctas = compute_shared;
+    const int comm_ctas = gridDim.x - compute_ctas;
 
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
     const u64 epoch = launch.epoch;
 
-    if ((int)blockIdx.x < a.compute_ctas) {
+    if ((int)blockIdx.x < compute_ctas) {
         const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk,
                             (a.chunk + Cfg::BQ - 1) / Cfg::BQ, (a.chunk + Cfg::BKV - 1) / Cfg::BKV,
-                            a.G, a.N, a.node, a.me, a.causal, (int)blockIdx.x, a.compute_ctas,
+                            a.G, a.N, a.node, a.me, a.causal, (int)blockIdx.x, compute_ctas,
                             a.flags, L, epoch, ctx};
         const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
         attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
     } else {
         const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);
         const GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes);
-        gather_role(gather, epoch, ctx, blockIdx.x - a.compute_ctas, comm_ctas, launch.comm_all,
+        gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
     }
     launch.end(a.flags, L);
+    if (a.board && threadIdx.x == 0) roles::end_launch(board);   // the last CTA out: the search
 }
-""", requires=("attention_tile", "gather_role"), register=False)
+""", requires=("attention_tile", "gather_role", "roles"), register=False)
 
 KERNEL_ID = kernel_id("ring_attention")
 
@@ -219,7 +236,7 @@ ARGS_DTYPE = np.dtype([
     ("batches", "<i4"), ("heads", "<i4"), ("kv_heads", "<i4"), ("chunk", "<i4"),
     ("me", "<i4"), ("node", "<i4"), ("G", "<i4"), ("N", "<i4"), ("compute_ctas", "<i4"),
     ("causal", "<i4"), ("gathered_region", "<i4"), ("flags_region", "<i4"),
-    ("scale_log2", "<f4"),
+    ("scale_log2", "<f4"), ("board", "<u8"),
 ], align=True)
 
 #: kernel parameters, in order (tensor maps 64-byte aligned)
@@ -323,15 +340,23 @@ class RingAttention(GatheringOp):
     back to back, zigzag when causal (:func:`shard` cuts them from a full sequence);
     bf16/f16, D 64 or 128, Hq a multiple of Hkv. Returns per rank O [B, 2c, Hq, D] and
     LSE [B, Hq, 2c] (fp32, natural log). ``scale`` defaults to 1/sqrt(D). ``ctas``
-    (default: the rank's SM share) and ``comm_ctas`` split the CTAs between the roles.
+    (default: the rank's SM share) and ``comm_ctas`` split the CTAs between the roles;
+    ``roles="search"`` (not yet measured on a GPU) starts from that split and, after four
+    launches, finds it by launch time per shape on the GPU
+    (:class:`mkrt.controller.rule.LaunchSearch`; :meth:`controller_state`); ``"static"``
+    (default) keeps it.
     """
 
     name = "ring_attention"
 
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
-                 timeout_ms: float | None = None, muted_rank: int | None = None):
+                 timeout_ms: float | None = None, muted_rank: int | None = None,
+                 roles: str = "static"):
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
                          muted_rank=muted_rank)
+        if not isinstance(roles, str) or roles not in ("static", "search"):
+            raise ValueError(f"mkrt.ring_attention: roles={roles!r}; expected 'static' or 'search'")
+        self.roles = roles
 
     def split(self) -> tuple[int, int]:
         """(CTAs per rank, communication CTAs among them)."""
@@ -408,12 +433,19 @@ class RingAttention(GatheringOp):
             return call.launches
         self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
         p, spec = call.problem, spec_for(call.problem.dtype, call.problem.head_dim)
+        if self.roles == "search" and call.boards is None:
+            # per rank, kept across re-allocations: the search is per shape
+            call.boards = []
+            for device in self._local_devices:
+                with self.on_device(device):
+                    call.boards.append(Board(call.ctas, call.comm_ctas, static=False, search=True))
         launches, words = [], []
-        for info in self.world.local:
+        for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
-            params.set(args=self._args(call, info), muted_rank=self.muted_rank,
-                       **self.context_params(info.rank))
+            args = self._args(call, info)
+            args["board"] = call.boards[i].ptr if call.boards else 0
+            params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             base = self._gathered.local_ptr(info.rank)
             head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2      # strides in bytes
             for name, offset in (("tma_k", 0), ("tma_v", call.kv_bytes)):
@@ -438,6 +470,14 @@ class RingAttention(GatheringOp):
         args["causal"] = int(p.causal)
         args["scale_log2"] = call.scale * 1.4426950408889634
         return args
+
+    def controller_state(self) -> list[dict]:
+        """roles="search": per prepared shape and local rank, the board (synchronizes); see
+        :meth:`mkrt.AllGatherGemm.controller_state`."""
+        self.world.synchronize()
+        return [dict(board.state(), rank=info.rank, ctas=call.ctas, shape=call.q_shape)
+                for call in self._prepared.values()
+                for info, board in zip(self.world.local, call.boards or [])]
 
     def _run(self, call, q_list, k_list, v_list, outs, lses) -> None:
         launches = self._launches(call)
@@ -467,6 +507,7 @@ class _PreparedCall:
     generation: int = -1
     words: list | None = None
     q_pointers: dict = dataclasses.field(default_factory=dict)
+    boards: list | None = None      # roles="search": per rank, the role board
 
     @property
     def kv_bytes(self) -> int:
