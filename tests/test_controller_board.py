@@ -261,3 +261,18 @@ def test_the_search_refuses_a_start_outside_the_roles():
         LaunchSearch(8, 0)
     with pytest.raises(ValueError, match="start=8"):
         LaunchSearch(8, 8)
+
+
+@pytest.mark.parametrize("kind,area", [("AllGatherGemm", "allgather_gemm"),
+                                       ("RingAttention", "ring_attention")])
+def test_gathering_ops_take_static_or_search_roles_only(kind, area):
+    import mkrt
+    world = mkrt.init(emulate="1x2")
+    try:
+        for bad in ("adaptive", "Search", None, 2):
+            with pytest.raises(ValueError, match=f"mkrt.{area}: roles="):
+                getattr(mkrt, kind)(world, roles=bad)
+        assert getattr(mkrt, kind)(world, roles="search").roles == "search"
+        assert getattr(mkrt, kind)(world).controller_state() == []     # static: no board
+    finally:
+        world.close()

@@ -106,20 +106,8 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     const Args& a = args;
     const Layout L{a.G, a.N};
     const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
-    // The split: the plan's, or (roles="search") the one the board's search measures next;
-    // every CTA of a launch reads the same (roles.py: LEARNED changes only between launches).
-    __shared__ int compute_shared;
-    const roles::Board board{a.board, (int)gridDim.x, 0, 0, 0};
-    if (threadIdx.x == 0) {
-        int compute = a.compute_ctas;
-        if (a.board) {
-            roles::begin_launch(board);
-            compute = (int)gridDim.x - (int)a.board[roles::LEARNED];
-        }
-        compute_shared = compute;
-    }
-    __syncthreads();
-    const int compute_ctas = compute_shared;
+    // The split: the host's, or (roles="search") what the board's search measures next.
+    const int compute_ctas = roles::split_for_launch(a.board, a.compute_ctas);
     const int comm_ctas = gridDim.x - compute_ctas;
 
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
@@ -137,7 +125,8 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
                     rank == muted_rank);
     }
     launch.end(a.flags, L);
-    if (a.board && threadIdx.x == 0) roles::end_launch(board);   // the last CTA out: the search
+    if (a.board && threadIdx.x == 0)        // the last CTA out: the search
+        roles::end_launch(roles::Board{a.board, (int)gridDim.x, 0, 0, 0});
 }
 """, requires=("gemm_tile", "gather_role", "roles"), register=False)
 

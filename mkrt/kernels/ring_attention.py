@@ -191,20 +191,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
     const Args& a = args;
     const Layout L{a.G, a.N};
-    // The split: the host's, or (roles="search") the one the board's search measures next;
-    // every CTA of a launch reads the same (roles.py: LEARNED changes only between launches).
-    __shared__ int compute_shared;
-    const roles::Board board{a.board, (int)gridDim.x, 0, 0, 0};
-    if (threadIdx.x == 0) {
-        int compute = a.compute_ctas;
-        if (a.board) {
-            roles::begin_launch(board);
-            compute = (int)gridDim.x - (int)a.board[roles::LEARNED];
-        }
-        compute_shared = compute;
-    }
-    __syncthreads();
-    const int compute_ctas = compute_shared;
+    // The split: the host's, or (roles="search") what the board's search measures next.
+    const int compute_ctas = roles::split_for_launch(a.board, a.compute_ctas);
     const int comm_ctas = gridDim.x - compute_ctas;
 
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
@@ -224,7 +212,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                     rank == muted_rank);
     }
     launch.end(a.flags, L);
-    if (a.board && threadIdx.x == 0) roles::end_launch(board);   // the last CTA out: the search
+    if (a.board && threadIdx.x == 0)        // the last CTA out: the search
+        roles::end_launch(roles::Board{a.board, (int)gridDim.x, 0, 0, 0});
 }
 """, requires=("attention_tile", "gather_role", "roles"), register=False)
 

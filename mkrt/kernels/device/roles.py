@@ -448,6 +448,24 @@ __device__ __forceinline__ int next_comm_task(const Board& b) {
     return task;
 }
 
+// A kernel whose roles stay fixed within a launch (a static split passed as an argument)
+// can still take the search between launches: every CTA calls split_for_launch at the
+// start (thread 0 reads, the CTA shares it; the same for every CTA of a launch) and
+// end_launch from thread 0 as it leaves. board: null for the argument's split.
+__device__ __forceinline__ int split_for_launch(u64* board, int compute_ctas) {
+    __shared__ int compute_shared;
+    if (threadIdx.x == 0) {
+        int compute = compute_ctas;
+        if (board) {
+            begin_launch(Board{board, (int)gridDim.x, 0, 0, 0});
+            compute = (int)gridDim.x - (int)board[LEARNED];
+        }
+        compute_shared = compute;
+    }
+    __syncthreads();
+    return compute_shared;
+}
+
 // ---- the search by launch time (roles="search"; LaunchSearch in controller/rule.py) -----
 
 __device__ u64 search_next(u64* w, int ctas) {
