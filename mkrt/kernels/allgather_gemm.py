@@ -38,7 +38,6 @@ from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
 from mkrt.kernels import gemm as gemm_module
-from mkrt.controller.board import Board
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
 from mkrt.kernels.gathering import MAX_NODE_RANKS, FlagLayout, GatheringOp, default_comm_ctas  # noqa: F401
 from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
@@ -125,8 +124,7 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
                     rank == muted_rank);
     }
     launch.end(a.flags, L);
-    if (a.board && threadIdx.x == 0)        // the last CTA out: the search
-        roles::end_launch(roles::Board{a.board, (int)gridDim.x, 0, 0, 0});
+    roles::leave_launch(a.board);
 }
 """, requires=("gemm_tile", "gather_role", "roles"), register=False)
 
@@ -372,10 +370,7 @@ class AllGatherGemm(GatheringOp):
                  timeout_ms: float | None = None, muted_rank: int | None = None,
                  roles: str = "static"):
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
-                         muted_rank=muted_rank)
-        if not isinstance(roles, str) or roles not in ("static", "search"):
-            raise ValueError(f"mkrt.allgather_gemm: roles={roles!r}; expected 'static' or 'search'")
-        self.roles = roles
+                         muted_rank=muted_rank, roles=roles)
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.allgather_gemm: b_layout={b_layout!r}; expected 'kn' or 'nk'")
         area = self.name
@@ -464,18 +459,12 @@ class AllGatherGemm(GatheringOp):
         p = call.plan
         self._ensure_buffers(p)       # a new generation when it (re)allocates the buffer
         spec = spec_for(p)
-        if self.roles == "search" and call.boards is None:
-            # per rank, kept across re-allocations: the search is per shape
-            call.boards = []
-            for device in self._local_devices:
-                with self.on_device(device):
-                    call.boards.append(Board(p.ctas, p.comm_ctas, static=False, search=True))
         launches = []
         for i, info in enumerate(self.world.local):
             function = spec.function("allgather_gemm", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
             args = self._args(p, info)
-            args["board"] = call.boards[i].ptr if call.boards else 0
+            args["board"] = self._board_pointer(call, i, p.ctas, p.comm_ctas)
             params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
         call.launches, call.generation = launches, self._generation
@@ -484,15 +473,8 @@ class AllGatherGemm(GatheringOp):
         call.b_pointers = {}
         return launches
 
-    def controller_state(self) -> list[dict]:
-        """roles="search": per prepared shape and local rank, the board (synchronizes): the
-        split the next launch runs (``learned`` communication CTAs), the search's best
-        (``s_best``, ``s_best_ns``), whether it settled, the last launch's time."""
-        self.world.synchronize()
-        return [dict(board.state(), rank=info.rank, ctas=call.plan.ctas,
-                     shape=(call.plan.m, call.plan.n, call.plan.k))
-                for call in self._prepared.values()
-                for info, board in zip(self.world.local, call.boards or [])]
+    def _call_shape(self, call) -> tuple:
+        return (call.plan.m, call.plan.n, call.plan.k)
 
     def _run(self, call, a_list, b_list, outs) -> None:
         launches = self._launches(call)

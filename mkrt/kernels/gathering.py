@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from mkrt import checks
+from mkrt.controller.board import Board
 from mkrt.kernels.op import Op
 from mkrt.memory import SymmetricBuffer, flags as flag_buffer
 
@@ -52,9 +53,12 @@ class GatheringOp(Op):
     kernel arguments."""
 
     def __init__(self, world=None, *, ctas=None, comm_ctas=None, timeout_ms=None,
-                 muted_rank=None):
+                 muted_rank=None, roles="static"):
         super().__init__(world, timeout_ms=timeout_ms)
         area = self.name
+        if not isinstance(roles, str) or roles not in ("static", "search"):
+            raise ValueError(f"mkrt.{area}: roles={roles!r}; expected 'static' or 'search'")
+        self.roles = roles
         self.ctas = checks.integer(ctas, "ctas", area, low=2, high=checks.MAX_GRID, optional=True)
         self.comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, optional=True)
         muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=self.world.size - 1,
@@ -110,6 +114,31 @@ class GatheringOp(Op):
         args["G"], args["N"] = self.world.ranks_per_node, self.world.nodes
         args["gathered_region"] = self._gathered.region
         args["flags_region"] = self._flags.region
+
+    def _board_pointer(self, call, i: int, ctas: int, comm_ctas: int) -> int:
+        """Local rank `i`'s role board of a prepared call (roles="search"; made once per
+        call, kept across re-allocations: the search is per shape), or 0 (static)."""
+        if self.roles != "search":
+            return 0
+        if call.boards is None:
+            call.boards = []
+            for device in self._local_devices:
+                with self.on_device(device):
+                    call.boards.append(Board(ctas, comm_ctas, static=False, search=True))
+        return call.boards[i].ptr
+
+    def _call_shape(self, call) -> tuple:
+        """How :meth:`controller_state` names a prepared call's shape."""
+        raise NotImplementedError
+
+    def controller_state(self) -> list[dict]:
+        """roles="search": per prepared shape and local rank, the board (synchronizes): the
+        split the next launch runs (``learned`` communication CTAs), the search's best
+        (``s_best``, ``s_best_ns``), whether it settled, the last launch's time."""
+        self.world.synchronize()
+        return [dict(board.state(), rank=info.rank, ctas=board.ctas, shape=self._call_shape(call))
+                for call in self._prepared.values()
+                for info, board in zip(self.world.local, call.boards or [])]
 
     def close(self) -> None:
         for buffer in (self._flags, self._gathered):

@@ -41,7 +41,6 @@ from mkrt.kernels import ring_attention_plan as ring_plan
 from mkrt.kernels.device import attention_tile, gather  # noqa: F401  (register the pieces)
 from mkrt.kernels.gemm import tma_descriptor
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
-from mkrt.controller.board import Board
 from mkrt.kernels.gathering import GatheringOp, default_comm_ctas
 from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
 from mkrt.status import kernel_id
@@ -212,8 +211,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                     rank == muted_rank);
     }
     launch.end(a.flags, L);
-    if (a.board && threadIdx.x == 0)        // the last CTA out: the search
-        roles::end_launch(roles::Board{a.board, (int)gridDim.x, 0, 0, 0});
+    roles::leave_launch(a.board);
 }
 """, requires=("attention_tile", "gather_role", "roles"), register=False)
 
@@ -342,10 +340,7 @@ class RingAttention(GatheringOp):
                  timeout_ms: float | None = None, muted_rank: int | None = None,
                  roles: str = "static"):
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
-                         muted_rank=muted_rank)
-        if not isinstance(roles, str) or roles not in ("static", "search"):
-            raise ValueError(f"mkrt.ring_attention: roles={roles!r}; expected 'static' or 'search'")
-        self.roles = roles
+                         muted_rank=muted_rank, roles=roles)
 
     def split(self) -> tuple[int, int]:
         """(CTAs per rank, communication CTAs among them)."""
@@ -422,18 +417,12 @@ class RingAttention(GatheringOp):
             return call.launches
         self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
         p, spec = call.problem, spec_for(call.problem.dtype, call.problem.head_dim)
-        if self.roles == "search" and call.boards is None:
-            # per rank, kept across re-allocations: the search is per shape
-            call.boards = []
-            for device in self._local_devices:
-                with self.on_device(device):
-                    call.boards.append(Board(call.ctas, call.comm_ctas, static=False, search=True))
         launches, words = [], []
         for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
             args = self._args(call, info)
-            args["board"] = call.boards[i].ptr if call.boards else 0
+            args["board"] = self._board_pointer(call, i, call.ctas, call.comm_ctas)
             params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             base = self._gathered.local_ptr(info.rank)
             head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2      # strides in bytes
@@ -460,13 +449,8 @@ class RingAttention(GatheringOp):
         args["scale_log2"] = call.scale * 1.4426950408889634
         return args
 
-    def controller_state(self) -> list[dict]:
-        """roles="search": per prepared shape and local rank, the board (synchronizes); see
-        :meth:`mkrt.AllGatherGemm.controller_state`."""
-        self.world.synchronize()
-        return [dict(board.state(), rank=info.rank, ctas=call.ctas, shape=call.q_shape)
-                for call in self._prepared.values()
-                for info, board in zip(self.world.local, call.boards or [])]
+    def _call_shape(self, call) -> tuple:
+        return call.q_shape
 
     def _run(self, call, q_list, k_list, v_list, outs, lses) -> None:
         launches = self._launches(call)

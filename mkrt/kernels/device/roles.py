@@ -451,7 +451,7 @@ __device__ __forceinline__ int next_comm_task(const Board& b) {
 // A kernel whose roles stay fixed within a launch (a static split passed as an argument)
 // can still take the search between launches: every CTA calls split_for_launch at the
 // start (thread 0 reads, the CTA shares it; the same for every CTA of a launch) and
-// end_launch from thread 0 as it leaves. board: null for the argument's split.
+// leave_launch as it leaves (below). board: null for the argument's split.
 __device__ __forceinline__ int split_for_launch(u64* board, int compute_ctas) {
     __shared__ int compute_shared;
     if (threadIdx.x == 0) {
@@ -559,6 +559,12 @@ __device__ void end_launch(const Board& b) {
     w[START_NS] = ~0ull;
     __threadfence();
     w[EXITED] = 0;
+}
+
+// A fixed-role kernel's CTAs as they leave (see split_for_launch): thread 0 counts its CTA
+// out; the last one runs the search.
+__device__ __forceinline__ void leave_launch(u64* board) {
+    if (board && threadIdx.x == 0) end_launch(Board{board, (int)gridDim.x, 0, 0, 0});
 }
 
 }  // namespace roles
