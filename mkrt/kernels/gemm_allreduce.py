@@ -955,9 +955,6 @@ class GemmAllReduce(Op):
             args["board"] = call.boards[mode][i].ptr
             params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             launches.append(KernelLaunch(function, p.ctas, spec.threads, spec.smem_bytes, params))
-        # Processes: every one has compiled and loaded before any launches, so a slow
-        # compile in one process is not spent inside another's bounded waits.
-        self.world.barrier()
         call.launches[mode] = launches
         call.words[mode] = [(launch.params.field_view("args", "out"),
                              launch.params.field_view("args", "copy_source")) for launch in launches]

@@ -96,6 +96,7 @@ class KernelLaunch:
         self.handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
         self.grid, self.block, self.shared_mem = int(grid), int(block), int(shared_mem)
         self.params = params
+        self.launched = False                   # Op.launch: processes meet before the first
         # Arguments converted once: ctypes passes its own objects without conversion.
         one = ctypes.c_uint(1)
         self._head = (ctypes.c_void_p(self.handle), ctypes.c_uint(self.grid), one, one,

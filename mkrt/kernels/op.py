@@ -206,6 +206,12 @@ class Op:
     def launch(self, launches: list) -> None:
         """Launch each local rank's prepared kernel (mkrt/kernels/launcher.py), ordered
         after the caller's work, with the caller's stream ordered after them."""
+        if not launches[0].launched:
+            # Processes meet before a prepared kernel's first launch: each has compiled and
+            # loaded it, so a slow compile in one is not spent inside another's bounded waits.
+            self.world.barrier()
+            for launch in launches:
+                launch.launched = True
         streams = self._launch_streams()
         for launch, stream, device in zip(launches, streams, self._local_devices):
             with self.on_device(device):
