@@ -236,6 +236,64 @@ def _ring(layout):
     return case
 
 
+def _grouped_gemm():
+    """mkrt.grouped_gemm over groups of 0, 1, 70 and 129 rows (empty groups, partial tiles)."""
+    def case():
+        import cupy
+        import numpy as np
+
+        from mkrt.arrays import bfloat16
+        from mkrt.kernels import grouped_gemm as GG
+        from mkrt.kernels.gemm import from_float32, to_float32
+        rng = cupy.random.default_rng(6)
+        sizes = [0, 1, 70, 129]
+        x = from_float32(rng.standard_normal((sum(sizes), 136), dtype=np.float32), bfloat16)
+        w = from_float32(rng.standard_normal((len(sizes), 200, 136), dtype=np.float32) / 8, bfloat16)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        out = GG.grouped_gemm(x, w, offsets)
+        ref = GG.reference(x, w, offsets)
+        cupy.cuda.Device().synchronize()
+        return float(cupy.linalg.norm(to_float32(out) - ref) / cupy.linalg.norm(ref)) < 1e-2
+    return case
+
+
+def _moe(layout):
+    """mkrt.MoE (dispatch, grouped GEMMs, combine) with a rank that holds no tokens, two calls."""
+    def case():
+        import cupy
+        import numpy as np
+
+        import mkrt
+        from mkrt.arrays import bfloat16
+        from mkrt.kernels import moe_plan as P
+        from mkrt.kernels.gemm import from_float32, to_float32
+        world = mkrt.init(emulate=layout)
+        W, per_rank, H, I, k = world.size, 2, 64, 32, 2
+        experts = per_rank * W
+        tokens = [37, 0] + [20] * (W - 2)
+        rng = np.random.default_rng(7)
+        ids = [np.stack([rng.choice(experts, k, replace=False) for _ in range(t)]).astype(np.int32)
+               if t else np.zeros((0, k), np.int32) for t in tokens]
+        weights = [rng.random((t, k), dtype=np.float32) for t in tokens]
+        bf = lambda a: from_float32(cupy.asarray(a, dtype=cupy.float32), bfloat16)   # noqa: E731
+        x = [bf(rng.standard_normal((t, H))) for t in tokens]
+        w1 = [bf(rng.standard_normal((per_rank, 2 * I, H)) / 8) for _ in range(W)]
+        w2 = [bf(rng.standard_normal((per_rank, H, I)) / 6) for _ in range(W)]
+        op = mkrt.MoE(world, experts=experts, capacity=max(tokens), timeout_ms=TIMEOUT_MS)
+        args = (x, [cupy.asarray(i) for i in ids], [cupy.asarray(w) for w in weights], w1, w2)
+        op(*args)
+        ys = op(*args)                                   # a second epoch
+        world.synchronize()
+        expected = P.reference([to_float32(a).get() for a in x], ids, weights,
+                               [to_float32(a).get() for a in w1], [to_float32(a).get() for a in w2])
+        ok = all(np.abs(to_float32(y).get() - want).max() <= 3e-2 * np.abs(want).max()
+                 for y, want in zip(ys, expected) if want.size)
+        op.close()
+        world.close()
+        return ok
+    return case
+
+
 CASES = {
     "gemm_300x520x64_kn": _gemm(),
     "gemm_129x127x24_nk": _gemm(129, 127, 24, "nk"),
@@ -256,6 +314,8 @@ CASES = {
     "attention_d128": _attention(128, False),
     "ring_attention_1x2": _ring("1x2"),
     "ring_attention_2x2": _ring("2x2"),
+    "grouped_gemm": _grouped_gemm(),
+    "moe_1x2": _moe("1x2"),
 }
 
 

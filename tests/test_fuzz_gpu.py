@@ -286,3 +286,42 @@ def test_moe_random_routing_matches_float64(layout, tokens, k, per_rank):
         if want.size and np.abs(want).max() > 0:
             assert np.abs(to_float32(y).get() - want).max() / np.abs(want).max() < 3e-2
     op.close()
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(["1x2", "2x2", "1x3"]), chunk=st.sampled_from([1, 17, 64, 130, 257]),
+       kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]), d=st.sampled_from([64, 128]),
+       causal=st.booleans(), dtype=st.sampled_from(["bf16", "f16"]))
+def test_ring_attention_random_shapes_match_float32(layout, chunk, kv_heads, group, d, causal, dtype):
+    import cupy
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.kernels import attention as A
+    from mkrt.kernels import ring_attention as RA
+    from mkrt.kernels.gemm import from_float32, to_float32
+    world = world_of(layout)
+    np_dtype = bfloat16 if dtype == "bf16" else np.float16
+    S = 2 * world.size * chunk
+    rng = cupy.random.default_rng(S * 3 + d + kv_heads)
+    q, k, v = (from_float32(rng.standard_normal((1, S, h, d), dtype=np.float32), np_dtype)
+               for h in (kv_heads * group, kv_heads, kv_heads))
+    parts = [[RA.shard(t, info.rank, world.size, causal=causal) for info in world.local]
+             for t in (q, k, v)]
+    op = mkrt.RingAttention(world, timeout_ms=10000)
+    try:
+        outs, lses = op(*parts, causal=causal)
+    except (ValueError, TypeError) as error:
+        assert refused(error), error
+        op.close()
+        return
+    world.synchronize()
+    ref, ref_lse = A.reference(q, k, v, causal=causal)
+    got = to_float32(RA.unshard(outs, causal=causal))
+    got_lse = RA.unshard(lses, causal=causal, axis=2)
+    assert bool(cupy.isfinite(got).all())
+    assert float(cupy.abs(got - ref).max()) <= 2e-2 * max(float(cupy.abs(ref).max()), 1e-3), \
+        (layout, chunk, kv_heads, group, d, causal, dtype)
+    assert float(cupy.abs(got_lse - ref_lse).max()) < 2e-3 * max(1.0, float(cupy.abs(ref_lse).max()))
+    op.close()
