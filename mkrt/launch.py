@@ -1,7 +1,9 @@
-"""Starting mpiexec jobs from Python (tests, experiments): the right binary and flags."""
+"""Starting mpiexec jobs from Python (tests, experiments): the right binary and flags, and
+a private CUDA MPS daemon for processes that share a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -47,3 +49,38 @@ def child_env(**overrides: str) -> dict[str, str]:
     env = dict(os.environ, **overrides)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+@contextlib.contextmanager
+def private_mps():
+    """A private CUDA MPS control daemon for child processes that share one GPU.
+
+    Yields the environment entries that point children at it, or None when the machine
+    has no ``nvidia-cuda-mps-control`` or the daemon does not start; stops it afterwards.
+    Without MPS, processes on one GPU get separate contexts that take turns on it, and
+    persistent kernels waiting for each other across processes progress only as the turns
+    alternate: the two-process verbs test failed that way in most of its runs on one
+    H200 and passed under MPS (experiments/notes/verbs.md).
+    """
+    import tempfile
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="mkrt-mps-") as folder:
+        env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(folder, "pipe"),
+               "CUDA_MPS_LOG_DIRECTORY": os.path.join(folder, "log")}
+        for path in env.values():
+            os.mkdir(path)
+        daemon_env = dict(os.environ, **env)
+        try:
+            started = subprocess.run([control, "-d"], env=daemon_env, capture_output=True,
+                                     timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            started = False
+        try:
+            yield env if started else None
+        finally:
+            if started:
+                subprocess.run([control], input=b"quit\n", env=daemon_env, capture_output=True,
+                               timeout=30)

@@ -132,13 +132,17 @@ def test_across_processes_through_the_loopback_nic():
     import subprocess
     from pathlib import Path
 
-    from mkrt.launch import child_env, mpiexec_command
+    from mkrt.launch import child_env, mpiexec_command, private_mps
     script = str(Path(__file__).with_name("mpi_verbs_loopback.py"))
-    env = child_env(MKRT_WORLD_RANKS_PER_NODE="1", MKRT_TRANSPORT="verbs",
-                    MKRT_VERBS_PROVIDER="loopback")
-    result = subprocess.run(mpiexec_command(2, script), env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # Both processes share this GPU: under MPS their persistent kernels run side by side
+    # (without it they take turns, and each waits out its bound for the other's data).
+    with private_mps() as mps_env:
+        env = child_env(MKRT_WORLD_RANKS_PER_NODE="1", MKRT_TRANSPORT="verbs",
+                        MKRT_VERBS_PROVIDER="loopback", **(mps_env or {}))
+        result = subprocess.run(mpiexec_command(2, script), env=env, capture_output=True,
+                                text=True, timeout=300)
+    assert result.returncode == 0, f"(MPS: {'on' if mps_env else 'not available'}) " + \
+        result.stdout[-3000:] + result.stderr[-3000:]
     match = re.search(r"MPI_VERBS_LOOPBACK ranks=2 layout=2x1 verbs=1 worst_error=(\S+) "
                       r"gathered_exact=1", result.stdout)
     assert match and float(match.group(1)) < 1e-2, result.stdout[-2000:]
