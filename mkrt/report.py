@@ -498,7 +498,7 @@ PIECES = [
           "stalled proxy, commands the transport refuses, NaN/Inf inputs, a timeout shorter than a "
           "tile (`experiments/faults.py`, also `tests/test_faults_gpu.py` with a rank process that "
           "exits under mpiexec)", "faults", _described("fault matrix", _faults_text)),
-    Piece("reliability: determinism", "every world op on 2x2, 10,000 back-to-back calls and "
+    Piece("reliability: determinism", "every world op on 2x2 (MoE, which runs inside one node, on 1x4), 10,000 back-to-back calls and "
           "2,000 graph replays, hashed on the GPU every 100 (`experiments/determinism.py`)",
           "determinism", _described("determinism", _determinism_text, latest_per_case=True)),
     Piece("reliability: sanitizers", "compute-sanitizer memcheck, racecheck, synccheck, initcheck "
