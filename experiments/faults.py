@@ -180,9 +180,13 @@ def queue_full_proxy_stalled(make_world) -> Outcome:
     proxy = Proxy(qs, regions, HostTransport(), threads=1)
     proxy.kill()
 
+    # Set up before the timed call (the first cupy.full builds CuPy's fill kernel: 0.14 s).
+    result = cupy.full(4, 7, dtype=np.uint64)
+    descriptors = qs.device_descriptors()
+    cupy.cuda.Device().synchronize()
+
     def run():
-        result = cupy.full(4, 7, dtype=np.uint64)
-        function((4,), (32,), (qs.device_descriptors(), np.int32(1), np.uint32(0), np.uint32(1),
+        function((4,), (32,), (descriptors, np.int32(1), np.uint32(0), np.uint32(1),
                                np.int32(10_000_000), *status.args, np.uint64(300_000_000), result))
         cupy.cuda.Device().synchronize()
         raise_status(status, timeout_ms=300)

@@ -173,9 +173,18 @@ class QueueSet:
         return self._device[1]
 
     def device_heads(self):
-        """How many commands each queue's GPU producers have claimed (synchronizes)."""
+        """How many commands each queue's GPU producers have claimed.
+
+        Read whole (no strided copy kernel) on a non-blocking stream of its own: after a
+        timeout this diagnosis must not wait behind work still queued on the caller's or
+        the proxy's streams (on the legacy stream it added 0.16 s to a 0.3 s timeout)."""
+        import cupy
         self.device_descriptors()
-        return self._device[0].reshape(self.queues, 16)[:, 0].get()
+        counters = self._device[0]
+        with counters.device:
+            stream = cupy.cuda.Stream(non_blocking=True)
+            words = counters.get(stream=stream)
+        return words.reshape(self.queues, 16)[:, 0]
 
     def reply_address(self, queue: int, index: int = 0) -> int:
         """Address (host = device under UVA) of reply word `index` of `queue`: register
