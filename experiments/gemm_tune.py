@@ -168,12 +168,28 @@ def _configuration(row) -> tuple[int, int, int]:
     return int(row["block_m"]), int(row["block_n"]), int(row.get("split_k", 1))
 
 
+def winning_splits(rows) -> list[int]:
+    """The split-K part counts that were the fastest configuration of at least one shape
+    of `rows` (and 1): the only ones the rule may choose."""
+    by_case: dict = {}
+    for row in rows:
+        by_case.setdefault(row["case"], []).append(row)
+    won = {_configuration(min(measured, key=lambda r: float(r["value"])))[2]
+           for measured in by_case.values()}
+    return sorted(won | {1})
+
+
 def fit_model(rows) -> dict:
     """Least squares (relative errors) of the wave model's terms on `rows` (measured times
-    of (shape, configuration)): 1 / rate per tile, the split-K cost, a fixed launch cost."""
+    of (shape, configuration)): 1 / rate per tile, the split-K cost, a fixed launch cost.
+    Split-K part counts that never won a shape of `rows` are left out of the fit and of
+    the rule (``splits``): a measured split-K far slower than the model's linear fix-up
+    cost would otherwise pull every tile's rate."""
     from mkrt.kernels import gemm_rule
     tiles = [f"{bm}x{bn}" for bm, bn in gemm_rule.TILES]
     columns = tiles + ["split_cost", "launch_us"]
+    splits = winning_splits(rows)
+    rows = [r for r in rows if _configuration(r)[2] in splits]
     matrix, target = [], []
     for row in rows:
         m, n, k = (int(x) for x in row["case"].split("x"))
@@ -191,7 +207,7 @@ def fit_model(rows) -> dict:
     inverse = {t: float(v) for t, v in zip(tiles, solution)}
     return {"rates": {t: 1.0 / v for t, v in inverse.items() if v > 0},
             "split_cost": max(0.0, float(solution[-2])), "launch_us": max(0.0, float(solution[-1])),
-            "rows": len(rows)}
+            "splits": splits, "rows": len(rows)}
 
 
 def judge(rows, fit) -> list[dict]:

@@ -4,16 +4,36 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mkrt.kernels import gemm_rule
 
 
-def test_without_a_table_the_rule_gives_the_default_tile(tmp_path, monkeypatch):
+@pytest.fixture
+def no_fit(tmp_path, monkeypatch):
+    """The rule as it is without a committed fit (the default tile)."""
+    monkeypatch.setattr(gemm_rule, "FIT_PATH", tmp_path / "no_fit.json")
+
+
+def test_the_committed_fit_rates_every_tile_and_allows_only_measured_splits():
+    fit = gemm_rule.fitted_model()
+    assert fit is not None, gemm_rule.FIT_PATH
+    assert set(fit["rates"]) == {f"{m}x{n}" for m, n in gemm_rule.TILES}
+    assert all(rate > 0 for rate in fit["rates"].values())
+    assert 1 in fit["splits"] and set(fit["splits"]) <= set(gemm_rule.SPLITS)
+    # every pick is a configuration the fit allows, on shapes of every kind
+    for shape in [(16, 8192, 8192), (2048, 2048, 2048), (3000, 5000, 7000), (8192, 8192, 8192)]:
+        block_m, block_n, split = gemm_rule.best_configuration(*shape, 132, fit)
+        assert (block_m, block_n) in gemm_rule.TILES and split in fit["splits"]
+
+
+def test_without_a_table_or_fit_the_rule_gives_the_default_tile(tmp_path, monkeypatch, no_fit):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     tile, why = gemm_rule.choose_tile(2048, 2048, 2048, sms=132)
     assert tile == (*gemm_rule.DEFAULT_TILE, 1) and why.startswith("rule")
 
 
-def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch):
+def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch, no_fit):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     key = gemm_rule.table_key(2048, 2048, 2048, "bf16", "nk", 132)
     (tmp_path / "gemm_table.json").write_text(json.dumps({
@@ -30,7 +50,7 @@ def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch):
     assert gemm_rule.choose_tile(3, 2, 8, sms=132)[0] == default
 
 
-def test_an_unreadable_table_is_no_table(tmp_path, monkeypatch):
+def test_an_unreadable_table_is_no_table(tmp_path, monkeypatch, no_fit):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     (tmp_path / "gemm_table.json").write_text("{not json")
     assert gemm_rule.choose_tile(64, 64, 64, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1)
@@ -72,7 +92,9 @@ def _sweep_rows(shapes, set_name, truth, sms=132, noise=0.0, seed=0):
 
 def test_the_wave_model_fit_recovers_its_rates_and_picks_on_held_out_shapes():
     """Times made by a known wave model (1% noise) on the FIT shapes: the fit gets its rates
-    back, and on the HELD_OUT shapes (never fitted) the pick is within 2% of the fastest."""
+    back, and on the HELD_OUT shapes (never fitted) the pick is within 4% of the fastest
+    (the rule keeps only the split-K counts that won a FIT shape, so a held-out shape whose
+    fastest split never won one loses a little)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -85,7 +107,7 @@ def test_the_wave_model_fit_recovers_its_rates_and_picks_on_held_out_shapes():
     lines = gemm_tune.judge(_sweep_rows(gemm_tune.HELD_OUT, "held_out", truth), fit)
     assert len(lines) == len(gemm_tune.HELD_OUT)
     for line in lines:
-        assert line["pick_us"] is not None and line["fastest_us"] / line["pick_us"] > 0.98, line
+        assert line["pick_us"] is not None and line["fastest_us"] / line["pick_us"] > 0.96, line
 
 
 def test_the_rule_uses_a_committed_fit_and_not_a_broken_one(tmp_path, monkeypatch):

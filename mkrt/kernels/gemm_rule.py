@@ -11,7 +11,8 @@
 
    whose per-tile rates and split-K fix-up cost are fitted on the sweep's FIT shapes only
    (``experiments/gemm_tune.py --fit`` writes ``gemm_rule_fit.json`` beside this module;
-   its HELD_OUT shapes judge the fit). Without a fit the rule is the engine's one measured
+   its HELD_OUT shapes judge the fit). Split-K part counts that never won a FIT shape are
+   left out (the fit's ``splits``). Without a fit the rule is the engine's one measured
    tile, 128 x 256, for every shape.
 
 There is no call-time autotuning: the choice is a lookup and a few comparisons, made once
@@ -88,9 +89,11 @@ def predicted_us(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split:
 
 def best_configuration(m: int, n: int, k: int, sms: int, fit: dict) -> tuple[int, int, int]:
     """(block_m, block_n, split_k) with the least predicted time (ties: the earlier tile,
-    then no split)."""
+    then no split), among the split-K part counts the fit allows (``splits``: those that
+    won a FIT shape)."""
+    splits = [s for s in fit.get("splits", SPLITS) if s in SPLITS]
     options = [(predicted_us(m, n, k, sms, tile, split, fit), i, split, tile)
-               for i, tile in enumerate(TILES) for split in SPLITS]
+               for i, tile in enumerate(TILES) for split in splits or (1,)]
     _, _, split, tile = min(options)
     return (*tile, split)
 
