@@ -27,8 +27,16 @@ import sys
 
 import numpy as np
 
-SUITE = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 16384, 1024), (8192, 8192, 512),
-         (2048, 8192, 8192), (8192, 1024, 8192), (8000, 7936, 4096)]
+#: the first suite (v1, v2 rows): seven large shapes
+SUITE_V1 = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 16384, 1024), (8192, 8192, 512),
+            (2048, 8192, 8192), (8192, 1024, 8192), (8000, 7936, 4096)]
+
+
+def suite() -> list[tuple[int, int, int]]:
+    """The 30-shape suite: the tile sweep's FIT and HELD_OUT shapes (experiments/gemm_tune.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gemm_tune
+    return list(gemm_tune.FIT) + list(gemm_tune.HELD_OUT)
 
 
 def parse():
@@ -37,16 +45,19 @@ def parse():
     parser.add_argument("--b-layout", default="nk", choices=("nk", "kn", "both"))
     parser.add_argument("--sms", default="full,116,100",
                         help="comma list of grid caps; 'full' = every SM")
-    parser.add_argument("--shapes", default="suite", help="'suite' or MxNxK,MxNxK,...")
+    parser.add_argument("--shapes", default="suite",
+                        help="'suite' (30 shapes), 'v1' (the first 7) or MxNxK,MxNxK,...")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--group-m", type=int, default=8)
-    parser.add_argument("--block-n", type=int, default=256)
+    parser.add_argument("--block-m", type=int, default=None, help="default: the tile rule's")
+    parser.add_argument("--block-n", type=int, default=None, help="default: the tile rule's")
     parser.add_argument("--stages", type=int, default=None, help="default: as many as fit")
     parser.add_argument("--out", default="", help="append JSON lines here")
     parser.add_argument("--tag", default="", help="version label stored with the results")
-    parser.add_argument("--commit", default="", help="git commit (default: git rev-parse)")
+    parser.add_argument("--commit", default=os.environ.get("MKRT_BENCH_COMMIT", ""),
+                        help="git commit (default: $MKRT_BENCH_COMMIT, else git rev-parse)")
     parser.add_argument("--epilogue", default="auto", choices=("auto", "tma", "direct"))
     return parser.parse_args()
 
@@ -86,8 +97,9 @@ def main():
         torch = None
 
     dtype = bfloat16 if args.dtype == "bf16" else np.dtype(np.float16)
-    shapes = SUITE if args.shapes == "suite" else [
+    shapes = suite() if args.shapes == "suite" else SUITE_V1 if args.shapes == "v1" else [
         tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    from mkrt.kernels.gemm_rule import choose_tile
     layouts = ("nk", "kn") if args.b_layout == "both" else (args.b_layout,)
     sm_caps = [None if s == "full" else int(s) for s in args.sms.split(",")]
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -128,8 +140,13 @@ def main():
 
             for cap in sm_caps:
                 call = lambda: G.gemm(a, b, out, b_layout=layout, sms=cap,  # noqa: E731
-                                      group_m=args.group_m, block_n=args.block_n,
-                                      stages=args.stages, epilogue=args.epilogue)
+                                      group_m=args.group_m, block_m=args.block_m,
+                                      block_n=args.block_n, stages=args.stages,
+                                      epilogue=args.epilogue)
+                (rule_m, rule_n, rule_split), why = choose_tile(m, n, k, sms=cap or full_sms,
+                                                                dtype=args.dtype, b_layout=layout)
+                tile = (args.block_m or rule_m, args.block_n or rule_n,
+                        rule_split if args.block_m is None and args.block_n is None else 1)
                 G.poison(out)
                 call()
                 ref = G.reference(a, b, b_layout=layout)
@@ -155,11 +172,33 @@ def main():
                                  ratio=round(ratio, 4), unit="TFLOP/s", us=round(ms * 1e3, 2),
                                  error=error, sms=cap or full_sms, gpu=gpu, date=date,
                                  commit=commit, tag=args.tag, command=command,
-                                 config=dict(block_n=args.block_n, stages=args.stages,
-                                             group_m=args.group_m, epilogue=args.epilogue)))
+                                 config=dict(block_m=tile[0], block_n=tile[1], split_k=tile[2],
+                                             chosen_by=why if args.block_m is None and
+                                             args.block_n is None else "given",
+                                             stages=args.stages, group_m=args.group_m,
+                                             epilogue=args.epilogue)))
             del a, b, out
             cupy.get_default_memory_pool().free_all_blocks()
 
+    # Linear in the SMs given: capped time against (full SMs / cap) x full-chip time, on
+    # shapes of at least 4 waves of the full-chip tile (the issue's scaling target: <= 1.05).
+    by_shape: dict = {}
+    for row in rows:
+        by_shape.setdefault(row["case"].rsplit(" sms=", 1)[0], {})[row["sms"]] = row
+    for label, caps in by_shape.items():
+        full = caps.get(full_sms)
+        if full is None:
+            continue
+        m, n, k = (int(x) for x in label.split()[-1].split("x"))
+        tiles = -(-m // full["config"]["block_m"]) * -(-n // full["config"]["block_n"])
+        for cap, row in caps.items():
+            if cap == full_sms:
+                continue
+            scaling = row["us"] / (full["us"] * full_sms / cap)
+            row["scaling"] = round(scaling, 4)
+            row["waves_full"] = round(tiles / full_sms, 2)
+            if tiles >= 4 * full_sms:
+                print(f"scaling {label} sms={cap}: {scaling:.3f} of linear ({tiles / full_sms:.1f} waves)")
     for cap, values in ratios.items():
         good = [v for v in values if math.isfinite(v)]
         geo = math.exp(sum(map(math.log, good)) / len(good)) if good else float("nan")
