@@ -441,6 +441,22 @@ def _ring_lines(rows):
                         against="of all-gather K/V + SDPA (best backend), same run")
 
 
+def _gemm_tune_text(run):
+    """The sweep's fastest configuration per shape against torch.matmul."""
+    best: dict = {}
+    for row in run:
+        if row.get("metric") == "us" and _number(row.get("value")) is not None:
+            if row["case"] not in best or row["value"] < best[row["case"]]["value"]:
+                best[row["case"]] = row
+    ratios = [r["baseline"] / r["value"] for r in best.values() if _number(r.get("baseline"))]
+    if not ratios:
+        return "no timed configurations"
+    split = sum(int(r.get("split_k") or 1) > 1 for r in best.values())
+    return (f"fastest of the tiles per shape: {span(ratios, 'x')} of torch.matmul, same run; "
+            f"{len(ratios)} shapes, geomean {fmt(geomean(ratios))}x; split-K fastest on "
+            f"{split} of {len(best)}")
+
+
 def _described(label, text, *, same_commit=False, latest_per_case=False):
     return lambda rows: [Line(label, lambda r: True, describe=text, same_commit=same_commit,
                               latest_per_case=latest_per_case)]
@@ -457,6 +473,10 @@ PIECES = [
           "waits that end in `mkrt.CommTimeout`"),
     Piece("`mkrt.gemm`", "TMA + wgmma persistent engine, bf16/f16, both B layouts",
           "gemm", _gemm_lines),
+    Piece("GEMM tiles", "five tiles (128x256, 128x192, 128x128, 64x256, 64x128) and split-K "
+          "timed on 30 shapes (`experiments/gemm_tune.py`); the tile rule's wave model is fitted on "
+          "15 of them (`mkrt/kernels/gemm_rule_fit.json`)", "gemm_tune",
+          _described("tiles", _gemm_tune_text)),
     Piece("`mkrt.allgather`", "world-wide and hierarchical: each block crosses to each other "
           "node once (proxy), then spreads inside the node over peer pointers; `group=\"node\"` "
           "gathers inside the node only", "allgather", _allgather_lines),
