@@ -60,6 +60,11 @@ def parse():
     parser.add_argument("--group-m", type=int, nargs="+", default=[8])
     parser.add_argument("--split-k", type=int, nargs="+", default=[2, 4, 8],
                         help="split-K parts also tried where the default tile leaves SMs idle")
+    parser.add_argument("--cluster", action="store_true",
+                        help="also time each tile with clusters of two CTAs sharing B "
+                             "(cluster='m2'; measured, not yet chosen by the rule)")
+    parser.add_argument("--configs", nargs="*", default=None,
+                        help="only these tiles, e.g. 128x256 64x128 (default: every tile)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
@@ -114,16 +119,20 @@ def sweep(args) -> None:
         reference = G.reference(a, b, b_layout=args.b_layout, dtype=np.float32)
         case = f"{m}x{n}x{k}"
         times = {}
-        variants = [(bm, bn, g, 1) for bm, bn in CONFIGS for g in args.group_m]
+        tiles = [(bm, bn) for bm, bn in CONFIGS if not args.configs or f"{bm}x{bn}" in args.configs]
+        variants = [(bm, bn, g, 1, "") for bm, bn in tiles for g in args.group_m]
+        if args.cluster:
+            variants += [(bm, bn, g, 1, "m2") for bm, bn in tiles for g in args.group_m]
         for split_k in args.split_k:
             # split-K only where the default tile leaves SMs idle
             if split_k > 1 and G.plan(m, n, k, sms=sms).tiles < sms:
-                variants += [(bm, bn, args.group_m[0], split_k) for bm, bn in CONFIGS]
-        for (block_m, block_n, group_m, split_k) in variants:
-            config = f"{block_m}x{block_n}_g{group_m}" + (f"_sk{split_k}" if split_k > 1 else "")
+                variants += [(bm, bn, args.group_m[0], split_k, "") for bm, bn in tiles]
+        for (block_m, block_n, group_m, split_k, cluster) in variants:
+            config = f"{block_m}x{block_n}_g{group_m}" + (f"_sk{split_k}" if split_k > 1 else "") \
+                + (f"_{cluster}" if cluster else "")
             call = lambda: G.gemm(a, b, out, b_layout=args.b_layout, sms=args.sms,  # noqa: E731
                                   group_m=group_m, block_m=block_m, block_n=block_n,
-                                  split_k=split_k)
+                                  split_k=split_k, cluster=cluster)
             G.poison(out)
             call()
             error = float(cupy.linalg.norm(G.to_float32(out) - reference)
@@ -144,10 +153,12 @@ def sweep(args) -> None:
             append_jsonl(args.out, [record(
                 "gemm_tune", case, "us", us, torch_us, "us", higher_is_better=False,
                 set=set_name, config=config, block_m=block_m, block_n=block_n,
-                group_m=group_m, split_k=split_k, sms=sms, dtype=args.dtype, b_layout=args.b_layout,
-                tflops=flops / us / 1e6, error=error, baseline_name="torch.matmul")])
+                group_m=group_m, split_k=split_k, cluster=cluster, sms=sms, dtype=args.dtype,
+                b_layout=args.b_layout, tflops=flops / us / 1e6, error=error,
+                baseline_name="torch.matmul")])
         if times:
-            winner = min(times, key=times.get)
+            winner = min((c for c in times if not c.endswith("_m2")), key=times.get, default=None) \
+                or min(times, key=times.get)
             best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = winner
             print(f"{set_name:8s} {case:18s} best {winner} x torch "
                   f"{torch_us / times[winner]:.3f}", flush=True)
@@ -233,7 +244,8 @@ def judge(rows, fit) -> list[dict]:
 def fit_and_judge(args) -> None:
     rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("experiment") == "gemm_tune" and r.get("metric") == "us"
-            and (args.commit is None or r.get("commit") == args.commit)]
+            and (args.commit is None or r.get("commit") == args.commit)
+            and not r.get("cluster")]          # the rule does not choose clusters (yet)
     fit_rows = [r for r in rows if r.get("set") == "fit"]
     held = [r for r in rows if r.get("set") == "held_out"]
     if not fit_rows:

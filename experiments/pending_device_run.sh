@@ -2,21 +2,26 @@
 # What is left unverified on a GPU, in one device call (about 9 min), each step bounded,
 # rows under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 1. the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
+# 1. (after 2) the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
 #    racecheck, one at a time (three at once with 95 s bounds all timed out at e3a9449;
 #    racecheck of gemm_allreduce fused 2x2 alone finished in 75 s at 6a1950f), the cases'
 #    own waits raised to 280 s; whatever does not fit in the call is left for the next;
-# 2. the 3000x5000x7000 gap of mkrt.gemm (0.58x torch): the same shape with K, M and N
-#    rounded to multiples of 128, full chip, to tell the misaligned rows from the shape.
+# 2. mkrt.gemm's clusters of two CTAs sharing B by TMA multicast (cluster="m2", never run):
+#    the GPU test, then timed beside the one-CTA tiles on the 3000x5000x7000 gap (0.58x
+#    torch), that shape with K, M and N rounded to multiples of 128 (misaligned rows or the
+#    shape?) and four others, torch.matmul in the same run.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MKRT_SANITIZE_WAIT_MS=280000
 DEADLINE=${DEADLINE:-560}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-echo "== gemm: misaligned rows or the shape?"
-timeout 90 python3 experiments/gemm.py --sms full --iterations 10 --repeats 5 \
-    --shapes 3000x5000x7000,3000x5000x7168,3072x5120x7000,3072x5120x7168,5000x3000x7000 \
-    --out $OUT/gemm.jsonl 2>&1 | grep -vE "^(#|case)"
+echo "== gemm: clusters of two sharing B (first GPU run: correctness in a child process)"
+timeout 200 python3 -m pytest -q -m gpu tests/test_gemm.py -k cluster -p no:cacheprovider 2>&1 | tail -3
+echo "== gemm: misaligned rows or the shape? and do pairs sharing B close the gap?"
+timeout 150 python3 experiments/gemm_tune.py --cluster --configs 128x256 128x192 64x128 --split-k 1 \
+    --shapes 3000x5000x7000 3000x5000x7168 3072x5120x7000 3072x5120x7168 24576x8192x1024 \
+        8192x8192x8192 2048x2048x2048 16x8192x8192 \
+    --out $OUT/gemm_tune.jsonl 2>&1 | grep -vE "WRONG" | tail -40
 echo "== sanitizers, one at a time"
 for job in "initcheck gemm_allreduce_fused_2x2" "racecheck gemm_reducescatter_fused_2x2" \
            "initcheck allgather_gemm_fused_2x2" "racecheck allgather_gemm_fused_2x2" \

@@ -219,3 +219,74 @@ def test_split_k_matches_the_reference_and_repeats_bit_for_bit(m, n, k, split_k,
     for _ in range(20):
         G.gemm(a, b, out, b_layout=b_layout, split_k=split_k)
     assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
+
+
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+@pytest.mark.parametrize("block_m,block_n,epilogue", [(128, 256, "tma"), (128, 128, "direct"),
+                                                      (64, 256, "tma")])
+def test_cluster_pairs_compile_without_spills(b_layout, block_m, block_n, epilogue):
+    """Clusters of two CTAs sharing B by TMA multicast: every tile builds for sm_90a with
+    the registers of the one-CTA build and no spills."""
+    p = G.plan(3000, 5000, 7000, b_layout=b_layout, block_m=block_m, block_n=block_n,
+               epilogue=epilogue, cluster="m2")
+    assert p.spec.uri.endswith("_m2_sm90a") and p.grid % 2 == 0
+    resources = p.spec.build(check_spills=True).resources["gemm"]
+    assert resources.spill_stores == resources.spill_loads == resources.stack_frame == 0
+
+
+def test_cluster_plan():
+    # 3 tile rows: 2 pair rows x 20 columns = 40 clusters, 80 CTAs at most
+    assert G.plan(300, 5000, 64, cluster="m2").grid == 80
+    assert G.plan(8192, 8192, 64, sms=131, cluster="m2").grid == 130      # whole clusters
+    for bad, match in ((dict(cluster="m4"), "cluster"), (dict(cluster="m2", split_k=2), "split_k"),
+                       (dict(cluster="m2", sms=1), "sms")):
+        with pytest.raises(ValueError, match=match):
+            G.plan(300, 5000, 64, **bad)
+
+
+_CLUSTER_CHECK = r"""
+import sys
+import cupy
+import numpy as np
+from mkrt.arrays import bfloat16
+from mkrt.kernels import gemm as G
+failures = []
+for case in sys.argv[1:]:
+    m, n, k, b_layout, block_m, block_n = case.split(",")
+    m, n, k, block_m, block_n = int(m), int(n), int(k), int(block_m), int(block_n)
+    rng = cupy.random.default_rng(m + n + k)
+    a = G.from_float32(rng.standard_normal((m, k), dtype=np.float32), bfloat16)
+    b = G.from_float32(rng.standard_normal((k, n) if b_layout == "kn" else (n, k), dtype=np.float32), bfloat16)
+    out = G.poison(cupy.empty((m, n), dtype=bfloat16))
+    call = lambda: G.gemm(a, b, out, b_layout=b_layout, block_m=block_m, block_n=block_n, cluster="m2")
+    call()
+    first = out.copy()
+    got = G.to_float32(out)
+    ref = G.reference(a, b, b_layout=b_layout)
+    error = float(cupy.linalg.norm(got - ref) / max(float(cupy.linalg.norm(ref)), 1e-30))
+    for _ in range(10):
+        call()
+    same = bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
+    if bool(cupy.isnan(got).any()) or not error <= 1e-2 or not same:
+        failures.append(f"{case}: error {error}, repeats identical {same}")
+print("CLUSTER_CHECK", "ok" if not failures else "; ".join(failures))
+"""
+
+
+@pytest.mark.gpu
+def test_cluster_pairs_match_the_reference():
+    """Pairs of CTAs sharing each B load: odd tile-row counts (the last pair's second tile
+    past M), partial tiles, both layouts, two tiles, against float32; the same bits on
+    every call. In a child process with a time limit: the engine's waits inside a cluster
+    have no bound of their own, so a multicast that never lands must fail, not hang."""
+    import subprocess
+    import sys
+
+    from mkrt.launch import child_env
+    cases = [f"{m},{n},{k},{layout},{bm},{bn}"
+             for m, n, k in [(300, 520, 64), (129, 127, 24), (4097, 1000, 4104), (1, 8, 8),
+                             (2000, 3000, 1000)]
+             for layout in ("nk", "kn") for bm, bn in ((128, 256), (64, 128))]
+    result = subprocess.run([sys.executable, "-c", _CLUSTER_CHECK, *cases], env=child_env(),
+                            capture_output=True, text=True, timeout=240)
+    assert "CLUSTER_CHECK ok" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]

@@ -40,7 +40,7 @@ GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;
 constexpr bool SPLIT_K = $SPLIT_K;
 typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR,
-                           TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0> Cfg;
+                           TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0, $CLUSTER_M> Cfg;
 
 // Split-K: every tile's k-blocks in `splits` consecutive parts, unit u = (tile u / splits,
 // part u % splits); CTA c takes units c, c + grid, ... (a tile's parts run side by side).
@@ -121,7 +121,7 @@ struct SplitKEpilogue {
 
 // C = A @ B over the whole tile grid; CTA c of gridDim.x computes tiles c, c + grid, ...
 // (SPLIT_K: units of tiles). tma_out (box 64 x 64) is used by the TMA-store epilogue only.
-extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+extern "C" __global__ void $CLUSTER_DIMS __launch_bounds__(Cfg::THREADS, 1)
 gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
      const __grid_constant__ mkrt::TmaDescriptor tma_b,
      const __grid_constant__ mkrt::TmaDescriptor tma_out,
@@ -131,7 +131,19 @@ gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
     const int tiles_m = (m + Cfg::BM - 1) / Cfg::BM;
     const int tiles_n = (n + Cfg::BN - 1) / Cfg::BN;
     const mkrt::gemm::RasterWork work{tiles_m, tiles_n, group_m, (int)blockIdx.x, (int)gridDim.x};
-    if constexpr (TMA_STORE) {
+    if constexpr (Cfg::CLUSTER_M == 2) {
+        // pairs of tile rows; blockIdx.x / 2 is the cluster (clusters are consecutive CTAs)
+        const mkrt::gemm::PairedRasterWork pairs{
+            {(tiles_m + 1) / 2, tiles_n, group_m, (int)blockIdx.x / 2, (int)gridDim.x / 2},
+            tiles_n, (int)mkrt::cluster_rank()};
+        if constexpr (TMA_STORE) {
+            const mkrt::gemm::TmaStoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{&tma_out};
+            mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, pairs, store, dynamic_smem);
+        } else {
+            const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
+            mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, pairs, store, dynamic_smem);
+        }
+    } else if constexpr (TMA_STORE) {
         const mkrt::gemm::TmaStoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{&tma_out};
         mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
     } else if constexpr (SPLIT_K) {
@@ -148,6 +160,7 @@ gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 B_LAYOUTS = ("kn", "nk")
 EPILOGUES = ("tma", "direct", "splitk")
+CLUSTERS = ("", "m2")
 SMEM_LIMIT = 232448          # 227 KiB per block (opt-in), sm_90
 
 
@@ -174,6 +187,8 @@ class GemmSpec(KernelSpec):
     block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
     stages: int = dataclasses.field(default=3, metadata={"short": "s"})
     epilogue: str = "tma"
+    cluster: str = ""                      # "": one CTA per tile; "m2": clusters of two CTAs
+                                           # on adjacent tile rows sharing B (multicast)
 
     def __post_init__(self):
         super().__post_init__()
@@ -194,11 +209,19 @@ class GemmSpec(KernelSpec):
                              f"shared memory; at most {SMEM_LIMIT}")
         if self.stages < 2:
             raise ValueError(f"mkrt.gemm: stages={self.stages}; at least 2")
+        if self.cluster not in CLUSTERS:
+            raise ValueError(f"mkrt.gemm: cluster={self.cluster!r}; expected '' or 'm2'")
+        if self.cluster and self.epilogue == "splitk":
+            raise ValueError("mkrt.gemm: cluster='m2' does not take split-K")
 
     # -- what the host needs to know about the compiled kernel (mirrors gemm::Config) --
     @property
     def threads(self) -> int:
         return 128 * (1 + self.block_m // 64)
+
+    @property
+    def cluster_m(self) -> int:
+        return 2 if self.cluster == "m2" else 1
 
     @property
     def smem_bytes(self) -> int:
@@ -212,7 +235,9 @@ class GemmSpec(KernelSpec):
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
-                "TMA_STORE": self.epilogue == "tma", "SPLIT_K": self.epilogue == "splitk"}
+                "TMA_STORE": self.epilogue == "tma", "SPLIT_K": self.epilogue == "splitk",
+                "CLUSTER_M": self.cluster_m,
+                "CLUSTER_DIMS": "__cluster_dims__(2, 1, 1)" if self.cluster_m == 2 else ""}
 
 
 class OnEngine:
@@ -265,10 +290,13 @@ class GemmPlan:
 
 def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
          sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int | None = None,
-         group_m: int = 8, epilogue: str = "auto", split_k: int = 1) -> GemmPlan:
+         group_m: int = 8, epilogue: str = "auto", split_k: int = 1,
+         cluster: str = "") -> GemmPlan:
     """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses.
     ``split_k`` > 1: each tile's K in that many parts (at most one per 64-wide k-block), run
-    by different CTAs and added in a fixed order (the "splitk" epilogue)."""
+    by different CTAs and added in a fixed order (the "splitk" epilogue). ``cluster="m2"``:
+    clusters of two CTAs on adjacent tile rows share each B load (TMA multicast); the grid
+    is even."""
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, (int, np.integer)) or value < 1 or value >= 2**31:
             raise ValueError(f"mkrt.gemm: {name}={value!r} must be an integer in [1, 2**31)")
@@ -296,13 +324,21 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
         raise ValueError(f"mkrt.gemm: epilogue={epilogue!r}; expected 'auto', 'tma' or 'direct'")
     if stages is None:
         stages = max_stages(block_m, block_n, epilogue)
-    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages, epilogue)
+    if cluster and split_k > 1:
+        raise ValueError(f"mkrt.gemm: cluster={cluster!r} does not take split_k={split_k}")
+    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages, epilogue, cluster)
     tiles_m = -(-m // block_m)
     tiles_n = -(-n // block_n)
     pad_n = n if b_layout == "nk" else -(-n // 8) * 8
     splits = int(min(split_k, -(-k // 64)))           # every part gets a k-block
-    return GemmPlan(spec, int(m), int(n), int(k), tiles_m, tiles_n,
-                    int(min(sms, tiles_m * tiles_n * splits)), int(group_m), pad_n, splits)
+    if spec.cluster_m == 2:
+        if sms < 2:
+            raise ValueError(f"mkrt.gemm: cluster='m2' needs sms >= 2; got {sms}")
+        grid = 2 * min(sms // 2, -(-tiles_m // 2) * tiles_n)      # whole clusters
+    else:
+        grid = min(sms, tiles_m * tiles_n * splits)
+    return GemmPlan(spec, int(m), int(n), int(k), tiles_m, tiles_n, int(grid), int(group_m),
+                    pad_n, splits)
 
 
 def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None, out_dtype=None):
@@ -407,10 +443,13 @@ def tma_descriptor(pointer: int, dtype: str, dims: tuple, strides: tuple,
 def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, n: int, k: int,
                         *, b_columns: int | None = None):
     """Tensor maps of A [M, K] and B ([N, K], or [K, b_columns] for "kn") as the engine loads
-    them: A in BM x 64 boxes, B in BN x 64 (nk) or 64 x 64 (kn) boxes."""
+    them: A in BM x 64 boxes, B in BN x 64 (nk; BN / 2 x 64 for clusters of two) or 64 x 64
+    (kn) boxes."""
     tma_a = tma_descriptor_2d(a_pointer, spec.dtype, k, m, k * 2, 64, spec.block_m)
     if spec.b_layout == "nk":
-        return tma_a, tma_descriptor_2d(b_pointer, spec.dtype, k, n, k * 2, 64, spec.block_n)
+        # with clusters each CTA of a pair loads (and multicasts) half of the B tile's rows
+        rows = spec.block_n // getattr(spec, "cluster_m", 1)
+        return tma_a, tma_descriptor_2d(b_pointer, spec.dtype, k, n, k * 2, 64, rows)
     columns = n if b_columns is None else b_columns
     return tma_a, tma_descriptor_2d(b_pointer, spec.dtype, columns, k, columns * 2, 64, 64)
 
@@ -419,7 +458,7 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
-         epilogue: str = "auto", split_k: int | None = None, stream=None):
+         epilogue: str = "auto", split_k: int | None = None, cluster: str = "", stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
@@ -431,6 +470,8 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     depth (default: as many as fit), ``split_k`` > 1 (default: the rule's): each tile's K in that many parts
     on different CTAs, added in a fixed order (results identical between calls; for shapes
     with fewer tiles than SMs; uses a float32 workspace of tiles x parts x tile).
+    ``cluster="m2"`` (experimental, not yet measured): clusters of two CTAs on adjacent
+    tile rows load the B tile they share once, by TMA multicast.
     Returns out in the type of ``a`` (torch in, torch out).
 
     The first call of a signature (shapes, dtypes, options, GPU) checks everything and
@@ -445,12 +486,12 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     device = a_view.data.device_id
     key = (a_view.shape, a_view.dtype, b_view.shape, b_view.dtype,
            None if out_view is None else (out_view.shape, out_view.dtype),
-           b_layout, sms, group_m, block_m, block_n, stages, epilogue, split_k, device)
+           b_layout, sms, group_m, block_m, block_n, stages, epilogue, split_k, cluster, device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, a_view, b_view, out_view):
         p = _gemm_plan(a_view, b_view, out_view, b_layout=b_layout, sms=sms, group_m=group_m,
                        block_m=block_m, block_n=block_n, stages=stages, epilogue=epilogue,
-                       split_k=split_k)
+                       split_k=split_k, cluster=cluster)
         if p.spec.b_layout == "kn" and p.pad_n != p.n:
             return _gemm_padded(a, a_view, b_view, out_view, p, stream)
         call = _prepared_gemm(key, p, device)
@@ -542,7 +583,7 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
-               epilogue, split_k=None):
+               epilogue, split_k=None, cluster=""):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
@@ -553,21 +594,35 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
         block_m = rule_m if block_m is None else block_m
         block_n = rule_n if block_n is None else block_n
         # the rule's split-K goes with its tile and the automatic epilogue only
-        split_k = split_k if split_k is not None else (rule_split if epilogue == "auto" else 1)
+        split_k = split_k if split_k is not None else \
+            (rule_split if epilogue == "auto" and not cluster else 1)
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
-             epilogue=epilogue, split_k=split_k)
+             epilogue=epilogue, split_k=split_k, cluster=cluster)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
     return p
+
+
+def cluster_grid(p: GemmPlan, function) -> int:
+    """The plan's grid cut to the clusters the device can hold at once (whole clusters)."""
+    from mkrt.cuda import max_active_clusters
+    handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
+    clusters = max_active_clusters(handle, p.grid, p.spec.threads, p.spec.smem_bytes)
+    if clusters < 1:
+        raise ValueError(f"mkrt.gemm: {p.spec.uri} fits no cluster of {p.spec.cluster_m} CTAs "
+                         "on this GPU")
+    return min(p.grid, clusters * p.spec.cluster_m)
 
 
 def _prepared_gemm(key, p: GemmPlan, device: int) -> _PreparedGemm:
     """The prepared launch of a checked signature (kept for the next 256 signatures)."""
     call = _PREPARED.get(key)
     if call is None:
-        call = _PREPARED[key] = _PreparedGemm(p, p.spec.function("gemm", device, p.spec.smem_bytes),
-                                              device)
+        function = p.spec.function("gemm", device, p.spec.smem_bytes)
+        if p.spec.cluster_m > 1:
+            p = dataclasses.replace(p, grid=cluster_grid(p, function))
+        call = _PREPARED[key] = _PreparedGemm(p, function, device)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)
     return call
@@ -583,7 +638,10 @@ def _gemm_padded(a, a_view, b_view, out_view, p: GemmPlan, stream):
             out_view = cupy.empty((m, n), dtype=a_view.dtype)
         b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
         b_rows[:, :n] = b_view
-        call = _PreparedGemm(p, spec.function("gemm", device, spec.smem_bytes))
+        function = spec.function("gemm", device, spec.smem_bytes)
+        if spec.cluster_m > 1:
+            p = dataclasses.replace(p, grid=cluster_grid(p, function))
+        call = _PreparedGemm(p, function, device)
         call.patch(a_view.data.ptr, b_rows.data.ptr, out_view.data.ptr)
         call.launch((stream or cupy.cuda.get_current_stream()).ptr)
         # keep the padded copy alive until the kernel has read it

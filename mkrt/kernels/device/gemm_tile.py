@@ -4,7 +4,11 @@ Every GEMM-bearing kernel of mkrt computes its tiles with ``mkrt::gemm::run_tile
 
     C[m, n] = sum_k A[m, k] * B[k, n]      A row-major [M, K]; B [K, N] or [N, K]
 
-One CTA = one producer warpgroup + ``BM / 64`` consumer warpgroups.
+One CTA = one producer warpgroup + ``BM / 64`` consumer warpgroups. With
+``Config::CLUSTER_M == 2`` two CTAs (a cluster) compute tiles m and m + 1 of one column:
+each loads its own A box and half of the B tile they share, multicast to both, so B
+crosses from L2 once per pair (``PairedRasterWork``; the kernel declares
+``__cluster_dims__(2, 1, 1)`` and its grid is even).
 
 * **producer** (warpgroup 0, one thread): for each tile of the CTA's work list, for each
   64-wide k-block, waits until a shared-memory stage is *empty*, announces its bytes on
@@ -50,7 +54,10 @@ namespace gemm {
 
 // Compile-time shape of the engine. T: __nv_bfloat16 or __half.
 // EPILOGUE_BYTES_: shared memory reserved for the epilogue (ConsumerThread::smem).
-template <class T_, int BM_, int BN_, int STAGES_, bool B_K_MAJOR_, int EPILOGUE_BYTES_ = 0>
+// CLUSTER_M_: 2 = clusters of two CTAs on tile rows m and m + 1 of one column, each
+// loading half of the B tile they share and multicasting it to both (PairedRasterWork).
+template <class T_, int BM_, int BN_, int STAGES_, bool B_K_MAJOR_, int EPILOGUE_BYTES_ = 0,
+          int CLUSTER_M_ = 1>
 struct Config {
     typedef T_ T;
     static constexpr int BM = BM_;            // tile rows (64 per consumer warpgroup)
@@ -64,6 +71,10 @@ struct Config {
     static constexpr int B_STAGE_BYTES = BN * BK * 2;
     static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
     static constexpr int EPILOGUE_BYTES = EPILOGUE_BYTES_;
+    static constexpr int CLUSTER_M = CLUSTER_M_;
+    static_assert(CLUSTER_M == 1 || CLUSTER_M == 2, "clusters of 1 or 2 CTAs along M");
+    static_assert(CLUSTER_M == 1 || (B_K_MAJOR ? (BN / 2) % 8 == 0 : (BN / 64) % 2 == 0),
+                  "each CTA of a pair loads a whole half of the B tile (1024-byte aligned)");
     // 1024 of slack to align the stages (128B swizzle), the epilogue's staging area
     // (1024-aligned too), then 2 barriers per stage.
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPILOGUE_BYTES + 2 * STAGES * 8;
@@ -115,6 +126,25 @@ struct RasterWork {
         const int t = cta + i * ctas;
         if (t >= tiles_m * tiles_n) return false;
         tile = tile_at(t);
+        return true;
+    }
+    __device__ __forceinline__ bool wait(const Tile&) const { return true; }
+};
+
+// For clusters of two CTAs along M (Config::CLUSTER_M == 2): pairs of tile rows walked as
+// RasterWork walks tile rows; cluster `cluster` of `clusters` takes pair tiles cluster,
+// cluster + clusters, ..., and its CTA of rank r computes row 2 * pair_m + r. Both CTAs
+// of a cluster get the same number of tiles with the same n and k-blocks (they share
+// every B load); with an odd tiles_m the last pair's second tile lies past M: its A
+// loads arrive as zeros and its stores are clipped, so it only keeps its partner fed.
+struct PairedRasterWork {
+    RasterWork pairs;     // over (tiles_m + 1) / 2 pair rows; cta/ctas count clusters
+    int tiles_n, rank;
+
+    __device__ __forceinline__ bool get(int i, Tile& tile) const {
+        if (!pairs.get(i, tile)) return false;
+        tile.m = 2 * tile.m + rank;
+        tile.index = tile.m * tiles_n + tile.n;
         return true;
     }
     __device__ __forceinline__ bool wait(const Tile&) const { return true; }
@@ -398,7 +428,21 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
                 mbarrier_arrive_expect_tx(&pipe.full[stage], Cfg::STAGE_BYTES);
                 const int k = kb * Cfg::BK;
                 tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.a_first(Cfg::BM), &pipe.full[stage]);
-                if (Cfg::B_K_MAJOR) {
+                if (Cfg::CLUSTER_M == 2) {
+                    // This CTA's half of the shared B tile, to both CTAs of the pair (the
+                    // stage is free in both: every consumer warp of the pair released it).
+                    const u32 half = cluster_rank();
+                    if (Cfg::B_K_MAJOR) {
+                        tma_load_2d_multicast(pipe.b_stage(stage) + half * (Cfg::BN / 2) * Cfg::BK * 2,
+                                              tma_b, k, tile.b_first(Cfg::BN) + half * (Cfg::BN / 2),
+                                              &pipe.full[stage], 0x3);
+                    } else {
+                        #pragma unroll
+                        for (int chunk = half; chunk < Cfg::BN / 64; chunk += 2)
+                            tma_load_2d_multicast(pipe.b_stage(stage) + chunk * 64 * Cfg::BK * 2, tma_b,
+                                                  tile.n * Cfg::BN + chunk * 64, k, &pipe.full[stage], 0x3);
+                    }
+                } else if (Cfg::B_K_MAJOR) {
                     tma_load_2d(pipe.b_stage(stage), tma_b, k, tile.b_first(Cfg::BN), &pipe.full[stage]);
                 } else {
                     // [K, N] storage: boxes of 64 n x 64 k, one per 64-column chunk.
@@ -410,6 +454,18 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
             }
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
         }
+    }
+}
+
+// A consumer warp is done reading `stage`: tell its producer, and with clusters the
+// partner's producer too (whose multicast also writes this CTA's copy of the stage).
+template <class Cfg>
+__device__ __forceinline__ void release_stage(const Pipeline<Cfg>& pipe, int stage) {
+    if (Cfg::CLUSTER_M == 1) {
+        mbarrier_arrive(&pipe.empty[stage]);
+    } else {
+        #pragma unroll
+        for (u32 cta = 0; cta < (u32)Cfg::CLUSTER_M; ++cta) mbarrier_arrive_cluster(&pipe.empty[stage], cta);
     }
 }
 
@@ -443,13 +499,13 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int grou
         fence_accumulators(acc.d);
         // The batch before this one has finished reading its stage: hand it back.
         wgmma_wait<1>();
-        if (previous >= 0 && lane_leader) mbarrier_arrive(&pipe.empty[previous]);
+        if (previous >= 0 && lane_leader) release_stage<Cfg>(pipe, previous);
         previous = stage;
         if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
     }
     wgmma_wait<0>();
     fence_accumulators(acc.d);
-    if (previous >= 0 && lane_leader) mbarrier_arrive(&pipe.empty[previous]);
+    if (previous >= 0 && lane_leader) release_stage<Cfg>(pipe, previous);
 }
 
 // The whole engine for one CTA. Every thread of the CTA calls it (Cfg::THREADS of them).
@@ -465,13 +521,15 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
     if (threadIdx.x == 0) {
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(&pipe.full[s], 1);
-            mbarrier_init(&pipe.empty[s], Cfg::CONSUMERS * 4);
+            mbarrier_init(&pipe.empty[s], Cfg::CONSUMERS * 4 * Cfg::CLUSTER_M);
         }
         mbarrier_init_fence();
         tma_prefetch_descriptor(tma_a);
         tma_prefetch_descriptor(tma_b);
     }
-    __syncthreads();
+    // With clusters, the partner's barriers must be initialised before this CTA's first
+    // multicast or remote arrival reaches them.
+    if (Cfg::CLUSTER_M > 1) cluster_sync(); else __syncthreads();
 
     if (warpgroup == 0) {
         warpgroup_registers_decrease<Cfg::PRODUCER_REGISTERS>();
@@ -493,6 +551,9 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
         }
         epilogue.finish(who);
     }
+    // Neither CTA of a cluster leaves while its partner may still multicast into its
+    // shared memory or arrive on its barriers.
+    if (Cfg::CLUSTER_M > 1) cluster_sync();
 }
 
 }  // namespace gemm

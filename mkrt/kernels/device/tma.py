@@ -12,8 +12,9 @@ Two pieces, both small:
   parameter). Elements outside the tensor are filled with zeros, which is what makes
   partial edge tiles of a GEMM free: no bounds checks in the main loop.
 
-The waits here are local to one CTA (a stage of its own pipeline), so they need no
-timeout: the copy engine or a sibling warp always completes them.
+The waits here are local to one CTA or its cluster (a stage of its own pipeline, or one a
+cluster peer's multicast fills), so they need no timeout: the copy engine or a sibling
+warp always completes them.
 """
 
 from mkrt.jit.render import cuda_source
@@ -46,6 +47,28 @@ __device__ __forceinline__ void mbarrier_arrive(u64* barrier) {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* barrier, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                  :: "r"(smem_address(barrier)), "r"(bytes) : "memory");
+}
+
+// One arrival on the barrier at the same shared-memory offset in CTA `cta` of this
+// cluster (this CTA included): a consumer frees a stage that a peer's multicast fills.
+__device__ __forceinline__ void mbarrier_arrive_cluster(u64* barrier, u32 cta) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote) : "r"(smem_address(barrier)), "r"(cta));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
+                 :: "r"(remote) : "memory");
+}
+
+// This CTA's rank in its cluster, and a barrier of every thread of every CTA of the
+// cluster (release/acquire: barriers initialised before it are seen by the peers).
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // Wait until the phase with this parity has completed. A fresh barrier is in phase 0,
@@ -85,6 +108,19 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const TmaDescript
         " [%0], [%1, {%2, %3}], [%4];"
         :: "r"(smem_address(destination)), "l"(descriptor), "r"(inner), "r"(outer),
            "r"(smem_address(barrier))
+        : "memory");
+}
+
+// The same box, delivered to the same shared-memory offset in every CTA of `cta_mask`
+// (bit i: cluster rank i), each counting the bytes on its own barrier at `barrier`'s offset.
+__device__ __forceinline__ void tma_load_2d_multicast(void* destination, const TmaDescriptor* descriptor,
+                                                      int inner, int outer, u64* barrier,
+                                                      unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        :: "r"(smem_address(destination)), "l"(descriptor), "r"(inner), "r"(outer),
+           "r"(smem_address(barrier)), "h"(cta_mask)
         : "memory");
 }
 
