@@ -60,15 +60,16 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(u64* barrier, u32 cta) {
 }
 
 // This CTA's rank in its cluster, and a barrier of every thread of every CTA of the
-// cluster (release/acquire: barriers initialised before it are seen by the peers).
+// cluster (release/acquire: barriers initialised before it are seen by the peers). Not
+// .aligned: a warp may arrive diverged (the producer thread comes later than its warp).
 __device__ __forceinline__ u32 cluster_rank() {
     u32 rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     return rank;
 }
 __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.release;\n"
+                 "barrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // Wait until the phase with this parity has completed. A fresh barrier is in phase 0,
