@@ -24,6 +24,10 @@ TOOLS = ["memcheck", "racecheck", "synccheck", "initcheck"]
 #: the cases' own bounded waits (ms); under racecheck and initcheck a multi-node case's
 #: proxy copies can take minutes to arrive: MKRT_SANITIZE_WAIT_MS raises it
 TIMEOUT_MS = float(os.environ.get("MKRT_SANITIZE_WAIT_MS", 120_000))
+#: CTAs per rank of the world ops' kernels (default: the op's, the rank's SM share). Fewer
+#: CTAs, the same code: under racecheck and initcheck every CTA's accesses are tracked,
+#: and the multi-node cases with a full SM share did not finish in minutes
+CTAS = int(os.environ["MKRT_SANITIZE_CTAS"]) if os.environ.get("MKRT_SANITIZE_CTAS") else None
 
 
 def _gar(layout, fuse, m=192, n=256, k=128):
@@ -41,7 +45,7 @@ def _gar(layout, fuse, m=192, n=256, k=128):
              for _ in world.local]
         b = [cupy.asarray(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
              for _ in world.local]
-        op = mkrt.GemmAllReduce(world, fuse=fuse, timeout_ms=TIMEOUT_MS)
+        op = mkrt.GemmAllReduce(world, fuse=fuse, ctas=CTAS, timeout_ms=TIMEOUT_MS)
         outs = op(a, b) if fuse else op.unfused(a, b)
         outs = op(a, b) if fuse else op.unfused(a, b)        # a second epoch
         world.synchronize()
@@ -60,7 +64,7 @@ def _allgather(layout, group="world"):
         import mkrt
         world = mkrt.init(emulate=layout)
         x = [cupy.full(3000, info.rank, np.int32) for info in world.local]
-        op = mkrt.AllGather(world, group=group, timeout_ms=TIMEOUT_MS)
+        op = mkrt.AllGather(world, group=group, ctas=CTAS, timeout_ms=TIMEOUT_MS)
         outs = op(x)
         outs = op(x)
         world.synchronize()
@@ -110,10 +114,10 @@ def _tp_pair(op_name, layout, m=256, n=384, k=128):
         b = [cupy.asarray(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
              for _ in world.local]
         if op_name == "gemm_reducescatter":
-            op = mkrt.GemmReduceScatter(world, fuse=True, timeout_ms=TIMEOUT_MS)
+            op = mkrt.GemmReduceScatter(world, fuse=True, ctas=CTAS, timeout_ms=TIMEOUT_MS)
             refs = [gemm_reducescatter.reference(a, b, info.rank) for info in world.local]
         else:
-            op = mkrt.AllGatherGemm(world, fuse=True, timeout_ms=TIMEOUT_MS)
+            op = mkrt.AllGatherGemm(world, fuse=True, ctas=CTAS, timeout_ms=TIMEOUT_MS)
             refs = [allgather_gemm.reference(a, w) for w in b]
         op(a, b)
         outs = op(a, b)                                       # a second epoch
@@ -391,7 +395,8 @@ def main() -> None:
         suffix = "" if row["ce_copy_method"] == "kernel" else f"_ce_{row['ce_copy_method']}"
         append_jsonl(args.out, [record("sanitize", f"{row['tool']}_{row['case']}{suffix}", "errors",
                                        float(row["errors"]) if row["errors"] is not None else None,
-                                       0.0, "count", higher_is_better=False, **{
+                                       0.0, "count", higher_is_better=False, ctas=CTAS,
+                                       wait_ms=TIMEOUT_MS, **{
                                            k: v for k, v in row.items() if k not in ("case",)})])
 
     for row in plain.values():
