@@ -259,9 +259,19 @@ class OnEngine:
 
 
 def default_specs() -> list[GemmSpec]:
-    """The configurations ``mkrt.gemm`` uses (compiled ahead by ``python -m mkrt compile --all``)."""
-    return [GemmSpec(dtype, layout, 128, 256, max_stages(128, 256, epilogue), epilogue)
-            for dtype in ("bf16", "f16") for layout in B_LAYOUTS for epilogue in EPILOGUES]
+    """The configurations ``mkrt.gemm`` may use (compiled ahead by ``python -m mkrt compile
+    --all``): every tile the rule chooses from, every epilogue, and the clusters of two."""
+    from mkrt.kernels.gemm_rule import TILES
+    specs = []
+    for dtype in ("bf16", "f16"):
+        for layout in B_LAYOUTS:
+            for block_m, block_n in TILES:
+                for epilogue in EPILOGUES:
+                    stages = max_stages(block_m, block_n, epilogue)
+                    specs.append(GemmSpec(dtype, layout, block_m, block_n, stages, epilogue))
+                    if epilogue != "splitk":
+                        specs.append(GemmSpec(dtype, layout, block_m, block_n, stages, epilogue, "m2"))
+    return specs
 
 
 # ---- planning (pure Python, testable without a GPU) ----------------------------------

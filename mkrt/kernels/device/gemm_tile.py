@@ -73,8 +73,10 @@ struct Config {
     static constexpr int EPILOGUE_BYTES = EPILOGUE_BYTES_;
     static constexpr int CLUSTER_M = CLUSTER_M_;
     static_assert(CLUSTER_M == 1 || CLUSTER_M == 2, "clusters of 1 or 2 CTAs along M");
-    static_assert(CLUSTER_M == 1 || (B_K_MAJOR ? (BN / 2) % 8 == 0 : (BN / 64) % 2 == 0),
-                  "each CTA of a pair loads a whole half of the B tile (1024-byte aligned)");
+    // [N, K]: each CTA of a pair loads BN / 2 rows, a whole number of 1024-byte swizzle
+    // atoms; [K, N]: the pair splits the 64-column chunks (an odd count: rank 0 one more)
+    static_assert(CLUSTER_M == 1 || !B_K_MAJOR || (BN / 2) % 8 == 0,
+                  "each CTA of a pair loads whole 8-row swizzle atoms of the B tile");
     // 1024 of slack to align the stages (128B swizzle), the epilogue's staging area
     // (1024-aligned too), then 2 barriers per stage.
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPILOGUE_BYTES + 2 * STAGES * 8;
