@@ -2,7 +2,8 @@
 # What is left unverified on a GPU, in one device call (about 9 min), each step bounded,
 # rows under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 0. the GPU fuzz sample of moe_dispatch + moe_combine (never run);
+# 0. the MoE GPU tests and fuzz samples (their problems now come from
+#    mkrt.kernels.moe.random_problem; the dispatch + combine sample never ran);
 # 1. (after 2) the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
 #    racecheck, one at a time (three at once with 95 s bounds all timed out at e3a9449;
 #    racecheck of gemm_allreduce fused 2x2 alone finished in 75 s at 6a1950f), with 8 CTAs
@@ -17,8 +18,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export MKRT_SANITIZE_WAIT_MS=280000 MKRT_SANITIZE_CTAS=8    # 8 CTAs per rank: less to track
 DEADLINE=${DEADLINE:-560}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-echo "== GPU fuzz of moe_dispatch + moe_combine alone (new)"
-timeout 120 python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -k dispatch -p no:cacheprovider 2>&1 | tail -2
+echo "== MoE tests and GPU fuzz (one shared problem maker now; dispatch + combine alone: new)"
+timeout 150 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_fuzz_gpu.py -k "moe or dispatch" \
+    -p no:cacheprovider 2>&1 | tail -2
 echo "== gemm: clusters of two sharing B (first GPU run: correctness in a child process)"
 timeout 200 python3 -m pytest -q -m gpu tests/test_gemm.py -k cluster -p no:cacheprovider 2>&1 | tail -3
 echo "== gemm: misaligned rows or the shape? and do pairs sharing B close the gap?"

@@ -266,32 +266,20 @@ def _grouped_gemm():
 def _moe(layout):
     """mkrt.MoE (dispatch, grouped GEMMs, combine) with a rank that holds no tokens, two calls."""
     def case():
-        import cupy
         import numpy as np
 
         import mkrt
-        from mkrt.arrays import bfloat16
-        from mkrt.kernels import moe_plan as P
-        from mkrt.kernels.gemm import from_float32, to_float32
+        from mkrt.kernels import moe as M
+        from mkrt.kernels.gemm import to_float32
         world = mkrt.init(emulate=layout)
-        W, per_rank, H, I, k = world.size, 2, 64, 32, 2
-        experts = per_rank * W
-        tokens = [37, 0] + [20] * (W - 2)
-        rng = np.random.default_rng(7)
-        ids = [np.stack([rng.choice(experts, k, replace=False) for _ in range(t)]).astype(np.int32)
-               if t else np.zeros((0, k), np.int32) for t in tokens]
-        weights = [rng.random((t, k), dtype=np.float32) for t in tokens]
-        bf = lambda a: from_float32(cupy.asarray(a, dtype=cupy.float32), bfloat16)   # noqa: E731
-        x = [bf(rng.standard_normal((t, H))) for t in tokens]
-        w1 = [bf(rng.standard_normal((per_rank, 2 * I, H)) / 8) for _ in range(W)]
-        w2 = [bf(rng.standard_normal((per_rank, H, I)) / 6) for _ in range(W)]
+        tokens = [37, 0] + [20] * (world.size - 2)
+        experts = 2 * world.size
+        dev, expected = M.random_problem(world.size, tokens, 2, 64, 32, experts, seed=7)
         op = mkrt.MoE(world, experts=experts, capacity=max(tokens), timeout_ms=TIMEOUT_MS)
-        args = (x, [cupy.asarray(i) for i in ids], [cupy.asarray(w) for w in weights], w1, w2)
+        args = (dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
         op(*args)
         ys = op(*args)                                   # a second epoch
         world.synchronize()
-        expected = P.reference([to_float32(a).get() for a in x], ids, weights,
-                               [to_float32(a).get() for a in w1], [to_float32(a).get() for a in w2])
         ok = all(np.abs(to_float32(y).get() - want).max() <= 3e-2 * np.abs(want).max()
                  for y, want in zip(ys, expected) if want.size)
         op.close()

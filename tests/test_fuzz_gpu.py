@@ -258,30 +258,18 @@ def test_grouped_gemm_random_groups_match_float32(sizes, n, k, block_m):
 @given(layout=st.sampled_from(["1x2", "1x4"]), tokens=st.lists(st.integers(0, 60), min_size=4, max_size=4),
        k=st.sampled_from([1, 2, 4]), per_rank=st.sampled_from([1, 2, 3]))
 def test_moe_random_routing_matches_float64(layout, tokens, k, per_rank):
-    import cupy
-
     import mkrt
-    from mkrt.arrays import bfloat16
-    from mkrt.kernels import moe_plan as P
-    from mkrt.kernels.gemm import from_float32, to_float32
+    from mkrt.kernels import moe as M
+    from mkrt.kernels.gemm import to_float32
     world = world_of(layout)
     W = world.size
-    experts, H, I = per_rank * W, 64, 32
-    k = min(k, experts)
+    experts = per_rank * W
     tokens = tokens[:W]
-    rng = np.random.default_rng(sum(tokens) + k)
-    ids = [np.stack([rng.choice(experts, k, replace=False) for _ in range(t)]).astype(np.int32)
-           if t else np.zeros((0, k), np.int32) for t in tokens]
-    weights = [rng.random((t, k), dtype=np.float32) for t in tokens]
-    bf = lambda a: from_float32(cupy.asarray(a, dtype=cupy.float32), bfloat16)   # noqa: E731
-    x = [bf(rng.standard_normal((t, H))) for t in tokens]
-    w1 = [bf(rng.standard_normal((per_rank, 2 * I, H)) / 8) for _ in range(W)]
-    w2 = [bf(rng.standard_normal((per_rank, H, I)) / 6) for _ in range(W)]
+    dev, expected = M.random_problem(W, tokens, min(k, experts), 64, 32, experts,
+                                     seed=sum(tokens) + k)
     op = mkrt.MoE(world, experts=experts, capacity=max(max(tokens), 1), timeout_ms=10000)
-    ys = op(x, [cupy.asarray(i) for i in ids], [cupy.asarray(w) for w in weights], w1, w2)
+    ys = op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
     world.synchronize()
-    expected = P.reference([to_float32(a).get() for a in x], ids, weights,
-                           [to_float32(a).get() for a in w1], [to_float32(a).get() for a in w2])
     for y, want in zip(ys, expected):
         if want.size and np.abs(want).max() > 0:
             assert np.abs(to_float32(y).get() - want).max() / np.abs(want).max() < 3e-2

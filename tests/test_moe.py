@@ -14,20 +14,7 @@ from mkrt.kernels import moe_plan as P
 BF = bfloat16
 
 
-def routing(rng, tokens, k, experts, kind):
-    """[T, k] distinct expert ids per token."""
-    if kind == "hot":
-        p = np.full(experts, 0.2 / (experts - 1))
-        p[0] = 0.8
-    elif kind == "zipf":
-        p = 1.0 / np.arange(1, experts + 1) ** 1.2
-    else:
-        p = np.ones(experts)
-    p = p / p.sum()
-    if tokens == 0:
-        return np.zeros((0, k), np.int32)
-    return np.stack([rng.choice(experts, size=k, replace=False, p=p) for _ in range(tokens)]
-                    ).astype(np.int32).reshape(tokens, k)
+routing = M.random_routing
 
 
 def test_kernel_compiles_without_spills():
@@ -96,23 +83,7 @@ def test_op_checks_its_world_and_options():
 # ---- GPU ------------------------------------------------------------------------------
 
 def _problem(cupy, world, tokens, k, H, I, experts, kind, seed):
-    from mkrt.kernels.gemm import from_float32
-    rng = np.random.default_rng(seed)
-    W = world.size
-    per = experts // W
-    ids = [routing(rng, t, k, experts, kind) for t in tokens]
-    weights = [rng.random((t, k), dtype=np.float32) for t in tokens]
-    x = [rng.standard_normal((t, H), dtype=np.float32) for t in tokens]
-    w1 = [rng.standard_normal((per, 2 * I, H), dtype=np.float32) / np.sqrt(H) for _ in range(W)]
-    w2 = [rng.standard_normal((per, H, I), dtype=np.float32) / np.sqrt(I) for _ in range(W)]
-    bf = lambda a: from_float32(cupy.asarray(a), BF)        # noqa: E731
-    dev = dict(x=[bf(a) for a in x], ids=[cupy.asarray(a) for a in ids],
-               weights=[cupy.asarray(a) for a in weights], w1=[bf(a) for a in w1],
-               w2=[bf(a) for a in w2])
-    from mkrt.kernels.gemm import to_float32
-    host = [[to_float32(a).get() for a in dev[name]] for name in ("x", "w1", "w2")]
-    expected = P.reference(host[0], ids, weights, host[1], host[2])
-    return dev, expected
+    return M.random_problem(world.size, tokens, k, H, I, experts, kind, seed=seed)
 
 
 @pytest.mark.gpu

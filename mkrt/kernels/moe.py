@@ -719,3 +719,45 @@ def test_cases():
     return [("1x2", [64, 64], 2, 256, 128, 4, "uniform"), ("1x2", [0, 100], 2, 128, 64, 8, "uniform"),
             ("1x4", [50, 7, 128, 1], 4, 256, 128, 16, "zipf"), ("1x4", [96] * 4, 2, 128, 128, 8, "hot"),
             ("1x3", [40, 40, 40], 8, 64, 64, 12, "uniform")]
+
+
+def random_routing(rng, tokens: int, k: int, experts: int, kind: str = "uniform"):
+    """[tokens, k] int32 distinct expert ids per token: "uniform", "zipf" (popular experts
+    first) or "hot" (expert 0 gets 80% of the choices)."""
+    if kind == "hot":
+        p = np.full(experts, 0.2 / (experts - 1))
+        p[0] = 0.8
+    elif kind == "zipf":
+        p = 1.0 / np.arange(1, experts + 1) ** 1.2
+    else:
+        p = np.ones(experts)
+    p = p / p.sum()
+    if tokens == 0:
+        return np.zeros((0, k), np.int32)
+    return np.stack([rng.choice(experts, size=k, replace=False, p=p) for _ in range(tokens)]
+                    ).astype(np.int32).reshape(tokens, k)
+
+
+def random_problem(ranks: int, tokens: list, k: int, hidden: int, inter: int, experts: int,
+                   kind: str = "uniform", seed: int = 0):
+    """A random MoE problem on the current GPU for tests and checks: (device arrays per
+    rank -- dict of x, ids, weights, w1, w2 -- and each rank's float64 reference y)."""
+    import cupy
+
+    from mkrt.kernels import moe_plan
+    from mkrt.kernels.gemm import from_float32, to_float32
+    rng = np.random.default_rng(seed)
+    per = experts // ranks
+    ids = [random_routing(rng, t, k, experts, kind) for t in tokens]
+    weights = [rng.random((t, k), dtype=np.float32) for t in tokens]
+    x = [rng.standard_normal((t, hidden), dtype=np.float32) for t in tokens]
+    w1 = [rng.standard_normal((per, 2 * inter, hidden), dtype=np.float32) / np.sqrt(hidden)
+          for _ in range(ranks)]
+    w2 = [rng.standard_normal((per, hidden, inter), dtype=np.float32) / np.sqrt(inter)
+          for _ in range(ranks)]
+    bf = lambda a: from_float32(cupy.asarray(a), bfloat16)          # noqa: E731
+    dev = dict(x=[bf(a) for a in x], ids=[cupy.asarray(a) for a in ids],
+               weights=[cupy.asarray(a) for a in weights], w1=[bf(a) for a in w1],
+               w2=[bf(a) for a in w2])
+    host = [[to_float32(a).get() for a in dev[name]] for name in ("x", "w1", "w2")]
+    return dev, moe_plan.reference(host[0], ids, weights, host[1], host[2])
