@@ -315,7 +315,10 @@ def _runtime_lines(rows):
     lines = family_lines(rows, family, show="value")
 
     def layouts(line):
-        found = sorted({str(r.get("layout")) for r in rows if line.select(r)})
+        # the worlds of the rows the line summarises (its newest commit's), not of every run
+        mine = [r for r in rows if line.select(r)]
+        newest = [r for r in mine if r.get("commit") == mine[-1].get("commit")]
+        found = sorted({str(r.get("layout")) for r in newest})
         return f"{line.label}, {'/'.join(found)}"
     return [dataclasses.replace(line, label=layouts(line), same_commit=True) for line in lines]
 
