@@ -3,7 +3,8 @@
 # rows under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
 # 0. the MoE GPU tests and fuzz samples (their problems now come from
-#    mkrt.kernels.moe.random_problem; the dispatch + combine sample never ran);
+#    mkrt.kernels.moe.random_problem; the dispatch + combine sample never ran) and
+#    gemm_allreduce's narrower compute tiles (block_n=192/128, never run);
 # 1. (after 2) the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
 #    racecheck, one at a time (three at once with 95 s bounds all timed out at e3a9449;
 #    racecheck of gemm_allreduce fused 2x2 alone finished in 75 s at 6a1950f), with 8 CTAs
@@ -21,6 +22,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.
 echo "== MoE tests and GPU fuzz (one shared problem maker now; dispatch + combine alone: new)"
 timeout 150 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_fuzz_gpu.py -k "moe or dispatch" \
     -p no:cacheprovider 2>&1 | tail -2
+echo "== gemm_allreduce with 128 x 192 and 128 x 128 compute tiles (block_n, new)"
+timeout 120 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py -k narrower \
+    -p no:cacheprovider -p timeout --timeout=100 2>&1 | tail -2
 echo "== gemm: clusters of two sharing B (first GPU run: correctness in a child process)"
 timeout 200 python3 -m pytest -q -m gpu tests/test_gemm.py -k cluster -p no:cacheprovider 2>&1 | tail -3
 echo "== gemm: misaligned rows or the shape? and do pairs sharing B close the gap?"

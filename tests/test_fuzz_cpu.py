@@ -213,7 +213,8 @@ GOOD_GAR_OPTIONS = st.fixed_dictionaries({
     "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
     "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
     "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS,
-    "roles": st.sampled_from(["adaptive", "static", "search"]), "trace": st.booleans()})
+    "roles": st.sampled_from(["adaptive", "static", "search"]), "trace": st.booleans(),
+    "block_n": st.sampled_from([128, 192, 256])})
 BAD_COUNTS = st.one_of(st.integers(-3, 0), st.floats(-2, 300), st.sampled_from(["4", True, [2]]),
                       st.just(2**40))
 BAD_GAR_OPTIONS = {"b_layout": st.one_of(st.text(max_size=3), st.none(), st.just(["kn"])),
@@ -222,7 +223,8 @@ BAD_GAR_OPTIONS = {"b_layout": st.one_of(st.text(max_size=3), st.none(), st.just
                    "ctas": BAD_COUNTS, "reduce_ctas": BAD_COUNTS, "group_m": BAD_COUNTS,
                    "fuse": st.sampled_from(["no", "yes", 2, -1, [True]]),
                    "roles": st.sampled_from(["Adaptive", "dynamic", None, 3, ["static"]]),
-                   "trace": st.sampled_from(["yes", 2, None])}
+                   "trace": st.sampled_from(["yes", 2, None]),
+                   "block_n": st.sampled_from([64, 320, 256.0, True, "256", None])}
 
 
 @FAST
@@ -239,6 +241,7 @@ def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, con
         assert op.reduce_ctas is None or (isinstance(op.reduce_ctas, int) and op.reduce_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31    # an int32 argument
         assert op.roles in ("adaptive", "static", "search") and op.trace in (True, False)
+        assert type(op.block_n) is int and op.block_n in (128, 192, 256)
         assert_timeout_valid(op)
 
 
@@ -545,7 +548,8 @@ GOOD_AGG_OPTIONS = st.fixed_dictionaries({
     "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
     "comm_ctas": st.one_of(st.none(), st.integers(1, 8)), "fuse": st.sampled_from([None, True, False]),
     "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS})
-BAD_AGG_OPTIONS = dict({k: v for k, v in BAD_GAR_OPTIONS.items() if k not in ("roles", "trace")},
+BAD_AGG_OPTIONS = dict({k: v for k, v in BAD_GAR_OPTIONS.items()
+                        if k not in ("roles", "trace", "block_n")},
                        comm_ctas=BAD_COUNTS)
 del BAD_AGG_OPTIONS["reduce_ctas"]
 
@@ -768,3 +772,10 @@ def test_ring_attention_options_build_an_op_or_a_clean_error(layout, ctas, comm_
         event("a split")
         total, comm = split
         assert 1 <= comm < total
+
+
+def test_fixed_bug_grouped_gemm_negative_rows():
+    """Found by the fuzzing of 2026-12-03: x of shape (-1, 8) with offsets [0, 0] passed."""
+    from mkrt.kernels import grouped_gemm as GG
+    with pytest.raises(ValueError, match="negative row count"):
+        GG.check_operands((-1, 8), (1, 1, 8), np.float16, np.float16, 1)

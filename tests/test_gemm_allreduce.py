@@ -154,3 +154,29 @@ def test_the_shipped_fit_is_what_the_committed_rows_give():
     for layout, entry in shipped["layouts"].items():
         assert refit["layouts"][layout]["fused"] == pytest.approx(entry["fused"], rel=1e-4)
         assert refit["layouts"][layout]["unfused"] == pytest.approx(entry["unfused"], rel=1e-4)
+
+
+@pytest.mark.parametrize("block_n", [128, 192])
+@pytest.mark.parametrize("nodes,per_node,collective", [(1, 2, "allreduce"), (2, 2, "allreduce"),
+                                                        (2, 4, "reducescatter"), (1, 8, "allreduce")])
+def test_narrower_tiles_plan_exactly_once(block_n, nodes, per_node, collective):
+    """The fused kernel with 128 x 192 and 128 x 128 tiles: every tile computed and reduced
+    once, no wait cycle."""
+    p = gar.plan(2048, 1000, 512, nodes=nodes, ranks_per_node=per_node, ctas=66, fuse=True,
+                 b_layout="nk", collective=collective, block_n=block_n)
+    assert p.block_n == block_n and p.tiles_n == -(-1000 // block_n)
+    assert p.check() == []
+
+
+@pytest.mark.parametrize("block_n", [128, 192])
+@pytest.mark.parametrize("collective", ["allreduce", "reducescatter"])
+def test_narrower_tiles_compile_without_spills(block_n, collective):
+    p = gar.plan(2048, 1024, 512, nodes=2, ranks_per_node=2, ctas=66, fuse=True,
+                 b_layout="nk", collective=collective, block_n=block_n)
+    assert gar.spec_for(p).build(check_spills=True).resources["gemm_allreduce"].spills == 0
+
+
+@pytest.mark.parametrize("bad", [64, 320, 256.0, True, "256"])
+def test_tile_width_is_checked(bad):
+    with pytest.raises(ValueError, match="block_n"):
+        gar.plan(256, 256, 256, nodes=1, ranks_per_node=2, ctas=8, block_n=bad)

@@ -48,7 +48,8 @@ from mkrt.controller.board import Board
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.jit.spec import KernelSpec
-from mkrt.kernels.gemm_allreduce_plan import Ceilings, FlagLayout, Plan, plan  # noqa: F401
+from mkrt.kernels.gemm_allreduce_plan import (BLOCK_N, TILE_WIDTHS, Ceilings, FlagLayout, Plan,  # noqa: F401
+                                              plan)
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
 from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
 from mkrt.memory import SymmetricBuffer
@@ -719,7 +720,9 @@ class GemmAllReduce(Op):
     (a hill climb over splits, two launches each; no moves within a launch; it settles after
     about 20 to 30 launches: :class:`mkrt.controller.rule.LaunchSearch`).
     :meth:`controller_state` shows each rank's board; ``trace=True`` records every CTA's
-    role changes and every control step (:meth:`role_trace`).
+    role changes and every control step (:meth:`role_trace`). ``block_n``: the compute
+    tile's width, 256 (default), 192 or 128 (128 rows each; narrower tiles give the reduced
+    compute grid more tiles to share; not yet measured against 256).
 
     Launches of one op are ordered on each rank's stream (epochs are read and advanced on
     the device): do not run a captured graph of an op concurrently with eager calls of
@@ -732,10 +735,14 @@ class GemmAllReduce(Op):
     def __init__(self, world=None, *, b_layout: str = "kn", ctas: int | None = None,
                  reduce_ctas: int | None = None, fuse: bool | None = None, group_m: int = 8,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
-                 roles: str = "adaptive", trace: bool = False):
+                 roles: str = "adaptive", trace: bool = False, block_n: int = BLOCK_N):
         super().__init__(world, timeout_ms=timeout_ms)
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.gemm_allreduce: b_layout={b_layout!r}; expected 'kn' or 'nk'")
+        if not isinstance(block_n, (int, np.integer)) or isinstance(block_n, bool) \
+                or block_n not in TILE_WIDTHS:
+            raise ValueError(f"mkrt.{self.name}: block_n={block_n!r}; expected one of {TILE_WIDTHS}")
+        self.block_n = int(block_n)
         area = "gemm_allreduce"
         ctas = checks.integer(ctas, "ctas", area, low=1, high=MAX_GRID, optional=True)
         reduce_ctas = checks.integer(reduce_ctas, "reduce_ctas", area, low=1, high=MAX_GRID,
@@ -790,7 +797,7 @@ class GemmAllReduce(Op):
                  fuse=fuse if fusable else False,
                  sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
                  ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings,
-                 collective=self.collective)
+                 collective=self.collective, block_n=self.block_n)
         if not fusable and mode_fuse is None and self.fuse is None:
             p = dataclasses.replace(p, reason="b_layout='kn' with n % 8 != 0: the fused kernel's "
                                               "TMA needs 16-byte rows of B; unfused path")

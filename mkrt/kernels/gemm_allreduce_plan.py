@@ -20,6 +20,9 @@ from mkrt.kernels.schedule import find_stall
 
 #: the compute role's output tile (the engine's 128 x 256 configuration)
 BLOCK_M, BLOCK_N = 128, 256
+#: tile widths the fused kernel builds (BLOCK_N the default; narrower tiles give a reduced
+#: compute grid more tiles to share)
+TILE_WIDTHS = (128, 192, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +285,9 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
          dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
          fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
          send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings(),
-         collective: str = "allreduce") -> Plan:
-    """Plan one shape on a world; ``fuse=None`` lets the cost model decide.
+         collective: str = "allreduce", block_n: int = BLOCK_N) -> Plan:
+    """Plan one shape on a world; ``fuse=None`` lets the cost model decide. ``block_n``:
+    the compute role's tile width (128, 192 or 256; tiles are BLOCK_M rows).
 
     ``send_bytes``: about how much one put between nodes carries (tiles are grouped to
     reach it: a copy-engine put costs microseconds whatever its size).
@@ -301,7 +305,10 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
     if dtype not in ("bf16", "f16") or b_layout not in ("kn", "nk"):
         raise ValueError(f"mkrt.gemm_allreduce: dtype={dtype!r}, b_layout={b_layout!r}; expected "
                          "bf16/f16 and kn/nk")
-    tile = (dtype, b_layout, BLOCK_M, BLOCK_N, gemm_module.max_stages(BLOCK_M, BLOCK_N, "direct"))
+    if not isinstance(block_n, (int, np.integer)) or isinstance(block_n, bool) \
+            or block_n not in TILE_WIDTHS:
+        raise ValueError(f"mkrt.gemm_allreduce: block_n={block_n!r}; expected one of {TILE_WIDTHS}")
+    tile = (dtype, b_layout, BLOCK_M, block_n, gemm_module.max_stages(BLOCK_M, block_n, "direct"))
     world = nodes * ranks_per_node
     area = "gemm_reducescatter" if collective == "reducescatter" else "gemm_allreduce"
     if collective not in ("allreduce", "reducescatter"):

@@ -201,6 +201,8 @@ def check_operands(x_shape, w_shape, x_dtype, w_dtype, groups_from_offsets: int 
     if k < 8 or k % 8:
         raise ValueError(f"mkrt.grouped_gemm: K={k} must be a positive multiple of 8 (TMA needs "
                          "16-byte rows)")
+    if rows < 0:
+        raise ValueError(f"mkrt.grouped_gemm: x {tuple(x_shape)} has a negative row count")
     if n < 1 or groups < 1:
         raise ValueError(f"mkrt.grouped_gemm: w {tuple(w_shape)} has no groups or no columns")
     if groups > MAX_GROUPS:
