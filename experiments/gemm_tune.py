@@ -46,7 +46,7 @@ HELD_OUT = [(4096, 4096, 4096), (2048, 8192, 8192), (8000, 7936, 4096), (16, 819
             (2504, 2500, 2504), (7168, 7168, 7168), (4096, 1024, 1024)]
 #: (block_m, block_n) tiles of the engine (one or two consumer warpgroups of 64 rows): the
 #: ones mkrt.kernels.gemm_rule may choose
-CONFIGS = [(128, 256), (128, 192), (128, 128), (64, 256), (64, 128)]
+CONFIGS = [(128, 256), (128, 192), (128, 128), (64, 256), (64, 128), (256, 128)]
 
 
 def parse():

@@ -35,7 +35,8 @@ def test_uri_names_every_code_changing_field():
 @pytest.mark.parametrize("kwargs", [dict(dtype="f32"), dict(b_layout="mk"), dict(block_m=96),
                                     dict(block_n=320), dict(block_n=100), dict(stages=1),
                                     dict(stages=6), dict(stages=4, epilogue="tma"),
-                                    dict(epilogue="smem")])
+                                    dict(epilogue="smem"), dict(block_m=256, block_n=256),
+                                    dict(block_m=512, block_n=128), dict(cluster="m4")])
 def test_spec_refuses_bad_configurations(kwargs):
     with pytest.raises(ValueError, match="^mkrt.gemm:"):
         G.GemmSpec(**kwargs)
@@ -155,7 +156,7 @@ def test_gemm_with_fewer_ctas(sms, epilogue):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,block_n", [(128, 192), (128, 128), (64, 256), (64, 128)])
+@pytest.mark.parametrize("block_m,block_n", [(128, 192), (128, 128), (64, 256), (64, 128), (256, 128)])
 @pytest.mark.parametrize("b_layout,epilogue", [("nk", "tma"), ("kn", "direct")])
 def test_every_tile_configuration_matches_the_reference(block_m, block_n, b_layout, epilogue):
     """The tiles experiments/gemm_tune.py sweeps, on a shape with partial tiles on every

@@ -71,7 +71,7 @@ struct SummedParts {
     template <int CONSUMERS, class F>
     __device__ __forceinline__ void for_each_pair(const mkrt::gemm::ConsumerThread<CONSUMERS>& who,
                                                   F&& f) const {
-        mkrt::gemm::Accumulator<Cfg::BN>::each_pair_slot(who, [&](int row, int col, int i) {
+        mkrt::gemm::Accumulator<Cfg::BN, Cfg::SUBTILES>::each_pair_slot(who, [&](int row, int col, int i) {
             float v0 = 0.f, v1 = 0.f;
             for (int part = 0; part < splits; ++part) {
                 const float* p = parts + part * part_words + who.thread;
@@ -196,8 +196,11 @@ class GemmSpec(KernelSpec):
             raise ValueError(f"mkrt.gemm: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
         if self.b_layout not in B_LAYOUTS:
             raise ValueError(f"mkrt.gemm: b_layout={self.b_layout!r}; expected 'kn' or 'nk'")
-        if self.block_m not in (64, 128):
-            raise ValueError(f"mkrt.gemm: block_m={self.block_m}; expected 64 or 128")
+        if self.block_m not in (64, 128, 256):
+            raise ValueError(f"mkrt.gemm: block_m={self.block_m}; expected 64, 128 or 256")
+        if self.block_m == 256 and self.block_n > 128:
+            raise ValueError(f"mkrt.gemm: a {self.block_m}x{self.block_n} tile needs more than 128 "
+                             "accumulators per consumer thread; 256-row tiles take block_n <= 128")
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected 64, 128, 192 or 256")
         if self.epilogue not in EPILOGUES:
@@ -217,7 +220,9 @@ class GemmSpec(KernelSpec):
     # -- what the host needs to know about the compiled kernel (mirrors gemm::Config) --
     @property
     def threads(self) -> int:
-        return 128 * (1 + self.block_m // 64)
+        """Producer warpgroup + consumers (mirrors gemm::Config: 256-row tiles have two
+        consumers of 128 rows each)."""
+        return 128 * (1 + min(self.block_m // 64, 2))
 
     @property
     def cluster_m(self) -> int:
@@ -474,7 +479,8 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
     out: optional [M, N] of the same dtype (written in place and returned). ``sms`` caps the
     grid (default: every SM), ``group_m`` is the raster group (tile rows walked together),
-    ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256; default:
+    ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256, and 256 x 64
+    or 128; default:
     :func:`mkrt.kernels.gemm_rule.choose_tile`, a tuned table or the rule),
     ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
     depth (default: as many as fit), ``split_k`` > 1 (default: the rule's): each tile's K in that many parts

@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 
 #: (block_m, block_n) tiles the engine builds and the sweep measures
-TILES = ((128, 256), (128, 192), (128, 128), (64, 256), (64, 128))
+TILES = ((128, 256), (128, 192), (128, 128), (64, 256), (64, 128), (256, 128))
 DEFAULT_TILE = (128, 256)
 
 

@@ -65,7 +65,11 @@ struct Config {
     static constexpr int BK = 64;             // 64 two-byte elements = one 128-byte swizzle row
     static constexpr int STAGES = STAGES_;
     static constexpr bool B_K_MAJOR = B_K_MAJOR_;   // B stored [N, K] (true) or [K, N]
-    static constexpr int CONSUMERS = BM / 64;
+    // Consumer warpgroups, and the rows each takes: 64 (one m64 MMA per k16 step), or
+    // 128 for 256-row tiles (two, on the upper and lower 64 rows of its slice).
+    static constexpr int CONSUMERS = BM == 256 ? 2 : BM / 64;
+    static constexpr int CONSUMER_ROWS = BM / CONSUMERS;
+    static constexpr int SUBTILES = CONSUMER_ROWS / 64;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int A_STAGE_BYTES = BM * BK * 2;
     static constexpr int B_STAGE_BYTES = BN * BK * 2;
@@ -83,7 +87,8 @@ struct Config {
     static_assert(EPILOGUE_BYTES % 1024 == 0, "epilogue staging keeps 1024-byte alignment");
     static constexpr int PRODUCER_REGISTERS = 40;
     static constexpr int CONSUMER_REGISTERS = CONSUMERS == 1 ? 240 : 232;
-    static_assert(BM % 64 == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "BM is 64 or 128");
+    static_assert(BM == 64 || BM == 128 || BM == 256, "BM is 64, 128 or 256");
+    static_assert(SUBTILES * BN <= 256, "at most 128 fp32 accumulators per consumer thread");
     static_assert(BN % 64 == 0 && BN <= 256, "BN is a multiple of 64, at most 256");
 };
 
@@ -176,7 +181,7 @@ struct ListWork {
 // Who a consumer thread is, for epilogues.
 template <int CONSUMERS>
 struct ConsumerThread {
-    int warpgroup;   // 0 .. CONSUMERS-1: which 64-row slice of the tile
+    int warpgroup;   // 0 .. CONSUMERS-1: which slice of the tile (64 rows; 128 in 256-row tiles)
     int thread;      // 0 .. 128*CONSUMERS-1 among all consumer threads
     char* smem;      // the epilogue's staging area (Config::EPILOGUE_BYTES, 1024-aligned)
     static constexpr int COUNT = 128 * CONSUMERS;
@@ -192,23 +197,34 @@ struct ConsumerThread {
     __device__ __forceinline__ bool warpgroup_leader() const { return (thread & 127) == 0; }
 };
 
-// A consumer warpgroup's 64 x BN slice of the tile, fp32 (wgmma's register layout).
-template <int BN>
+// A consumer warpgroup's slice of the tile, fp32 (wgmma's register layout): SUB blocks of
+// 64 x BN (SUB = 2 for the 128-row slices of 256-row tiles), block s in d[s * PART ..].
+template <int BN, int SUB = 1>
 struct Accumulator {
-    static constexpr int COUNT = BN / 2;
+    static constexpr int PART = BN / 2;
+    static constexpr int COUNT = SUB * PART;
     float d[COUNT];
+
+    // Block s as the array a 64-row MMA writes.
+    __device__ __forceinline__ float (&part(int s))[PART] {
+        return *reinterpret_cast<float (*)[PART]>(d + s * PART);
+    }
 
     // g(row, col, i) for each pair of adjacent outputs this thread holds, d[i] and d[i + 1];
     // row and col are relative to the tile (row in 0..BM-1, col even, in 0..BN-1).
     template <int CONSUMERS, class G>
     static __device__ __forceinline__ void each_pair_slot(const ConsumerThread<CONSUMERS>& who, G&& g) {
         const int lane = who.thread & 31;
-        const int row = who.warpgroup * 64 + ((who.thread >> 5) & 3) * 16 + (lane >> 2);
+        const int first = who.warpgroup * SUB * 64 + ((who.thread >> 5) & 3) * 16 + (lane >> 2);
         const int col = 2 * (lane & 3);
         #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            g(row, 8 * j + col, 4 * j + 0);
-            g(row + 8, 8 * j + col, 4 * j + 2);
+        for (int s = 0; s < SUB; ++s) {
+            const int row = first + s * 64;
+            #pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                g(row, 8 * j + col, s * PART + 4 * j + 0);
+                g(row + 8, 8 * j + col, s * PART + 4 * j + 2);
+            }
         }
     }
 
@@ -337,28 +353,30 @@ struct FlagEpilogue {
 // Stage the tile in shared memory (128B-swizzled, as TMA reads it) and write it with TMA
 // stores: the consumers spend a few shared-memory stores per value instead of many
 // narrow global stores, and the copy engine writes full lines in the background while
-// the next tile's MMAs run. Each consumer warpgroup stores its own 64 rows as BN/64
-// boxes of 64 columns x 64 rows (tma_out: box 64 x 64, 128B swizzle); needs
+// the next tile's MMAs run. Each consumer warpgroup stores its own rows (64, or 128 in
+// 256-row tiles) as boxes of 64 columns x 64 rows (tma_out: box 64 x 64, 128B swizzle); needs
 // Config::EPILOGUE_BYTES = BM * BN * 2 and an output whose rows are 16-byte multiples.
 // tma_out may describe a peer's buffer (the map only needs an address the GPU can write).
 template <class T, int BM, int BN>
 struct TmaStoreEpilogue {
     const TmaDescriptor* tma_out;
-    static constexpr int SLICE_BYTES = 64 * BN * 2;   // one warpgroup's 64 rows
     static constexpr int BOX_BYTES = 64 * 128;        // 64 rows x 64 columns
 
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
                                                const ConsumerThread<CONSUMERS>& who) const {
-        char* const slice = who.smem + who.warpgroup * SLICE_BYTES;
+        constexpr int ROWS = BM / CONSUMERS;          // this warpgroup's rows (64 or 128)
+        constexpr int BLOCK_BYTES = 64 * BN * 2;      // 64 of them: BN / 64 boxes
+        char* const slice = who.smem + who.warpgroup * (ROWS / 64) * BLOCK_BYTES;
         // The previous tile's stores must have finished reading the staging area.
         if (who.warpgroup_leader()) tma_store_wait_read<0>();
         who.sync_warpgroup();
         const u32 base = smem_address(slice);
         acc.for_each_pair(who, [&](int r, int c, float v0, float v1) {
-            const int row = r & 63;                                  // row inside the slice
+            const int row = r & (ROWS - 1);                          // row inside the slice
             const int unit = ((c & 63) >> 3) ^ (row & 7);             // 128B swizzle
-            const u32 address = base + (c >> 6) * BOX_BYTES + row * 128 + unit * 16 + (c & 7) * 2;
+            const u32 address = base + (row >> 6) * BLOCK_BYTES + (c >> 6) * BOX_BYTES
+                              + (row & 63) * 128 + unit * 16 + (c & 7) * 2;
             const typename Pack<T>::Pair pair = Pack<T>::pair(v0, v1);
             asm volatile("st.shared.b32 [%0], %1;"
                          :: "r"(address), "r"(*reinterpret_cast<const u32*>(&pair)) : "memory");
@@ -367,9 +385,12 @@ struct TmaStoreEpilogue {
         who.sync_warpgroup();
         if (who.warpgroup_leader()) {
             #pragma unroll
-            for (int box = 0; box < BN / 64; ++box)
-                tma_store_2d(tma_out, slice + box * BOX_BYTES, tile.n * BN + box * 64,
-                             tile.m * BM + who.warpgroup * 64);
+            for (int block = 0; block < ROWS / 64; ++block) {
+                #pragma unroll
+                for (int box = 0; box < BN / 64; ++box)
+                    tma_store_2d(tma_out, slice + block * BLOCK_BYTES + box * BOX_BYTES,
+                                 tile.n * BN + box * 64, tile.m * BM + who.warpgroup * ROWS + block * 64);
+            }
             tma_store_commit();
         }
     }
@@ -474,8 +495,8 @@ __device__ __forceinline__ void release_stage(const Pipeline<Cfg>& pipe, int sta
 // Consumer warpgroup `group`: the k-loop of one tile into `acc`.
 template <class Cfg>
 __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int group, int kb_first,
-                                             int kb_last, Accumulator<Cfg::BN>& acc, int& stage,
-                                             u32& phase) {
+                                             int kb_last, Accumulator<Cfg::BN, Cfg::SUBTILES>& acc,
+                                             int& stage, u32& phase) {
     typedef typename Cfg::T T;
     constexpr int TRANSPOSE_B = Cfg::B_K_MAJOR ? 0 : 1;
     // B's leading offset matters only MN-major: the distance between 64-wide N chunks.
@@ -487,15 +508,24 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int grou
     int previous = -1;
     for (int kb = kb_first; kb < kb_last; ++kb) {
         mbarrier_wait(&pipe.full[stage], phase);
-        const u32 a_address = smem_address(pipe.a_stage(stage)) + group * 64 * 128;
+        const u32 a_address = smem_address(pipe.a_stage(stage)) + group * Cfg::CONSUMER_ROWS * 128;
         const u32 b_address = smem_address(pipe.b_stage(stage));
         fence_accumulators(acc.d);
         wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < Cfg::BK / 16; ++kk) {
-            const u64 da = smem_descriptor_sw128(a_address + kk * 32, 16, 1024);
-            const u64 db = smem_descriptor_sw128(b_address + kk * B_K_STEP, B_LEADING, 1024);
-            Mma64<T, Cfg::BN, TRANSPOSE_B>::run(acc.d, da, db, kb != kb_first || kk != 0);
+            if constexpr (Cfg::SUBTILES == 1) {
+                const u64 da = smem_descriptor_sw128(a_address + kk * 32, 16, 1024);
+                const u64 db = smem_descriptor_sw128(b_address + kk * B_K_STEP, B_LEADING, 1024);
+                Mma64<T, Cfg::BN, TRANSPOSE_B>::run(acc.d, da, db, kb != kb_first || kk != 0);
+            } else {
+                const u64 db = smem_descriptor_sw128(b_address + kk * B_K_STEP, B_LEADING, 1024);
+                #pragma unroll
+                for (int s = 0; s < Cfg::SUBTILES; ++s) {   // 64-row blocks of the slice
+                    const u64 da = smem_descriptor_sw128(a_address + s * 64 * 128 + kk * 32, 16, 1024);
+                    Mma64<T, Cfg::BN, TRANSPOSE_B>::run(acc.part(s), da, db, kb != kb_first || kk != 0);
+                }
+            }
         }
         wgmma_commit();
         fence_accumulators(acc.d);
@@ -542,7 +572,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
         who.warpgroup = warpgroup - 1;
         who.thread = threadIdx.x - 128;
         who.smem = pipe.epilogue;
-        Accumulator<Cfg::BN> acc;
+        Accumulator<Cfg::BN, Cfg::SUBTILES> acc;
         int stage = 0;
         u32 phase = 0;
         Tile tile;
