@@ -10,8 +10,8 @@
 #    racecheck of gemm_allreduce fused 2x2 alone finished in 75 s at 6a1950f), with 8 CTAs
 #    per rank (the same kernels, less for the tools to track) and the cases' own waits
 #    raised to 280 s; whatever does not fit in the call is left for the next;
-# 2. mkrt.gemm's clusters of two CTAs sharing B by TMA multicast (cluster="m2", never run):
-#    the GPU test, then timed beside the one-CTA tiles on the 3000x5000x7000 gap (0.58x
+# 2. mkrt.gemm's clusters of two CTAs sharing B by TMA multicast (cluster="m2") and 256x128
+#    tiles, never run: the GPU tests, then timed beside the one-CTA tiles on the 3000x5000x7000 gap (0.58x
 #    torch), that shape with K, M and N rounded to multiples of 128 (misaligned rows or the
 #    shape?) and four others, torch.matmul in the same run.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -25,10 +25,11 @@ timeout 150 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_fuzz_gpu.py
 echo "== gemm_allreduce with 128 x 192 and 128 x 128 compute tiles (block_n, new)"
 timeout 120 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py -k narrower \
     -p no:cacheprovider -p timeout --timeout=100 2>&1 | tail -2
-echo "== gemm: clusters of two sharing B (first GPU run: correctness in a child process)"
-timeout 200 python3 -m pytest -q -m gpu tests/test_gemm.py -k cluster -p no:cacheprovider 2>&1 | tail -3
+echo "== gemm: clusters of two sharing B and 256x128 tiles (first GPU runs)"
+timeout 200 python3 -m pytest -q -m gpu tests/test_gemm.py -k "cluster or every_tile" -p no:cacheprovider \
+    -p timeout --timeout=180 2>&1 | tail -3
 echo "== gemm: misaligned rows or the shape? and do pairs sharing B close the gap?"
-timeout 150 python3 experiments/gemm_tune.py --cluster --configs 128x256 128x192 64x128 --split-k 1 \
+timeout 170 python3 experiments/gemm_tune.py --cluster --configs 128x256 128x192 64x128 256x128 --split-k 1 \
     --shapes 3000x5000x7000 3000x5000x7168 3072x5120x7000 3072x5120x7168 24576x8192x1024 \
         8192x8192x8192 2048x2048x2048 16x8192x8192 \
     --out $OUT/gemm_tune.jsonl 2>&1 | grep -vE "WRONG" | tail -40
