@@ -2,18 +2,18 @@
 # What is left unverified on a GPU, in one device call (about 9 min), each step bounded,
 # rows under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 0. the MoE GPU tests and fuzz samples (their problems now come from
-#    mkrt.kernels.moe.random_problem; the dispatch + combine sample never ran) and
-#    gemm_allreduce's narrower compute tiles (block_n=192/128, never run);
-# 1. (after 2) the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
+# 1. GPU tests of code never run: the MoE tests and fuzz samples (problems now from
+#    mkrt.kernels.moe.random_problem; the dispatch + combine sample is new), gemm_allreduce
+#    with 192- and 128-wide compute tiles (block_n), mkrt.gemm's 256x128 tiles and its
+#    clusters of two CTAs sharing B by TMA multicast (cluster="m2");
+# 2. those GEMM variants timed beside the one-CTA tiles on the 3000x5000x7000 gap (0.58x
+#    torch), that shape with M, N and K rounded to multiples of 128 (misaligned rows or the
+#    shape?) and four others, torch.matmul in the same run;
+# 3. the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
 #    racecheck, one at a time (three at once with 95 s bounds all timed out at e3a9449;
 #    racecheck of gemm_allreduce fused 2x2 alone finished in 75 s at 6a1950f), with 8 CTAs
 #    per rank (the same kernels, less for the tools to track) and the cases' own waits
-#    raised to 280 s; whatever does not fit in the call is left for the next;
-# 2. mkrt.gemm's clusters of two CTAs sharing B by TMA multicast (cluster="m2") and 256x128
-#    tiles, never run: the GPU tests, then timed beside the one-CTA tiles on the 3000x5000x7000 gap (0.58x
-#    torch), that shape with K, M and N rounded to multiples of 128 (misaligned rows or the
-#    shape?) and four others, torch.matmul in the same run.
+#    raised to 280 s; whatever does not fit in the call is left for the next.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MKRT_SANITIZE_WAIT_MS=280000 MKRT_SANITIZE_CTAS=8    # 8 CTAs per rank: less to track
