@@ -8,7 +8,8 @@
 #    clusters of two CTAs sharing B by TMA multicast (cluster="m2");
 # 2. those GEMM variants timed beside the one-CTA tiles on the 3000x5000x7000 gap (0.58x
 #    torch), that shape with M, N and K rounded to multiples of 128 (misaligned rows or the
-#    shape?) and four others, torch.matmul in the same run;
+#    shape?) and four others, torch.matmul in the same run; split-K (now writing only the
+#    rows inside the matrix) on three small-M shapes;
 # 3. the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
 #    racecheck, one at a time (three at once with 95 s bounds all timed out at e3a9449;
 #    racecheck of gemm_allreduce fused 2x2 alone finished in 75 s at 6a1950f), with 8 CTAs
@@ -26,13 +27,16 @@ echo "== gemm_allreduce with 128 x 192 and 128 x 128 compute tiles (block_n, new
 timeout 120 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py -k narrower \
     -p no:cacheprovider -p timeout --timeout=100 2>&1 | tail -2
 echo "== gemm: clusters of two sharing B and 256x128 tiles (first GPU runs)"
-timeout 200 python3 -m pytest -q -m gpu tests/test_gemm.py -k "cluster or every_tile" -p no:cacheprovider \
+timeout 200 python3 -m pytest -q -m gpu tests/test_gemm.py -k "cluster or every_tile or split_k" -p no:cacheprovider \
     -p timeout --timeout=180 2>&1 | tail -3
 echo "== gemm: misaligned rows or the shape? and do pairs sharing B close the gap?"
 timeout 170 python3 experiments/gemm_tune.py --cluster --configs 128x256 128x192 64x128 256x128 --split-k 1 \
     --shapes 3000x5000x7000 3000x5000x7168 3072x5120x7000 3072x5120x7168 24576x8192x1024 \
         8192x8192x8192 2048x2048x2048 16x8192x8192 \
     --out $OUT/gemm_tune.jsonl 2>&1 | grep -vE "WRONG" | tail -40
+echo "== split-K writing and reading only the rows inside the matrix, on small-M shapes"
+timeout 60 python3 experiments/gemm_tune.py --configs 64x128 128x256 --split-k 2 4 \
+    --shapes 16x8192x8192 64x14336x4096 128x4096x4096 --out $OUT/gemm_tune.jsonl 2>&1 | grep best
 echo "== sanitizers, one at a time"
 for job in "initcheck gemm_allreduce_fused_2x2" "racecheck gemm_reducescatter_fused_2x2" \
            "initcheck allgather_gemm_fused_2x2" "racecheck allgather_gemm_fused_2x2" \

@@ -61,19 +61,20 @@ struct SplitKWork {
 };
 
 // The sum of a tile's parts, read pair by pair as the store walks the fragments (no
-// second accumulator in registers), added in part order 0, 1, ...
+// second accumulator in registers), added in part order 0, 1, ... Rows past the matrix
+// (rows_left) were never written: they are not read either.
 template <int THREADS>
 struct SummedParts {
     const float* parts;     // part 0 of the tile; part p at parts + p * part_words
     long long part_words;
-    int splits;
+    int splits, rows_left;
 
     template <int CONSUMERS, class F>
     __device__ __forceinline__ void for_each_pair(const mkrt::gemm::ConsumerThread<CONSUMERS>& who,
                                                   F&& f) const {
         mkrt::gemm::Accumulator<Cfg::BN, Cfg::SUBTILES>::each_pair_slot(who, [&](int row, int col, int i) {
             float v0 = 0.f, v1 = 0.f;
-            for (int part = 0; part < splits; ++part) {
+            for (int part = 0; part < (row < rows_left ? splits : 0); ++part) {
                 const float* p = parts + part * part_words + who.thread;
                 v0 += __ldcg(p + i * THREADS);
                 v1 += __ldcg(p + (i + 1) * THREADS);
@@ -83,7 +84,8 @@ struct SummedParts {
     }
 };
 
-// Each part stores its fp32 partial (every consumer thread its own fragment, coalesced);
+// Each part stores its fp32 partial (every consumer thread its own fragment, coalesced;
+// only rows inside the matrix: a 16-row problem in 64-row tiles writes a quarter);
 // the last part of a tile to arrive adds the parts in order 0, 1, ... (so the sum does
 // not depend on which came last: bit-identical between calls), stores the tile, and
 // re-arms the tile's arrival counter for the next call.
@@ -104,8 +106,12 @@ struct SplitKEpilogue {
         constexpr int THREADS = 128 * CONSUMERS;
         constexpr long long PART = (long long)Acc::COUNT * THREADS;
         float* mine = partials + ((long long)tile.index * splits + tile.split) * PART;
-        #pragma unroll
-        for (int i = 0; i < Acc::COUNT; ++i) mine[i * THREADS + who.thread] = acc.d[i];
+        const int rows_left = store.rows - tile.m * Cfg::BM;
+        Acc::each_pair_slot(who, [&](int row, int, int i) {
+            if (row >= rows_left) return;
+            mine[i * THREADS + who.thread] = acc.d[i];
+            mine[(i + 1) * THREADS + who.thread] = acc.d[i + 1];
+        });
         __shared__ int last_part;
         __threadfence();                                     // the partial, before the count
         who.sync();
@@ -114,7 +120,7 @@ struct SplitKEpilogue {
         if (!last_part) return;
         __threadfence();
         store(tile, SummedParts<THREADS>{partials + (long long)tile.index * splits * PART, PART,
-                                         splits}, who);
+                                         splits, rows_left}, who);
         if (who.thread == 0) arrivals[tile.index] = 0;
     }
 };
