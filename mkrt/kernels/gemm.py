@@ -643,7 +643,9 @@ def _prepared_gemm(key, p: GemmPlan, device: int) -> _PreparedGemm:
     if call is None:
         function = p.spec.function("gemm", device, p.spec.smem_bytes)
         if p.spec.cluster_m > 1:
-            p = dataclasses.replace(p, grid=cluster_grid(p, function))
+            import cupy
+            with cupy.cuda.Device(device):         # the occupancy query uses the current context
+                p = dataclasses.replace(p, grid=cluster_grid(p, function))
         call = _PREPARED[key] = _PreparedGemm(p, function, device)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)
