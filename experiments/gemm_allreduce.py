@@ -68,7 +68,7 @@ def _err(value):
     return "-" if value is None else f"{value:.1e}"
 
 
-def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None):
+def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None, block_n=256):
     import cupy
 
     import mkrt
@@ -82,8 +82,8 @@ def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None):
         print(f"{'layout':>6} {'case':>18} {'fused us':>10} {'unfused us':>11} {'ratio':>6} "
               f"{'auto':>7} {'split':>7} {'err f/u':>16}")
     for m, n, k in cases:
-        op = gar.GemmAllReduce(world, fuse=True, timeout_ms=60000)
-        auto = gar.GemmAllReduce(world, timeout_ms=60000)
+        op = gar.GemmAllReduce(world, fuse=True, timeout_ms=60000, block_n=block_n)
+        auto = gar.GemmAllReduce(world, timeout_ms=60000, block_n=block_n)
         a_list, b_list = make_operands(world, m, n, k, seed=m + k)
         check_ok = m * n <= 8192 * 8192
         # Larger cases are not checked (the float32 reference would dominate the run).
@@ -110,7 +110,7 @@ def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None):
                               m=m, n=n, k_per_rank=k, auto_us=auto_ms * 1e3, auto_choice=choice,
                               compute_ctas=p.compute_ctas, reduce_ctas=p.reduce_ctas,
                               tflops_all_ranks=tflops, rel_error_fused=err_f,
-                              rel_error_unfused=err_u,
+                              rel_error_unfused=err_u, block_n=block_n,
                               baseline_name="cupy.matmul (cuBLAS) per rank + mkrt all-reduce"))
         op.close()
         auto.close()
@@ -187,6 +187,8 @@ def main() -> int:
     parser.add_argument("--cases", choices=["sweep", "llm", "all", "small"], default="all")
     parser.add_argument("--max-m", type=int, default=32768)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--block-n", type=int, default=256, choices=(128, 192, 256),
+                        help="the fused kernel's compute tile width")
     parser.add_argument("--mpi", action="store_true", help="real world under mpiexec")
     parser.add_argument("--out", default=str(ROOT / "experiments" / "results" / "gemm_allreduce.jsonl"))
     parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
@@ -196,12 +198,14 @@ def main() -> int:
     cases = [c for c in cases if c[0] <= args.max_m]
     records = []
     if args.mpi:
-        records += run_layout(None, cases, iters=args.iters, mpi=True, out_path=args.out)
+        records += run_layout(None, cases, iters=args.iters, mpi=True, out_path=args.out,
+                              block_n=args.block_n)
     else:
         records += world_one_overhead([(8192, 8192, 512), (4096, 4096, 4096)], iters=args.iters,
                                       out_path=args.out)
         for layout in args.layouts:
-            records += run_layout(layout, cases, iters=args.iters, out_path=args.out)
+            records += run_layout(layout, cases, iters=args.iters, out_path=args.out,
+                                  block_n=args.block_n)
     if records:
         ratios = [r["ratio"] for r in records if r["metric"] == "time" and r["ratio"]]
         if ratios:
