@@ -9,7 +9,8 @@
 # 2. those GEMM variants timed beside the one-CTA tiles on the 3000x5000x7000 gap (0.58x
 #    torch), that shape with M, N and K rounded to multiples of 128 (misaligned rows or the
 #    shape?) and four others, torch.matmul in the same run; split-K (now writing only the
-#    rows inside the matrix) on three small-M shapes;
+#    rows inside the matrix) on three small-M shapes; host time per call of allgather,
+#    gemm_allreduce, ring attention and MoE (the last two never measured);
 # 3. the sanitizer runs that never finished: the multi-node (2x2) cases under initcheck and
 #    racecheck, one at a time (three at once with 95 s bounds all timed out at e3a9449;
 #    racecheck of gemm_allreduce fused 2x2 alone finished in 75 s at 6a1950f), with 8 CTAs
@@ -37,6 +38,9 @@ timeout 170 python3 experiments/gemm_tune.py --cluster --configs 128x256 128x192
 echo "== split-K writing and reading only the rows inside the matrix, on small-M shapes"
 timeout 60 python3 experiments/gemm_tune.py --configs 64x128 128x256 --split-k 2 4 \
     --shapes 16x8192x8192 64x14336x4096 128x4096x4096 --out $OUT/gemm_tune.jsonl 2>&1 | grep best
+echo "== host time per call: the two target ops, and ring attention and MoE (never measured)"
+timeout 90 python3 experiments/runtime.py --layouts 1x1 1x2 --ops allgather gemm_allreduce ring_attention moe \
+    --out $OUT/runtime.jsonl 2>&1 | grep -v "^ "
 echo "== sanitizers, one at a time"
 for job in "initcheck gemm_allreduce_fused_2x2" "racecheck gemm_reducescatter_fused_2x2" \
            "initcheck allgather_gemm_fused_2x2" "racecheck allgather_gemm_fused_2x2" \

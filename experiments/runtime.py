@@ -1,8 +1,9 @@
 """Host time per call of the world ops: back-to-back calls without synchronisation.
 
 For `allgather` (4 KiB per rank), `gemm_allreduce` (256x256x256 per rank, out= given),
-`gemm_reducescatter` (256x256x256 per rank, 256/W rows out) and `allgather_gemm` (256/W
-rows of A per rank, 256x256 B)
+`gemm_reducescatter` (256x256x256 per rank, 256/W rows out), `allgather_gemm` (256/W
+rows of A per rank, 256x256 B), `ring_attention` (causal, 128 rows per rank) and `moe`
+(32 tokens per rank, top-2, H 256, I 128; five launches per call)
 on emulated worlds 1x1, 1x2 and 1x4: 2000 calls in a row, no sync; host time per call
 (and per rank) is the wall time of the loop. The GPU time per call (events around the
 same loop after a sync) says whether the GPU kept up; a row where it did not is marked
@@ -62,8 +63,43 @@ def operands(world, op_name):
     return args, outs
 
 
+def build_other(world, op_name):
+    """Ring attention (causal, 64-row chunks, 2 query heads on 1, D 64) and MoE (32 tokens
+    per rank, top-2 of 2 experts per rank, H 256, I 128): (call, op)."""
+    import cupy
+    import numpy as np
+
+    import mkrt
+    from mkrt.arrays import bfloat16
+    from mkrt.kernels import moe as M
+    from mkrt.kernels import ring_attention as RA
+    one = len(world.local) == 1
+    pick = (lambda values: values[0]) if one else (lambda values: values)   # noqa: E731
+    if op_name == "ring_attention":
+        rng = cupy.random.default_rng(3)
+        S = 2 * world.size * 64
+        q, k, v = (rng.standard_normal((1, S, h, 64), dtype=np.float32).astype(bfloat16)
+                   for h in (2, 1, 1))
+        parts = [pick([RA.shard(t, info.rank, world.size, causal=True) for info in world.local])
+                 for t in (q, k, v)]
+        outs = pick([cupy.empty((1, 128, 2, 64), bfloat16) for _ in world.local])
+        lses = pick([cupy.empty((1, 2, 128), np.float32) for _ in world.local])
+        op = mkrt.RingAttention(world)
+        return (lambda: op(*parts, causal=True, out=outs, lse=lses)), op
+    if world.nodes != 1:
+        raise ValueError("MoE runs inside one node")
+    experts = 2 * world.size
+    dev, _ = M.random_problem(world.size, [32] * world.size, 2, 256, 128, experts, seed=4)
+    args = [pick(dev[name]) for name in ("x", "ids", "weights", "w1", "w2")]
+    outs = pick([cupy.empty((32, 256), bfloat16) for _ in world.local])
+    op = mkrt.MoE(world, experts=experts, capacity=32)
+    return (lambda: op(*args, out=outs)), op
+
+
 def build(world, op_name):
     import mkrt
+    if op_name in ("ring_attention", "moe"):
+        return build_other(world, op_name)
     if op_name == "gemm":
         if world.size != 1:
             raise ValueError("the gemm baseline runs on a world of one rank (1x1)")
@@ -131,7 +167,7 @@ def main() -> int:
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "1x4"])
     parser.add_argument("--ops", nargs="+", default=["allgather", "gemm_allreduce"],
                         choices=["allgather", "gemm_allreduce", "gemm_reducescatter",
-                                 "allgather_gemm", "gemm"],
+                                 "allgather_gemm", "ring_attention", "moe", "gemm"],
                         help="gemm: mkrt.gemm alone on 1x1, the floor of the world ops' 1x1 rows")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--label", default="after")
