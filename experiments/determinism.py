@@ -106,20 +106,11 @@ def ops(world, args):
     ring_references = [ra.shard(ring_full, info.rank, world.size, causal=True) for info in world.local]
 
     # MoE (one node only): 48 tokens per rank, top-2 of 2 experts per rank, H 256, I 128
-    moe_experts, moe_tokens, moe_k = 2 * world.size, 48, 2
-    moe_rng = np.random.default_rng(12)
-    moe_ids = [moe_rng.permuted(np.tile(np.arange(moe_experts), (moe_tokens, 1)), axis=1)[:, :moe_k]
-               .astype(np.int32) for _ in world.local]
-    moe_weights = [moe_rng.random((moe_tokens, moe_k), dtype=np.float32) for _ in world.local]
-    moe_x = [(rng.standard_normal((moe_tokens, 256), dtype=np.float32)).astype(bfloat16) for _ in world.local]
-    moe_w1 = [(rng.standard_normal((2, 256, 256), dtype=np.float32) / 16).astype(bfloat16) for _ in world.local]
-    moe_w2 = [(rng.standard_normal((2, 256, 128), dtype=np.float32) / 12).astype(bfloat16) for _ in world.local]
-    moe_expected = None
+    moe_dev = moe_expected = None
     if world.nodes == 1:
-        from mkrt.kernels import moe_plan
-        moe_expected = moe_plan.reference([to_float32(t).get() for t in moe_x], moe_ids, moe_weights,
-                                          [to_float32(t).get() for t in moe_w1],
-                                          [to_float32(t).get() for t in moe_w2])
+        from mkrt.kernels import moe as moe_module
+        moe_dev, moe_expected = moe_module.random_problem(
+            world.size, [48] * world.size, 2, 256, 128, 2 * world.size, seed=12)
 
     def moe_check(outs):
         return all(np.abs(to_float32(o).get() - want).max() <= 3e-2 * np.abs(want).max()
@@ -132,10 +123,8 @@ def ops(world, args):
     scatter = mkrt.GemmReduceScatter(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     gather_gemm = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     ring = mkrt.RingAttention(world, timeout_ms=args.timeout_ms)
-    moe_ids_device = [cupy.asarray(i) for i in moe_ids]
-    moe_weights_device = [cupy.asarray(w) for w in moe_weights]
-    moe = mkrt.MoE(world, experts=moe_experts, capacity=moe_tokens, timeout_ms=args.timeout_ms) \
-        if world.nodes == 1 else None
+    moe = mkrt.MoE(world, experts=2 * world.size, capacity=48, timeout_ms=args.timeout_ms) \
+        if moe_dev is not None else None
     gar_outs = lambda: [cupy.empty((m, n), bfloat16) for _ in world.local]          # noqa: E731
     table = {
         "gemm_allreduce_fused": (lambda out: fused(a, b, out=out), gar_outs(), gar_check),
@@ -161,8 +150,9 @@ def ops(world, args):
             lambda out: ring(*ring_parts, causal=True, out=out, lse=ring_lse),
             [cupy.empty((1, 512, 4, 64), bfloat16) for _ in world.local],
             lambda outs: close_to(outs, ring_references)),
-        "moe": (lambda out: moe(moe_x, moe_ids_device, moe_weights_device, moe_w1, moe_w2, out=out),
-                [cupy.empty((moe_tokens, 256), bfloat16) for _ in world.local], moe_check),
+        "moe": (lambda out: moe(*(moe_dev[name] for name in ("x", "ids", "weights", "w1", "w2")),
+                                out=out),
+                [cupy.empty((48, 256), bfloat16) for _ in world.local], moe_check),
         "allgather_world": (lambda out: gather(x, out=out),
                             [cupy.empty((world.size, args.gather_elems), np.float32)
                              for _ in world.local], gather_check),

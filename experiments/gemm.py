@@ -139,14 +139,14 @@ def main():
             baseline_name = "torch.matmul" if torch_ms is not None else "cupy.matmul"
 
             for cap in sm_caps:
-                call = lambda: G.gemm(a, b, out, b_layout=layout, sms=cap,  # noqa: E731
-                                      group_m=args.group_m, block_m=args.block_m,
-                                      block_n=args.block_n, stages=args.stages,
-                                      epilogue=args.epilogue)
-                (rule_m, rule_n, rule_split), why = choose_tile(m, n, k, sms=cap or full_sms,
-                                                                dtype=args.dtype, b_layout=layout)
-                tile = (args.block_m or rule_m, args.block_n or rule_n,
-                        rule_split if args.block_m is None and args.block_n is None else 1)
+                options = dict(b_layout=layout, sms=cap, group_m=args.group_m,
+                               block_m=args.block_m, block_n=args.block_n, stages=args.stages,
+                               epilogue=args.epilogue)
+                call = lambda: G.gemm(a, b, out, **options)  # noqa: E731
+                p = G.call_plan(a, b, out, **options)      # the tile the call runs, recorded
+                tile = (p.spec.block_m, p.spec.block_n, p.splits)
+                why = choose_tile(m, n, k, sms=cap or full_sms, dtype=args.dtype,
+                                  b_layout=layout)[1]
                 G.poison(out)
                 call()
                 ref = G.reference(a, b, b_layout=layout)

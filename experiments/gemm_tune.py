@@ -157,9 +157,11 @@ def sweep(args) -> None:
                 b_layout=args.b_layout, tflops=flops / us / 1e6, error=error,
                 baseline_name="torch.matmul")])
         if times:
-            winner = min((c for c in times if not c.endswith("_m2")), key=times.get, default=None) \
-                or min(times, key=times.get)
-            best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = winner
+            winner = min(times, key=times.get)
+            # the table holds what the rule can run: no cluster configurations (yet)
+            tabled = min((c for c in times if not c.endswith("_m2")), key=times.get, default=None)
+            if tabled is not None:
+                best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = tabled
             print(f"{set_name:8s} {case:18s} best {winner} x torch "
                   f"{torch_us / times[winner]:.3f}", flush=True)
         a = b = out = ta = tb = torch_out = reference = None   # free this shape's memory
@@ -179,14 +181,19 @@ def _configuration(row) -> tuple[int, int, int]:
     return int(row["block_m"]), int(row["block_n"]), int(row.get("split_k", 1))
 
 
-def winning_splits(rows) -> list[int]:
-    """The split-K part counts that were the fastest configuration of at least one shape
-    of `rows` (and 1): the only ones the rule may choose."""
+def _by_case(rows) -> dict:
+    """Rows grouped by shape ("MxNxK"), in order of first appearance."""
     by_case: dict = {}
     for row in rows:
         by_case.setdefault(row["case"], []).append(row)
+    return by_case
+
+
+def winning_splits(rows) -> list[int]:
+    """The split-K part counts that were the fastest configuration of at least one shape
+    of `rows` (and 1): the only ones the rule may choose."""
     won = {_configuration(min(measured, key=lambda r: float(r["value"])))[2]
-           for measured in by_case.values()}
+           for measured in _by_case(rows).values()}
     return sorted(won | {1})
 
 
@@ -225,11 +232,8 @@ def judge(rows, fit) -> list[dict]:
     """Per shape of `rows`: the model's pick, its measured time (None: not measured), the
     fastest measured configuration, and torch.matmul's time."""
     from mkrt.kernels import gemm_rule
-    by_case: dict = {}
-    for row in rows:
-        by_case.setdefault(row["case"], []).append(row)
     out = []
-    for case, measured in by_case.items():
+    for case, measured in _by_case(rows).items():
         m, n, k = (int(x) for x in case.split("x"))
         sms = int(measured[0]["sms"])
         pick = gemm_rule.best_configuration(m, n, k, sms, fit)

@@ -12,21 +12,24 @@ def device_sm_count(device: int) -> int:
     return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
-class _LaunchConfig:
-    """ctypes mirror of the driver's CUlaunchConfig (cuda.h), built on first use."""
+@functools.cache
+def _cluster_occupancy():
+    """The driver's cuOccupancyMaxActiveClusters and a ctypes mirror of CUlaunchConfig
+    (cuda.h), loaded once."""
+    import ctypes
 
-    @staticmethod
-    @functools.cache
-    def struct():
-        import ctypes
+    class CUlaunchConfig(ctypes.Structure):
+        _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                    ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                    ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                    ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                    ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
-        class CUlaunchConfig(ctypes.Structure):
-            _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
-                        ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
-                        ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                        ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                        ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
-        return CUlaunchConfig
+    query = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    query.restype = ctypes.c_int
+    query.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                      ctypes.POINTER(CUlaunchConfig)]
+    return query, CUlaunchConfig
 
 
 def max_active_clusters(function_handle: int, grid: int, block: int, shared_mem: int) -> int:
@@ -36,11 +39,8 @@ def max_active_clusters(function_handle: int, grid: int, block: int, shared_mem:
     work list (the grid's SM count alone overstates it: a cluster needs its CTAs in one
     GPC)."""
     import ctypes
-    lib = ctypes.CDLL("libcuda.so.1")
-    query = lib.cuOccupancyMaxActiveClusters
-    query.restype = ctypes.c_int
-    query.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
-    config = _LaunchConfig.struct()(grid, 1, 1, block, 1, 1, shared_mem, None, None, 0)
+    query, config_type = _cluster_occupancy()
+    config = config_type(grid, 1, 1, block, 1, 1, shared_mem, None, None, 0)
     count = ctypes.c_int(0)
     code = query(ctypes.byref(count), ctypes.c_void_p(function_handle), ctypes.byref(config))
     if code:

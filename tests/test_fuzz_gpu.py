@@ -298,12 +298,7 @@ def test_ring_attention_random_shapes_match_float32(layout, chunk, kv_heads, gro
     parts = [[RA.shard(t, info.rank, world.size, causal=causal) for info in world.local]
              for t in (q, k, v)]
     op = mkrt.RingAttention(world, timeout_ms=10000)
-    try:
-        outs, lses = op(*parts, causal=causal)
-    except (ValueError, TypeError) as error:
-        assert refused(error), error
-        op.close()
-        return
+    outs, lses = op(*parts, causal=causal)        # every example is a valid call
     world.synchronize()
     ref, ref_lse = A.reference(q, k, v, causal=causal)
     got = to_float32(RA.unshard(outs, causal=causal))

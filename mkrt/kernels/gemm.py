@@ -532,6 +532,17 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     return like_input(out_view, a)
 
 
+def call_plan(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
+              block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
+              epilogue: str = "auto", split_k: int | None = None, cluster: str = "") -> GemmPlan:
+    """The plan :func:`gemm` runs for these arguments (the tile the rule chooses where none
+    is given, split-K, the grid), after the same checks; launches nothing."""
+    return _gemm_plan(as_cupy(a, "a"), as_cupy(b, "b"), None if out is None else as_cupy(out, "out"),
+                      b_layout=b_layout, sms=sms, group_m=group_m, block_m=block_m,
+                      block_n=block_n, stages=stages, epilogue=epilogue, split_k=split_k,
+                      cluster=cluster)
+
+
 def _quick_checks(device, *arrays) -> bool:
     """What a prepared signature still checks per call: same GPU, row-major, 16-byte base."""
     for x in arrays:

@@ -48,8 +48,8 @@ from mkrt.controller.board import Board
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.jit.spec import KernelSpec
-from mkrt.kernels.gemm_allreduce_plan import (BLOCK_N, TILE_WIDTHS, Ceilings, FlagLayout, Plan,  # noqa: F401
-                                              plan)
+from mkrt.kernels.gemm_allreduce_plan import (BLOCK_N, Ceilings, FlagLayout, Plan,  # noqa: F401
+                                              check_block_n, plan)
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
 from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
 from mkrt.memory import SymmetricBuffer
@@ -739,10 +739,7 @@ class GemmAllReduce(Op):
         super().__init__(world, timeout_ms=timeout_ms)
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.gemm_allreduce: b_layout={b_layout!r}; expected 'kn' or 'nk'")
-        if not isinstance(block_n, (int, np.integer)) or isinstance(block_n, bool) \
-                or block_n not in TILE_WIDTHS:
-            raise ValueError(f"mkrt.{self.name}: block_n={block_n!r}; expected one of {TILE_WIDTHS}")
-        self.block_n = int(block_n)
+        self.block_n = check_block_n(block_n, self.name)
         area = "gemm_allreduce"
         ctas = checks.integer(ctas, "ctas", area, low=1, high=MAX_GRID, optional=True)
         reduce_ctas = checks.integer(reduce_ctas, "reduce_ctas", area, low=1, high=MAX_GRID,

@@ -25,6 +25,14 @@ BLOCK_M, BLOCK_N = 128, 256
 TILE_WIDTHS = (128, 192, 256)
 
 
+def check_block_n(block_n, area: str = "gemm_allreduce") -> int:
+    """`block_n` as an int if it is a tile width the fused kernel builds; ValueError otherwise."""
+    if not isinstance(block_n, (int, np.integer)) or isinstance(block_n, bool) \
+            or block_n not in TILE_WIDTHS:
+        raise ValueError(f"mkrt.{area}: block_n={block_n!r}; expected one of {TILE_WIDTHS}")
+    return int(block_n)
+
+
 @dataclasses.dataclass(frozen=True)
 class FlagLayout:
     """Index of every flag word of a rank (mirrors the template's struct Layout)."""
@@ -305,9 +313,7 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
     if dtype not in ("bf16", "f16") or b_layout not in ("kn", "nk"):
         raise ValueError(f"mkrt.gemm_allreduce: dtype={dtype!r}, b_layout={b_layout!r}; expected "
                          "bf16/f16 and kn/nk")
-    if not isinstance(block_n, (int, np.integer)) or isinstance(block_n, bool) \
-            or block_n not in TILE_WIDTHS:
-        raise ValueError(f"mkrt.gemm_allreduce: block_n={block_n!r}; expected one of {TILE_WIDTHS}")
+    block_n = check_block_n(block_n)
     tile = (dtype, b_layout, BLOCK_M, block_n, gemm_module.max_stages(BLOCK_M, block_n, "direct"))
     world = nodes * ranks_per_node
     area = "gemm_reducescatter" if collective == "reducescatter" else "gemm_allreduce"
