@@ -1,0 +1,173 @@
+"""Probes of the GEMM engine's open gaps, each against torch.matmul in the same run:
+
+* ``grid``: clusters of two CTAs sharing B (``cluster="m2"``) ran at 0.4-0.6x of one-CTA
+  tiles. Time both at fixed grids (8 .. every SM) to tell a grid cut by the cluster
+  occupancy query from a slower pipeline per CTA (time x grid / k-steps = us per k-step);
+  prints the grid the plan launches and the query's answer.
+* ``k_offset``: K rows of 14000 bytes (K = 7000) cost 1.5x against 7168. Time the rule's
+  tile on M x N x K with K - K0 = 0, 8, ..., 64 (row starts 16 .. 128 bytes off a
+  128-byte line) to see which offsets cost and how much.
+* ``kernels``: the names of the kernels torch.matmul runs on given shapes (cuBLAS names
+  its tile, cluster shape and schedule), from torch.profiler.
+
+    PYTHONPATH=$PWD python3 experiments/gemm_probe.py --probes grid k_offset kernels \\
+        --out $OUT/gemm_probe.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm import time_ms  # noqa: E402  (CUDA events, median of batches)
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--probes", nargs="+", default=["grid", "k_offset", "kernels"],
+                        choices=("grid", "k_offset", "kernels"))
+    parser.add_argument("--grid-shapes", nargs="+", default=["8192x8192x8192", "3000x5000x7000"])
+    parser.add_argument("--grid-configs", nargs="+", default=["128x256", "64x128"])
+    parser.add_argument("--grids", type=int, nargs="+", default=[8, 32, 64, 96, 128, 132])
+    parser.add_argument("--k-base", nargs="+", default=["4096x4096x4096", "3072x5120x7168"],
+                        help="MxNxK0: K runs K0 - 64 .. K0 in steps of 8")
+    parser.add_argument("--kernel-shapes", nargs="+",
+                        default=["3000x5000x7000", "3000x5000x7168", "8192x8192x8192",
+                                 "24576x8192x1024"])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args()
+
+
+def operands(m, n, k):
+    import cupy
+    import torch
+    a = cupy.from_dlpack(torch.randn((m, k), dtype=torch.bfloat16, device="cuda"))
+    b = cupy.from_dlpack(torch.randn((n, k), dtype=torch.bfloat16, device="cuda") / 8)
+    return a, b
+
+
+def torch_us(a, b, args) -> float:
+    import torch
+    ta, tb = torch.from_dlpack(a), torch.from_dlpack(b).t()
+    out = torch.empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16, device="cuda")
+    return 1e3 * time_ms(lambda: torch.matmul(ta, tb, out=out), args.iterations, args.repeats,
+                         args.warmup)
+
+
+def checked(call, out, a, b) -> float:
+    """Relative error of one call's output against a float32 result (output poisoned)."""
+    import cupy
+    from mkrt.kernels import gemm as G
+    G.poison(out)
+    call()
+    reference = G.reference(a, b, b_layout="nk")
+    return float(cupy.linalg.norm(G.to_float32(out) - reference) / cupy.linalg.norm(reference))
+
+
+def probe_grid(args, rows) -> None:
+    import cupy
+    from mkrt.bench import record
+    from mkrt.kernels import gemm as G
+    sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    for shape in args.grid_shapes:
+        m, n, k = (int(x) for x in shape.split("x"))
+        a, b = operands(m, n, k)
+        out = cupy.empty((m, n), dtype=a.dtype)
+        base = torch_us(a, b, args)
+        for config in args.grid_configs:
+            block_m, block_n = (int(x) for x in config.split("x"))
+            for cluster in ("", "m2"):
+                p = G.plan(m, n, k, b_layout="nk", sms=sms, block_m=block_m, block_n=block_n,
+                           cluster=cluster)
+                function = p.spec.function("gemm", 0, p.spec.smem_bytes)
+                launched = G.cluster_grid(p, function) if cluster else p.grid
+                print(f"{shape} {config} cluster={cluster or '-'}: plan grid {p.grid}, "
+                      f"launched {launched}, smem {p.spec.smem_bytes}", flush=True)
+                steps = p.tiles * -(-k // 64)                    # k-steps of the whole grid
+                for grid in args.grids:
+                    grid = min(grid, p.grid) // 2 * 2 if cluster else min(grid, p.grid)
+                    call_state = G._PreparedGemm(dataclasses.replace(p, grid=grid), function, 0)
+
+                    def call():
+                        call_state.patch(a.data.ptr, b.data.ptr, out.data.ptr)
+                        call_state.launch.__call__(cupy.cuda.get_current_stream().ptr)
+                    error = checked(call, out, a, b)
+                    us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
+                    per_step = us * grid / steps
+                    ok = math.isfinite(error) and error < 1e-2
+                    print(f"  grid {grid:4d}: {us:9.1f} us  x torch {base / us:5.3f}  "
+                          f"{per_step:6.3f} us per k-step per CTA  error {error:.1e}"
+                          + ("" if ok else "  WRONG"), flush=True)
+                    rows.append(record("gemm_probe", f"{shape} {config}{'_m2' if cluster else ''} "
+                                       f"grid={grid}", "us", us, base, "us",
+                                       higher_is_better=False, probe="grid", grid=grid,
+                                       launched_grid=launched, per_step_us=per_step,
+                                       error=error, baseline_name="torch.matmul"))
+        a = b = out = None
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def probe_k_offset(args, rows) -> None:
+    import cupy
+    from mkrt.bench import record
+    from mkrt.kernels import gemm as G
+    for base_shape in args.k_base:
+        m, n, k0 = (int(x) for x in base_shape.split("x"))
+        for k in range(k0 - 64, k0 + 1, 8):
+            a, b = operands(m, n, k)
+            out = cupy.empty((m, n), dtype=a.dtype)
+            base = torch_us(a, b, args)
+            call = lambda: G.gemm(a, b, out, b_layout="nk")  # noqa: E731
+            p = G.call_plan(a, b, out, b_layout="nk")
+            error = checked(call, out, a, b)
+            us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
+            offset = (k * 2) % 128
+            print(f"{m}x{n}x{k} (rows {k * 2} B, {offset:3d} off a line) "
+                  f"{p.spec.block_m}x{p.spec.block_n}: {us:8.1f} us, torch {base:8.1f} us, "
+                  f"x torch {base / us:5.3f}  error {error:.1e}", flush=True)
+            rows.append(record("gemm_probe", f"{m}x{n}x{k}", "us", us, base, "us",
+                               higher_is_better=False, probe="k_offset", row_offset=offset,
+                               tile=f"{p.spec.block_m}x{p.spec.block_n}", error=error,
+                               baseline_name="torch.matmul"))
+            a = b = out = None
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def probe_kernels(args) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for shape in args.kernel_shapes:
+        m, n, k = (int(x) for x in shape.split("x"))
+        ta = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+        tb = torch.randn((n, k), dtype=torch.bfloat16, device="cuda").t()
+        torch.matmul(ta, tb)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.matmul(ta, tb)
+            torch.cuda.synchronize()
+        names = sorted({event.key for event in prof.key_averages()})
+        print(f"torch.matmul {shape} (B [N, K]): {names}", flush=True)
+
+
+def main():
+    args = parse()
+    from mkrt.bench import append_jsonl
+    rows: list = []
+    if "kernels" in args.probes:
+        probe_kernels(args)
+    if "grid" in args.probes:
+        probe_grid(args, rows)
+    if "k_offset" in args.probes:
+        probe_k_offset(args, rows)
+    append_jsonl(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
