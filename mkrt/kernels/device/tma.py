@@ -51,11 +51,15 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* barrier, u32 byte
 
 // One arrival on the barrier at the same shared-memory offset in CTA `cta` of this
 // cluster (this CTA included): a consumer frees a stage that a peer's multicast fills.
+// Release at CTA scope (the default), as for a local arrival: what it orders are this
+// warp's finished reads of the stage, before the copy that overwrites it. With a
+// cluster-scope release every k-step of the clusters of two took about 1 us at any grid
+// (experiments/results/gemm_probe.jsonl, a0cde01).
 __device__ __forceinline__ void mbarrier_arrive_cluster(u64* barrier, u32 cta) {
     u32 remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                  : "=r"(remote) : "r"(smem_address(barrier)), "r"(cta));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];"
                  :: "r"(remote) : "memory");
 }
 
