@@ -62,7 +62,7 @@ def parse():
                         help="split-K parts also tried where the default tile leaves SMs idle")
     parser.add_argument("--cluster", action="store_true",
                         help="also time each tile with clusters of two CTAs sharing B "
-                             "(cluster='m2'; measured, not yet chosen by the rule)")
+                             "(cluster='m2'; the fit rates them where rows have them)")
     parser.add_argument("--configs", nargs="*", default=None,
                         help="only these tiles, e.g. 128x256 64x128 (default: every tile)")
     parser.add_argument("--iterations", type=int, default=10)
@@ -158,10 +158,7 @@ def sweep(args) -> None:
                 baseline_name="torch.matmul")])
         if times:
             winner = min(times, key=times.get)
-            # the table holds what the rule can run: no cluster configurations (yet)
-            tabled = min((c for c in times if not c.endswith("_m2")), key=times.get, default=None)
-            if tabled is not None:
-                best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = tabled
+            best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = winner
             print(f"{set_name:8s} {case:18s} best {winner} x torch "
                   f"{torch_us / times[winner]:.3f}", flush=True)
         a = b = out = ta = tb = torch_out = reference = None   # free this shape's memory
@@ -177,8 +174,10 @@ def sweep(args) -> None:
 
 # ---- the rule's fit (no GPU) ----------------------------------------------------------
 
-def _configuration(row) -> tuple[int, int, int]:
-    return int(row["block_m"]), int(row["block_n"]), int(row.get("split_k", 1))
+def _configuration(row):
+    from mkrt.kernels.gemm_rule import Choice
+    return Choice(int(row["block_m"]), int(row["block_n"]), int(row.get("split_k", 1)),
+                  row.get("cluster") or "")
 
 
 def _by_case(rows) -> dict:
@@ -199,24 +198,27 @@ def winning_splits(rows) -> list[int]:
 
 def fit_model(rows) -> dict:
     """Least squares (relative errors) of the wave model's terms on `rows` (measured times
-    of (shape, configuration)): 1 / rate per tile, the split-K cost, a fixed launch cost.
+    of (shape, configuration)): 1 / rate per tile (and per tile with clusters, where rows
+    have them), the split-K cost, a fixed launch cost.
     Split-K part counts that never won a shape of `rows` are left out of the fit and of
     the rule (``splits``): a measured split-K far slower than the model's linear fix-up
     cost would otherwise pull every tile's rate."""
     from mkrt.kernels import gemm_rule
-    tiles = [f"{bm}x{bn}" for bm, bn in gemm_rule.TILES]
-    columns = tiles + ["split_cost", "launch_us"]
     splits = winning_splits(rows)
-    rows = [r for r in rows if _configuration(r)[2] in splits]
+    rows = [r for r in rows if _configuration(r).split_k in splits]
+    measured = {gemm_rule.rate_key(c[:2], c.cluster) for c in map(_configuration, rows)}
+    tiles = [key for key in (gemm_rule.rate_key(tile, cluster) for cluster in gemm_rule.CLUSTERS
+                             for tile in gemm_rule.TILES) if key in measured]
+    columns = tiles + ["split_cost", "launch_us"]
     matrix, target = [], []
     for row in rows:
         m, n, k = (int(x) for x in row["case"].split("x"))
-        sms = int(row["sms"])
-        block_m, block_n, split = _configuration(row)
-        count = -(-m // block_m) * -(-n // block_n)
+        c = _configuration(row)
+        terms = gemm_rule.wave_terms(m, n, k, int(row["sms"]), c[:2], c.split_k, c.cluster)
+        if terms is None:
+            continue
         x = [0.0] * len(columns)
-        x[tiles.index(f"{block_m}x{block_n}")] = -(-count * split // sms) * block_m * block_n * k / split
-        x[-2] = (split - 1) * block_m * block_n * count / sms
+        x[tiles.index(gemm_rule.rate_key(c[:2], c.cluster))], x[-2] = terms
         x[-1] = 1.0
         us = float(row["value"])
         matrix.append([v / us for v in x])       # relative: every shape counts alike
@@ -248,8 +250,7 @@ def judge(rows, fit) -> list[dict]:
 def fit_and_judge(args) -> None:
     rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("experiment") == "gemm_tune" and r.get("metric") == "us"
-            and (args.commit is None or r.get("commit") == args.commit)
-            and not r.get("cluster")]          # the rule does not choose clusters (yet)
+            and (args.commit is None or r.get("commit") == args.commit)]
     fit_rows = [r for r in rows if r.get("set") == "fit"]
     held = [r for r in rows if r.get("set") == "held_out"]
     if not fit_rows:
@@ -265,7 +266,7 @@ def fit_and_judge(args) -> None:
         scored = [x for x in lines if x["pick_us"]]
         print(f"{name}: {len(lines)} shapes, the pick measured on {len(scored)}")
         for x in lines:
-            pick = "x".join(map(str, x["pick"]))
+            pick = "x".join(map(str, x["pick"][:3])) + (f"_{x['pick'].cluster}" if x["pick"].cluster else "")
             got = f"{x['fastest_us'] / x['pick_us']:.3f} of fastest, {x['torch_us'] / x['pick_us']:.3f}x torch" \
                 if x["pick_us"] else "pick not measured"
             print(f"  {x['case']:18s} pick {pick:12s} {got}")

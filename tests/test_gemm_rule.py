@@ -20,19 +20,21 @@ def test_the_committed_fit_rates_every_tile_and_allows_only_measured_splits():
     assert fit is not None, gemm_rule.FIT_PATH
     # every tile the sweep measured when the fit was made (a tile added since has no rate
     # and is never chosen until the next sweep)
-    assert set(fit["rates"]) <= {f"{m}x{n}" for m, n in gemm_rule.TILES} and len(fit["rates"]) >= 5
+    named = {gemm_rule.rate_key(tile, c) for tile in gemm_rule.TILES for c in gemm_rule.CLUSTERS}
+    assert set(fit["rates"]) <= named and len(fit["rates"]) >= 5
     assert all(rate > 0 for rate in fit["rates"].values())
     assert 1 in fit["splits"] and set(fit["splits"]) <= set(gemm_rule.SPLITS)
     # every pick is a configuration the fit allows, on shapes of every kind
     for shape in [(16, 8192, 8192), (2048, 2048, 2048), (3000, 5000, 7000), (8192, 8192, 8192)]:
-        block_m, block_n, split = gemm_rule.best_configuration(*shape, 132, fit)
-        assert f"{block_m}x{block_n}" in fit["rates"] and split in fit["splits"]
+        choice = gemm_rule.best_configuration(*shape, 132, fit)
+        assert gemm_rule.rate_key(choice[:2], choice.cluster) in fit["rates"]
+        assert choice.split_k in fit["splits"] and not (choice.cluster and choice.split_k > 1)
 
 
 def test_without_a_table_or_fit_the_rule_gives_the_default_tile(tmp_path, monkeypatch, no_fit):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     tile, why = gemm_rule.choose_tile(2048, 2048, 2048, sms=132)
-    assert tile == (*gemm_rule.DEFAULT_TILE, 1) and why.startswith("rule")
+    assert tile == (*gemm_rule.DEFAULT_TILE, 1, "") and why.startswith("rule")
 
 
 def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch, no_fit):
@@ -41,11 +43,15 @@ def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch, no
     (tmp_path / "gemm_table.json").write_text(json.dumps({
         key: "128x128_g8",                                             # as gemm_tune writes it
         gemm_rule.table_key(16, 4096, 8192, "bf16", "nk", 132): "128x256_g8_sk4",
+        gemm_rule.table_key(4096, 4096, 4040, "bf16", "nk", 132): "128x192_g8_m2",
+        gemm_rule.table_key(5, 2, 8, "bf16", "nk", 132): "128x192_g8_sk2_m2",   # no split clusters
         gemm_rule.table_key(1, 2, 8, "bf16", "nk", 132): "96x96_g8",   # no such tile: ignored
         gemm_rule.table_key(3, 2, 8, "bf16", "nk", 132): "garbage"}))
-    default = (*gemm_rule.DEFAULT_TILE, 1)
-    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132) == ((128, 128, 1), "tuned table")
-    assert gemm_rule.choose_tile(16, 4096, 8192, sms=132)[0] == (128, 256, 4)
+    default = (*gemm_rule.DEFAULT_TILE, 1, "")
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132) == ((128, 128, 1, ""), "tuned table")
+    assert gemm_rule.choose_tile(16, 4096, 8192, sms=132)[0] == (128, 256, 4, "")
+    assert gemm_rule.choose_tile(4096, 4096, 4040, sms=132)[0] == (128, 192, 1, "m2")
+    assert gemm_rule.choose_tile(5, 2, 8, sms=132)[0] == default
     assert gemm_rule.choose_tile(2048, 2048, 2048, sms=100)[0] == default
     assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132, b_layout="kn")[0] == default
     assert gemm_rule.choose_tile(1, 2, 8, sms=132)[0] == default
@@ -55,13 +61,14 @@ def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch, no
 def test_an_unreadable_table_is_no_table(tmp_path, monkeypatch, no_fit):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     (tmp_path / "gemm_table.json").write_text("{not json")
-    assert gemm_rule.choose_tile(64, 64, 64, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1)
+    assert gemm_rule.choose_tile(64, 64, 64, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1, "")
 
 
 def test_every_tile_the_rule_can_name_is_one_the_engine_builds():
     from mkrt.kernels import gemm
     for block_m, block_n in gemm_rule.TILES:
-        gemm.plan(256, 256, 256, block_m=block_m, block_n=block_n)
+        for cluster in gemm_rule.CLUSTERS:
+            gemm.plan(256, 256, 256, block_m=block_m, block_n=block_n, cluster=cluster)
 
 
 def test_the_sweep_measures_every_tile_the_rule_may_choose():
@@ -82,13 +89,16 @@ def _sweep_rows(shapes, set_name, truth, sms=132, noise=0.0, seed=0):
     for m, n, k in shapes:
         for block_m, block_n in gemm_rule.TILES:
             for split in gemm_rule.SPLITS:
-                us = gemm_rule.predicted_us(m, n, k, sms, (block_m, block_n), split, truth)
-                if us == float("inf"):
-                    continue
-                rows.append({"experiment": "gemm_tune", "metric": "us", "case": f"{m}x{n}x{k}",
-                             "value": us * (1 + rng.uniform(-noise, noise)), "baseline": us * 1.05,
-                             "set": set_name, "block_m": block_m, "block_n": block_n,
-                             "split_k": split, "sms": sms})
+                for cluster in gemm_rule.CLUSTERS:
+                    us = gemm_rule.predicted_us(m, n, k, sms, (block_m, block_n), split, truth,
+                                                cluster)
+                    if us == float("inf"):
+                        continue
+                    rows.append({"experiment": "gemm_tune", "metric": "us",
+                                 "case": f"{m}x{n}x{k}", "set": set_name,
+                                 "value": us * (1 + rng.uniform(-noise, noise)),
+                                 "baseline": us * 1.05, "block_m": block_m, "block_n": block_n,
+                                 "split_k": split, "cluster": cluster, "sms": sms})
     return rows
 
 
@@ -102,7 +112,8 @@ def test_the_wave_model_fit_recovers_its_rates_and_picks_on_held_out_shapes():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
     import gemm_tune
     truth = {"rates": {"128x256": 5.0e6, "128x192": 4.6e6, "128x128": 4.2e6,
-                       "64x256": 3.9e6, "64x128": 3.3e6}, "split_cost": 2e-4, "launch_us": 6.0}
+                       "64x256": 3.9e6, "64x128": 3.3e6, "128x256_m2": 5.4e6, "64x128_m2": 3.0e6},
+             "split_cost": 2e-4, "launch_us": 6.0}
     fit = gemm_tune.fit_model(_sweep_rows(gemm_tune.FIT, "fit", truth, noise=0.01, seed=1))
     for tile, rate in truth["rates"].items():
         assert abs(fit["rates"][tile] / rate - 1) < 0.03, (tile, fit["rates"][tile], rate)
@@ -124,6 +135,25 @@ def test_the_rule_uses_a_committed_fit_and_not_a_broken_one(tmp_path, monkeypatc
     assert why == "rule: the fitted wave model"
     assert tile == gemm_rule.best_configuration(2048, 2048, 2048, 132, fit)
     # a tile the fit does not rate is never chosen
-    assert tile[:2] in ((128, 256), (128, 128))
+    assert tile[:2] in ((128, 256), (128, 128)) and tile.cluster == ""
     fit_path.write_text("{broken")
-    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1)
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1, "")
+
+
+def test_clusters_count_pairs_of_tile_rows_on_half_the_sms():
+    fit = {"rates": {"128x256": 5.0e6, "128x256_m2": 5.0e6}, "launch_us": 0.0}
+    # 64 x 32 tiles: 2048 tiles over 132 SMs = 16 waves; 32 x 32 pairs over 66 clusters = 16
+    one = gemm_rule.predicted_us(8192, 8192, 8192, 132, (128, 256), 1, fit)
+    pairs = gemm_rule.predicted_us(8192, 8192, 8192, 132, (128, 256), 1, fit, "m2")
+    assert one == pairs == 16 * 128 * 256 * 8192 / 5.0e6
+    # one tile row: the partner of every pair computes nothing, so twice the waves
+    assert gemm_rule.predicted_us(128, 256 * 132, 4096, 132, (128, 256), 1, fit, "m2") == \
+        2 * gemm_rule.predicted_us(128, 256 * 132, 4096, 132, (128, 256), 1, fit)
+    # no split-K with clusters, no clusters on one SM
+    assert gemm_rule.predicted_us(8192, 8192, 8192, 132, (128, 256), 2, fit, "m2") == float("inf")
+    assert gemm_rule.predicted_us(8192, 8192, 8192, 1, (128, 256), 1, fit, "m2") == float("inf")
+    # a faster cluster rate is chosen; an unrated one never is
+    fit["rates"]["128x256_m2"] = 6.0e6
+    assert gemm_rule.best_configuration(8192, 8192, 8192, 132, fit) == (128, 256, 1, "m2")
+    del fit["rates"]["128x256_m2"]
+    assert gemm_rule.best_configuration(8192, 8192, 8192, 132, fit).cluster == ""

@@ -479,7 +479,8 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
-         epilogue: str = "auto", split_k: int | None = None, cluster: str = "", stream=None):
+         epilogue: str = "auto", split_k: int | None = None, cluster: str | None = None,
+         stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
@@ -492,8 +493,9 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     depth (default: as many as fit), ``split_k`` > 1 (default: the rule's): each tile's K in that many parts
     on different CTAs, added in a fixed order (results identical between calls; for shapes
     with fewer tiles than SMs; uses a float32 workspace of tiles x parts x tile).
-    ``cluster="m2"`` (experimental, not yet measured): clusters of two CTAs on adjacent
-    tile rows load the B tile they share once, by TMA multicast.
+    ``cluster="m2"``: clusters of two CTAs on adjacent tile rows load the B tile they
+    share once, by TMA multicast; ``""``: one CTA per tile; default: the rule's, when the
+    rule also chose the tile.
     Returns out in the type of ``a`` (torch in, torch out).
 
     The first call of a signature (shapes, dtypes, options, GPU) checks everything and
@@ -534,7 +536,8 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
 
 def call_plan(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
               block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
-              epilogue: str = "auto", split_k: int | None = None, cluster: str = "") -> GemmPlan:
+              epilogue: str = "auto", split_k: int | None = None,
+              cluster: str | None = None) -> GemmPlan:
     """The plan :func:`gemm` runs for these arguments (the tile the rule chooses where none
     is given, split-K, the grid), after the same checks; launches nothing."""
     return _gemm_plan(as_cupy(a, "a"), as_cupy(b, "b"), None if out is None else as_cupy(out, "out"),
@@ -616,19 +619,23 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
-               epilogue, split_k=None, cluster=""):
+               epilogue, split_k=None, cluster=None):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
-    if block_m is None or block_n is None or split_k is None:
+    if block_m is None or block_n is None or split_k is None or cluster is None:
         from mkrt.kernels.gemm_rule import choose_tile
-        (rule_m, rule_n, rule_split), _ = choose_tile(m, n, k, sms=total_sms if sms is None else sms,
-                                                      dtype=dtype, b_layout=b_layout)
-        block_m = rule_m if block_m is None else block_m
-        block_n = rule_n if block_n is None else block_n
+        rule, _ = choose_tile(m, n, k, sms=total_sms if sms is None else sms, dtype=dtype,
+                              b_layout=b_layout)
+        rule_tile = block_m is None and block_n is None
+        block_m = rule.block_m if block_m is None else block_m
+        block_n = rule.block_n if block_n is None else block_n
         # the rule's split-K goes with its tile and the automatic epilogue only
         split_k = split_k if split_k is not None else \
-            (rule_split if epilogue == "auto" and not cluster else 1)
+            (rule.split_k if epilogue == "auto" and not cluster else 1)
+        # and its cluster with its tile, where nothing asks for split-K
+        if cluster is None:
+            cluster = rule.cluster if rule_tile and split_k == 1 and epilogue != "splitk" else ""
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
              epilogue=epilogue, split_k=split_k, cluster=cluster)

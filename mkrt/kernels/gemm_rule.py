@@ -9,7 +9,10 @@
                            + (split - 1) * split_cost * block_m * block_n * tiles / SMs,
        waves = ceil(tiles * split / SMs),
 
-   whose per-tile rates and split-K fix-up cost are fitted on the sweep's FIT shapes only
+   and for clusters of two CTAs sharing B (``cluster="m2"``, no split-K), pairs of tile
+   rows on SMs / 2 clusters: waves = ceil(ceil(tiles_m / 2) * tiles_n / (SMs / 2)), with
+   a rate of their own (``rates["128x256_m2"]``). The per-tile rates and the split-K
+   fix-up cost are fitted on the sweep's FIT shapes only
    (``experiments/gemm_tune.py --fit`` writes ``gemm_rule_fit.json`` beside this module;
    its HELD_OUT shapes judge the fit). Split-K part counts that never won a FIT shape are
    left out (the fit's ``splits``). Without a fit the rule is the engine's one measured
@@ -25,10 +28,26 @@ import functools
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 #: (block_m, block_n) tiles the engine builds and the sweep measures
 TILES = ((128, 256), (128, 192), (128, 128), (64, 256), (64, 128), (256, 128))
 DEFAULT_TILE = (128, 256)
+#: "": one CTA per tile; "m2": clusters of two CTAs on adjacent tile rows sharing B
+CLUSTERS = ("", "m2")
+
+
+class Choice(NamedTuple):
+    """A configuration of the engine: tile, split-K parts, cluster."""
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    cluster: str = ""
+
+
+def rate_key(tile: tuple[int, int], cluster: str = "") -> str:
+    """The fit's name of a tile's rate: "128x256", or "128x256_m2" with clusters."""
+    return f"{tile[0]}x{tile[1]}" + (f"_{cluster}" if cluster else "")
 
 
 def table_key(m: int, n: int, k: int, dtype: str, b_layout: str, sms: int) -> str:
@@ -40,15 +59,16 @@ def _load_table(path: str, mtime: float) -> dict:
     with open(path) as handle:
         raw = json.load(handle)
     table = {}
-    for key, config in raw.items():       # "128x256_g8" or "128x256_g8_sk4" as the sweep writes it
+    for key, config in raw.items():       # "128x256_g8", "..._sk4", "..._m2" as the sweep writes it
         parts = str(config).split("_")
         try:
             tile = tuple(int(x) for x in parts[0].split("x"))
             split_k = next((int(p[2:]) for p in parts[1:] if p.startswith("sk")), 1)
         except ValueError:
             continue
-        if tile in TILES and 1 <= split_k <= 64:
-            table[key] = (*tile, split_k)
+        cluster = "m2" if "m2" in parts[1:] else ""
+        if tile in TILES and 1 <= split_k <= 64 and not (cluster and split_k > 1):
+            table[key] = Choice(*tile, split_k, cluster)
     return table
 
 
@@ -70,32 +90,43 @@ FIT_PATH = Path(__file__).with_name("gemm_rule_fit.json")
 SPLITS = (1, 2, 4, 8)
 
 
-def predicted_us(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
-                 fit: dict) -> float:
-    """The wave model's time of one configuration (see the module docstring)."""
+def wave_terms(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
+               cluster: str = "") -> tuple[float, float] | None:
+    """The wave model's two terms of one configuration: (waves x work per CTA and wave,
+    the split-K fix-up's element count per SM); None where the engine cannot run it."""
     block_m, block_n = tile
-    tiles = -(-m // block_m) * -(-n // block_n)
-    k_blocks = -(-k // 64)
-    if split > k_blocks:
-        return math.inf                 # at most one part per 64-wide k-block
-    rate = fit["rates"].get(f"{block_m}x{block_n}")
-    if not rate:
+    tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
+    if split > -(-k // 64) or (cluster and (split > 1 or sms < 2)):
+        return None                     # at most one part per 64-wide k-block; no split clusters
+    if cluster:
+        waves = -(-(-(-tiles_m // 2) * tiles_n) // (sms // 2))
+    else:
+        waves = -(-tiles_m * tiles_n * split // sms)
+    return (waves * block_m * block_n * (k / split),
+            (split - 1) * block_m * block_n * tiles_m * tiles_n / sms)
+
+
+def predicted_us(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
+                 fit: dict, cluster: str = "") -> float:
+    """The wave model's time of one configuration (see the module docstring)."""
+    rate = fit["rates"].get(rate_key(tile, cluster))
+    terms = wave_terms(m, n, k, sms, tile, split, cluster)
+    if not rate or terms is None:
         return math.inf
-    waves = -(-tiles * split // sms)
-    work = block_m * block_n * (k / split)
-    fixup = (split - 1) * fit.get("split_cost", 0.0) * block_m * block_n * tiles / sms
-    return waves * work / rate + fixup + fit.get("launch_us", 0.0)
+    work, fixup = terms
+    return work / rate + fixup * fit.get("split_cost", 0.0) + fit.get("launch_us", 0.0)
 
 
-def best_configuration(m: int, n: int, k: int, sms: int, fit: dict) -> tuple[int, int, int]:
-    """(block_m, block_n, split_k) with the least predicted time (ties: the earlier tile,
-    then no split), among the split-K part counts the fit allows (``splits``: those that
-    won a FIT shape)."""
+def best_configuration(m: int, n: int, k: int, sms: int, fit: dict) -> Choice:
+    """The configuration with the least predicted time (ties: the earlier tile, no split,
+    no cluster), among the split-K part counts the fit allows (``splits``: those that won
+    a FIT shape) and the tiles and clusters it rates."""
     splits = [s for s in fit.get("splits", SPLITS) if s in SPLITS]
-    options = [(predicted_us(m, n, k, sms, tile, split, fit), i, split, tile)
-               for i, tile in enumerate(TILES) for split in splits or (1,)]
-    _, _, split, tile = min(options)
-    return (*tile, split)
+    options = [(predicted_us(m, n, k, sms, tile, split, fit, cluster), i, split, c, tile, cluster)
+               for i, tile in enumerate(TILES) for split in splits or (1,)
+               for c, cluster in enumerate(CLUSTERS)]
+    _, _, split, _, tile, cluster = min(options)
+    return Choice(*tile, split, cluster)
 
 
 @functools.lru_cache(maxsize=2)
@@ -122,12 +153,12 @@ def fitted_model() -> dict | None:
 
 
 def choose_tile(m: int, n: int, k: int, *, sms: int, dtype: str = "bf16",
-                b_layout: str = "nk") -> tuple[tuple[int, int, int], str]:
-    """((block_m, block_n, split_k), why) for this problem."""
+                b_layout: str = "nk") -> tuple[Choice, str]:
+    """(Choice(block_m, block_n, split_k, cluster), why) for this problem."""
     choice = tuned_table().get(table_key(m, n, k, dtype, b_layout, sms))
     if choice is not None:
         return choice, "tuned table"
     fit = fitted_model()
     if fit is not None:
         return best_configuration(m, n, k, sms, fit), "rule: the fitted wave model"
-    return (*DEFAULT_TILE, 1), "rule: default tile, no split-K (no sweep has chosen a rule yet)"
+    return Choice(*DEFAULT_TILE), "rule: default tile, no split-K (no sweep has chosen a rule yet)"
