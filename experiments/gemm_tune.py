@@ -199,7 +199,8 @@ def winning_splits(rows) -> list[int]:
 def fit_model(rows) -> dict:
     """Least squares (relative errors) of the wave model's terms on `rows` (measured times
     of (shape, configuration)): 1 / rate per tile (and per tile with clusters, where rows
-    have them), the split-K cost, a fixed launch cost.
+    have them), the split-K cost, the cost of a row loaded an odd 16 bytes off a sector,
+    a fixed launch cost.
     Split-K part counts that never won a shape of `rows` are left out of the fit and of
     the rule (``splits``): a measured split-K far slower than the model's linear fix-up
     cost would otherwise pull every tile's rate."""
@@ -209,16 +210,17 @@ def fit_model(rows) -> dict:
     measured = {gemm_rule.rate_key(c[:2], c.cluster) for c in map(_configuration, rows)}
     tiles = [key for key in (gemm_rule.rate_key(tile, cluster) for cluster in gemm_rule.CLUSTERS
                              for tile in gemm_rule.TILES) if key in measured]
-    columns = tiles + ["split_cost", "launch_us"]
+    columns = tiles + ["split_cost", "row_cost", "launch_us"]
     matrix, target = [], []
     for row in rows:
         m, n, k = (int(x) for x in row["case"].split("x"))
         c = _configuration(row)
-        terms = gemm_rule.wave_terms(m, n, k, int(row["sms"]), c[:2], c.split_k, c.cluster)
+        terms = gemm_rule.wave_terms(m, n, k, int(row["sms"]), c[:2], c.split_k, c.cluster,
+                                     row.get("b_layout", "nk"))
         if terms is None:
             continue
         x = [0.0] * len(columns)
-        x[tiles.index(gemm_rule.rate_key(c[:2], c.cluster))], x[-2] = terms
+        x[tiles.index(gemm_rule.rate_key(c[:2], c.cluster))], x[-3], x[-2] = terms
         x[-1] = 1.0
         us = float(row["value"])
         matrix.append([v / us for v in x])       # relative: every shape counts alike
@@ -226,7 +228,8 @@ def fit_model(rows) -> dict:
     solution = np.linalg.lstsq(np.array(matrix), np.array(target), rcond=None)[0]
     inverse = {t: float(v) for t, v in zip(tiles, solution)}
     return {"rates": {t: 1.0 / v for t, v in inverse.items() if v > 0},
-            "split_cost": max(0.0, float(solution[-2])), "launch_us": max(0.0, float(solution[-1])),
+            "split_cost": max(0.0, float(solution[-3])), "row_cost": max(0.0, float(solution[-2])),
+            "launch_us": max(0.0, float(solution[-1])),
             "splits": splits, "rows": len(rows)}
 
 
@@ -238,7 +241,7 @@ def judge(rows, fit) -> list[dict]:
     for case, measured in _by_case(rows).items():
         m, n, k = (int(x) for x in case.split("x"))
         sms = int(measured[0]["sms"])
-        pick = gemm_rule.best_configuration(m, n, k, sms, fit)
+        pick = gemm_rule.best_configuration(m, n, k, sms, fit, measured[0].get("b_layout", "nk"))
         times = {_configuration(r): float(r["value"]) for r in measured}
         fastest = min(times, key=times.get)
         out.append({"case": case, "pick": pick, "pick_us": times.get(pick),
@@ -260,6 +263,7 @@ def fit_and_judge(args) -> None:
     fit["commit"] = args.commit or fit_rows[-1].get("commit")
     gemm_rule.FIT_PATH.write_text(json.dumps(fit, indent=1, sort_keys=True) + "\n")
     print(f"wrote {gemm_rule.FIT_PATH}: rates {fit['rates']}, split cost {fit['split_cost']:.3g}, "
+          f"row cost {fit['row_cost']:.3g} us, "
           f"launch {fit['launch_us']:.1f} us ({fit['rows']} FIT rows)")
     for name, subset in (("FIT", fit_rows), ("HELD_OUT", held)):
         lines = judge(subset, fit)

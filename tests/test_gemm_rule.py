@@ -157,3 +157,19 @@ def test_clusters_count_pairs_of_tile_rows_on_half_the_sms():
     assert gemm_rule.best_configuration(8192, 8192, 8192, 132, fit) == (128, 256, 1, "m2")
     del fit["rates"]["128x256_m2"]
     assert gemm_rule.best_configuration(8192, 8192, 8192, 132, fit).cluster == ""
+
+
+def test_rows_off_a_sector_cost_per_row_loaded_and_clusters_load_half_of_b():
+    assert gemm_rule.odd_rows(4096, 4040, "nk") == (True, True)        # 8080-byte rows
+    assert gemm_rule.odd_rows(4096, 4048, "nk") == (False, False)      # 8096 = 253 x 32
+    assert gemm_rule.odd_rows(4100, 4096, "kn") == (False, True)       # B [K, N]: N padded to 4104
+    fit = {"rates": {"128x256": 5.0e6, "128x256_m2": 4.8e6}, "row_cost": 1e-3, "launch_us": 0.0}
+    # aligned rows: the faster rate wins; rows off a sector: the pair loads 128 + 128 rows per
+    # k-block instead of 128 + 256, and wins
+    assert gemm_rule.best_configuration(4096, 4096, 4048, 132, fit).cluster == ""
+    assert gemm_rule.best_configuration(4096, 4096, 4040, 132, fit).cluster == "m2"
+    _, _, odd = gemm_rule.wave_terms(4096, 4096, 4040, 132, (128, 256), 1)
+    waves, k_blocks = -(-32 * 16 // 132), -(-4040 // 64)
+    assert odd == waves * k_blocks * (128 + 256)
+    _, _, odd_pairs = gemm_rule.wave_terms(4096, 4096, 4040, 132, (128, 256), 1, "m2")
+    assert odd_pairs == -(-16 * 16 // 66) * k_blocks * (128 + 128)

@@ -11,8 +11,14 @@
 
    and for clusters of two CTAs sharing B (``cluster="m2"``, no split-K), pairs of tile
    rows on SMs / 2 clusters: waves = ceil(ceil(tiles_m / 2) * tiles_n / (SMs / 2)), with
-   a rate of their own (``rates["128x256_m2"]``). The per-tile rates and the split-K
-   fix-up cost are fitted on the sweep's FIT shapes only
+   a rate of their own (``rates["128x256_m2"]``). Rows of A or B that start an odd multiple
+   of 16 bytes off a 32-byte sector (K, or N of a [K, N] B, = 8 mod 16 elements) make the
+   TMA loads slower (4096 x 4096 x 4040 took 1.45x the time of 4032 and 4048):
+
+       + row_cost * waves * k_blocks * (block_m [A's rows odd] + block_n / cluster [B's])
+
+   counts the rows a CTA loads per k-block; clusters load half of B each. The per-tile
+   rates, the row cost and the split-K fix-up cost are fitted on the sweep's FIT shapes only
    (``experiments/gemm_tune.py --fit`` writes ``gemm_rule_fit.json`` beside this module;
    its HELD_OUT shapes judge the fit). Split-K part counts that never won a FIT shape are
    left out (the fit's ``splits``). Without a fit the rule is the engine's one measured
@@ -90,39 +96,54 @@ FIT_PATH = Path(__file__).with_name("gemm_rule_fit.json")
 SPLITS = (1, 2, 4, 8)
 
 
+def odd_rows(n: int, k: int, b_layout: str) -> tuple[bool, bool]:
+    """Whether A's rows and B's rows start an odd multiple of 16 bytes off a 32-byte sector
+    (two-byte elements: K, or for B [K, N] its N padded to 8, = 8 mod 16)."""
+    a_odd = k % 16 == 8
+    return a_odd, a_odd if b_layout == "nk" else (-(-n // 8) * 8) % 16 == 8
+
+
 def wave_terms(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
-               cluster: str = "") -> tuple[float, float] | None:
-    """The wave model's two terms of one configuration: (waves x work per CTA and wave,
-    the split-K fix-up's element count per SM); None where the engine cannot run it."""
+               cluster: str = "", b_layout: str = "nk") -> tuple[float, float, float] | None:
+    """The wave model's terms of one configuration: (waves x work per CTA and wave, the
+    split-K fix-up's element count per SM, the odd rows each CTA loads over its waves);
+    None where the engine cannot run it."""
     block_m, block_n = tile
     tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
-    if split > -(-k // 64) or (cluster and (split > 1 or sms < 2)):
+    k_blocks = -(-k // 64)
+    if split > k_blocks or (cluster and (split > 1 or sms < 2)):
         return None                     # at most one part per 64-wide k-block; no split clusters
     if cluster:
         waves = -(-(-(-tiles_m // 2) * tiles_n) // (sms // 2))
     else:
         waves = -(-tiles_m * tiles_n * split // sms)
+    a_odd, b_odd = odd_rows(n, k, b_layout)
+    odd_per_block = block_m * a_odd + block_n // (2 if cluster else 1) * b_odd
     return (waves * block_m * block_n * (k / split),
-            (split - 1) * block_m * block_n * tiles_m * tiles_n / sms)
+            (split - 1) * block_m * block_n * tiles_m * tiles_n / sms,
+            waves * (k_blocks / split) * odd_per_block)
 
 
 def predicted_us(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
-                 fit: dict, cluster: str = "") -> float:
+                 fit: dict, cluster: str = "", b_layout: str = "nk") -> float:
     """The wave model's time of one configuration (see the module docstring)."""
     rate = fit["rates"].get(rate_key(tile, cluster))
-    terms = wave_terms(m, n, k, sms, tile, split, cluster)
+    terms = wave_terms(m, n, k, sms, tile, split, cluster, b_layout)
     if not rate or terms is None:
         return math.inf
-    work, fixup = terms
-    return work / rate + fixup * fit.get("split_cost", 0.0) + fit.get("launch_us", 0.0)
+    work, fixup, odd = terms
+    return (work / rate + fixup * fit.get("split_cost", 0.0) + odd * fit.get("row_cost", 0.0)
+            + fit.get("launch_us", 0.0))
 
 
-def best_configuration(m: int, n: int, k: int, sms: int, fit: dict) -> Choice:
+def best_configuration(m: int, n: int, k: int, sms: int, fit: dict,
+                       b_layout: str = "nk") -> Choice:
     """The configuration with the least predicted time (ties: the earlier tile, no split,
     no cluster), among the split-K part counts the fit allows (``splits``: those that won
     a FIT shape) and the tiles and clusters it rates."""
     splits = [s for s in fit.get("splits", SPLITS) if s in SPLITS]
-    options = [(predicted_us(m, n, k, sms, tile, split, fit, cluster), i, split, c, tile, cluster)
+    options = [(predicted_us(m, n, k, sms, tile, split, fit, cluster, b_layout), i, split, c,
+                tile, cluster)
                for i, tile in enumerate(TILES) for split in splits or (1,)
                for c, cluster in enumerate(CLUSTERS)]
     _, _, split, _, tile, cluster = min(options)
@@ -160,5 +181,5 @@ def choose_tile(m: int, n: int, k: int, *, sms: int, dtype: str = "bf16",
         return choice, "tuned table"
     fit = fitted_model()
     if fit is not None:
-        return best_configuration(m, n, k, sms, fit), "rule: the fitted wave model"
+        return best_configuration(m, n, k, sms, fit, b_layout), "rule: the fitted wave model"
     return Choice(*DEFAULT_TILE), "rule: default tile, no split-K (no sweep has chosen a rule yet)"
