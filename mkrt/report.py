@@ -154,8 +154,8 @@ class Line:
     same_commit: bool = False               # summarise the newest commit's rows (several
                                             # runs, e.g. one process per world), not one run
     describe: Callable[[list[Row]], str] | None = None   # words the run itself, instead
-    latest_per_case: bool = False           # describe: the newest row of every case, over
-                                            # all runs (an experiment run op by op)
+    latest_per_case: bool = False           # the newest row of every case, over all runs
+                                            # (an experiment run op by op, world by world)
 
 
 def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
@@ -163,13 +163,13 @@ def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
     mine = [r for r in rows if line.select(r)]
     if not mine:
         return None
-    if line.same_commit:
+    if line.latest_per_case:
+        run = list({_case(r): r for r in mine}.values())
+    elif line.same_commit:
         run = [r for r in mine if r.get("commit") == mine[-1].get("commit")]
     else:
         run = newest_run(mine)
     if line.describe is not None:
-        if line.latest_per_case:
-            run = list({_case(r): r for r in mine}.values())
         return line.describe(run), commit_of(run)
     key = "ratio" if line.show == "ratio" else "value"
     values = [v for v in (_number(r.get(key)) for r in run) if v is not None]
@@ -256,7 +256,9 @@ class Piece:
 def _gemm_lines(rows):
     def grid(row):
         sms = row.get("sms")
-        return None if sms is None else ("full chip" if int(sms) >= 132 else f"{sms} of 132 SMs")
+        if sms is None or row.get("partial_run"):     # a few shapes again, not the suite
+            return None
+        return "full chip" if int(sms) >= 132 else f"{sms} of 132 SMs"
     return family_lines(rows, grid, against="of torch.matmul (cuBLASLt) on the full chip, same run")
 
 
@@ -314,13 +316,22 @@ def _runtime_lines(rows):
         return f"{row.get('op', '?')}: host time per call per rank{label}"
     lines = family_lines(rows, family, show="value")
 
-    def layouts(line):
-        # the worlds of the rows the line summarises (its newest commit's), not of every run
+    def summarised(line):
+        # the current code's lines: the newest row of every world (runs go world by world);
+        # an A/B run or the code before: its newest commit's rows
         mine = [r for r in rows if line.select(r)]
-        newest = [r for r in mine if r.get("commit") == mine[-1].get("commit")]
-        found = sorted({str(r.get("layout")) for r in newest})
-        return f"{line.label}, {'/'.join(found)}"
-    return [dataclasses.replace(line, label=layouts(line), same_commit=True) for line in lines]
+        if "A/B" in line.label or "before" in line.label:
+            return dataclasses.replace(line, same_commit=True), \
+                [r for r in mine if r.get("commit") == mine[-1].get("commit")]
+        return dataclasses.replace(line, latest_per_case=True), \
+            list({_case(r): r for r in mine}.values())
+
+    out = []
+    for line in lines:
+        line, shown = summarised(line)
+        found = sorted({str(r.get("layout")) for r in shown})
+        out.append(dataclasses.replace(line, label=f"{line.label}, {'/'.join(found)}"))
+    return out
 
 
 def _planner_lines(rows):
@@ -455,9 +466,24 @@ def _gemm_tune_text(run):
     if not ratios:
         return "no timed configurations"
     split = sum(int(r.get("split_k") or 1) > 1 for r in best.values())
-    return (f"fastest of the tiles per shape: {span(ratios, 'x')} of torch.matmul, same run; "
+    paired = sum(bool(r.get("cluster")) for r in best.values())
+    text = (f"fastest of the tiles per shape: {span(ratios, 'x')} of torch.matmul, same run; "
             f"{len(ratios)} shapes, geomean {fmt(geomean(ratios))}x; split-K fastest on "
             f"{split} of {len(best)}")
+    if any(r.get("cluster") for r in run):
+        text += f"; clusters of two fastest on {paired} of {len(best)}"
+    return text
+
+
+def _gemm_probe_text(run):
+    """The K-offset probe: the rule's tile on rows at each offset from a 32-byte sector."""
+    rows = [r for r in run if r.get("probe") == "k_offset" and _number(r.get("ratio"))]
+    odd = [r["ratio"] for r in rows if int(r.get("row_offset", 0)) % 32 == 16]
+    even = [r["ratio"] for r in rows if int(r.get("row_offset", 0)) % 32 == 0]
+    if not odd or not even:
+        return "no K-offset rows"
+    return (f"K rows an odd 16 bytes off a 32-byte sector: {span(odd, 'x')} of torch.matmul "
+            f"({len(odd)} shapes); other offsets: {span(even, 'x')} ({len(even)} shapes)")
 
 
 def _described(label, text, *, same_commit=False, latest_per_case=False):
@@ -476,10 +502,15 @@ PIECES = [
           "waits that end in `mkrt.CommTimeout`"),
     Piece("`mkrt.gemm`", "TMA + wgmma persistent engine, bf16/f16, both B layouts",
           "gemm", _gemm_lines),
-    Piece("GEMM tiles", "six tiles (128x256, 128x192, 128x128, 64x256, 64x128; 256x128 built, "
-          "not yet swept) and split-K timed on 30 shapes (`experiments/gemm_tune.py`); the tile "
-          "rule's wave model is fitted on 15 of them (`mkrt/kernels/gemm_rule_fit.json`)", "gemm_tune",
+    Piece("GEMM tiles", "six tiles (128x256, 128x192, 128x128, 64x256, 64x128, 256x128), clusters "
+          "of two CTAs sharing B by TMA multicast, and split-K, timed on 30 shapes "
+          "(`experiments/gemm_tune.py`); the tile rule's wave model (tiles, clusters, a cost per "
+          "row loaded off a 32-byte sector) is fitted on 15 of them "
+          "(`mkrt/kernels/gemm_rule_fit.json`) and judged on the other 15", "gemm_tune",
           _described("tiles", _gemm_tune_text)),
+    Piece("GEMM probes", "the rule's tile on M x N x K with K stepped by 8 (rows 16 to 128 "
+          "bytes off a 128-byte line), torch in the same run (`experiments/gemm_probe.py`)",
+          "gemm_probe", _described("K offsets", _gemm_probe_text)),
     Piece("`mkrt.allgather`", "world-wide and hierarchical: each block crosses to each other "
           "node once (proxy), then spreads inside the node over peer pointers; `group=\"node\"` "
           "gathers inside the node only", "allgather", _allgather_lines),
@@ -560,8 +591,7 @@ PIECES = [
                                     against="of host splits + copies + torch._grouped_mm")),
     Piece("not yet", "MoE across nodes and fused into one kernel, the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware, "
-          "worlds on EFA, a split-K that pays (it never won a shape), a GPU run of the GEMM's "
-          "clusters of two CTAs sharing B (`cluster=\"m2\"`, built)"),
+          "worlds on EFA, a split-K that pays (it never won a shape)"),
 ]
 
 
