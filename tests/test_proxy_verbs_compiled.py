@@ -75,6 +75,51 @@ def test_struct_sizes_match_verbs_h():
     assert ctypes.sizeof(IbvWc) == A.WC_WORDS * 8 == 48
 
 
+def test_address_handle_attributes_have_verbs_h_layout():
+    """struct ibv_global_route / ibv_ah_attr as libibverbs lays them out (x86-64)."""
+    assert ctypes.sizeof(A.IbvGlobalRoute) == 24 and ctypes.sizeof(A.IbvAhAttr) == 32
+    offsets = {name: getattr(A.IbvAhAttr, name).offset for name, _ in A.IbvAhAttr._fields_}
+    assert offsets == {"grh": 0, "dlid": 24, "sl": 26, "src_path_bits": 27, "static_rate": 28,
+                       "is_global": 29, "port_num": 30}
+    route = {name: getattr(A.IbvGlobalRoute, name).offset for name, _ in A.IbvGlobalRoute._fields_}
+    assert route == {"dgid": 0, "flow_label": 16, "sgid_index": 20, "hop_limit": 21,
+                     "traffic_class": 22}
+    with pytest.raises(ValueError, match="16 bytes"):
+        A.address_handle_attributes(b"short", 0, 1)
+
+
+def test_raw_address_handle_is_made_on_the_qps_protection_domain():
+    """The EFA loop's ibv_ah: ibv_create_ah(qp->pd, global route to the peer's GID), and
+    ibv_destroy_ah once on close; a NULL from ibv_create_ah raises."""
+    qp = (ctypes.c_uint64 * 20)()
+    qp[2] = 0xBEEF00                                   # ibv_qp.pd
+    calls = []
+
+    class Library:
+        @staticmethod
+        def ibv_create_ah(pd, attr):
+            attr = ctypes.cast(attr, ctypes.POINTER(A.IbvAhAttr)).contents
+            calls.append(("create", pd, bytes(attr.grh.dgid), attr.grh.sgid_index,
+                          attr.is_global, attr.port_num))
+            return 0xA40 if pd else None
+
+        @staticmethod
+        def ibv_destroy_ah(ah):
+            calls.append(("destroy", ah))
+            return 0
+
+    gid = bytes(range(16))
+    ah = A.RawAddressHandle(ctypes.addressof(qp), gid, 3, 1, "pyverbs-ah", library=Library)
+    assert ah.address == 0xA40 and ah.pyverbs == "pyverbs-ah"
+    assert calls == [("create", 0xBEEF00, gid, 3, 1, 1)]
+    ah.close()
+    ah.close()
+    assert calls[1:] == [("destroy", 0xA40)]
+    qp[2] = 0
+    with pytest.raises(OSError, match="ibv_create_ah failed"):
+        A.RawAddressHandle(ctypes.addressof(qp), gid, 0, 1, library=Library)
+
+
 def test_send_wr_fields_read_back_through_ctypes():
     wrs, sges = A.new_send_wrs(2)
     A.write_send_wr(wrs, sges, 0, 0xAB, 0, 0x1000, 4096, 7, 0x2000, 9, 2, 0, False)

@@ -77,6 +77,7 @@ class VerbsWorldProxy(ProxyService):
             if any(t.efa for t in self.transports.values()):
                 # receivers write EFA flags from immediates with the CPU; a world's flags
                 # live in GPU memory, where that needs a device write not built yet
+                # (experiments/notes/verbs.md, "EFA worlds: what is left")
                 raise MkrtError("mkrt.proxy: worlds over EFA are not wired yet (flags written "
                                 "by the receiving proxy into GPU memory); the EFA transport and "
                                 "compiled loop run with flags in host memory")

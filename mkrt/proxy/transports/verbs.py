@@ -486,6 +486,7 @@ class PyverbsBackend:
     def connect_srd(self, qp):
         from pyverbs.enums import IBV_QPS_INIT
         from pyverbs.qp import QPAttr
+        self._srd_qp = qp                     # its protection domain makes the address handles
         attr = QPAttr(qp_state=IBV_QPS_INIT)
         attr.port_num = self.port
         attr.pkey_index = 0
@@ -496,12 +497,20 @@ class PyverbsBackend:
         qp.to_rts(attr)
 
     def address(self, remote):
+        """An address handle to `remote`: pyverbs' AH for the Python posting path, and the
+        same route made with ``ibv_create_ah`` for the compiled loop (pyverbs keeps an AH's
+        pointer private; verbs_abi.RawAddressHandle)."""
         from pyverbs.addr import AH, GID, AHAttr, GlobalRoute
+
+        from mkrt.proxy.transports.verbs_abi import RawAddressHandle
         gid = GID(":".join(remote.gid.hex()[i:i + 4] for i in range(0, 32, 4)))
         ah = AH(self.pd, attr=AHAttr(gr=GlobalRoute(dgid=gid, sgid_index=self.gid_index),
                                      is_global=1, port_num=self.port))
         self._objects.append(ah)
-        return ah
+        raw = RawAddressHandle(int(self._srd_qp.qp), bytes(remote.gid), self.gid_index,
+                               self.port, ah)
+        self._objects.append(raw)          # closed before the AHs and QPs made before it
+        return raw
 
     def register(self, address, size, dmabuf_fd=None, dmabuf_offset=0):
         access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
@@ -522,6 +531,7 @@ class PyverbsBackend:
             qp.post_send(pyverbs_chain(wrs))
             return
         # EFA SRD: extended QP, one wr_start/wr_complete batch
+        ah = getattr(ah, "pyverbs", ah)
         qp.wr_start()
         for w in wrs:
             qp.wr_id = w.wr_id

@@ -241,3 +241,69 @@ def qpx_functions(qp_address: int) -> dict[str, int]:
             for name, offset in QPX.items()
             if name in ("rdma_write", "rdma_write_imm", "set_ud_addr", "set_sge", "start",
                         "complete", "abort")}
+
+
+# ---- address handles (EFA SRD) ----------------------------------------------------------
+# pyverbs keeps an AH's ``ibv_ah *`` private, and the compiled loop needs it for every
+# write (``wr_set_ud_addr``), so the transport makes its own with libibverbs'
+# ``ibv_create_ah`` (an exported function, not an inline one) on the QP's protection domain.
+
+#: byte offset of ``struct ibv_pd *pd`` in ``struct ibv_qp`` (after context, qp_context)
+QP_PD = 16
+
+
+class IbvGlobalRoute(ctypes.Structure):
+    """``struct ibv_global_route`` (24 bytes)."""
+    _fields_ = [("dgid", ctypes.c_uint8 * 16), ("flow_label", ctypes.c_uint32),
+                ("sgid_index", ctypes.c_uint8), ("hop_limit", ctypes.c_uint8),
+                ("traffic_class", ctypes.c_uint8)]
+
+
+class IbvAhAttr(ctypes.Structure):
+    """``struct ibv_ah_attr`` (32 bytes)."""
+    _fields_ = [("grh", IbvGlobalRoute), ("dlid", ctypes.c_uint16), ("sl", ctypes.c_uint8),
+                ("src_path_bits", ctypes.c_uint8), ("static_rate", ctypes.c_uint8),
+                ("is_global", ctypes.c_uint8), ("port_num", ctypes.c_uint8)]
+
+
+def _libibverbs():
+    library = ctypes.CDLL("libibverbs.so.1", use_errno=True)
+    library.ibv_create_ah.restype = ctypes.c_void_p
+    library.ibv_create_ah.argtypes = [ctypes.c_void_p, ctypes.POINTER(IbvAhAttr)]
+    library.ibv_destroy_ah.restype = ctypes.c_int
+    library.ibv_destroy_ah.argtypes = [ctypes.c_void_p]
+    return library
+
+
+def address_handle_attributes(gid: bytes, sgid_index: int, port: int) -> IbvAhAttr:
+    """A global route to `gid` (EFA addresses by GID only), as pyverbs' AHAttr makes it."""
+    if len(gid) != 16:
+        raise ValueError(f"mkrt.proxy: a GID is 16 bytes; got {len(gid)}")
+    attr = IbvAhAttr()
+    attr.grh.dgid[:] = list(gid)
+    attr.grh.sgid_index = sgid_index
+    attr.grh.hop_limit = 1
+    attr.is_global = 1
+    attr.port_num = port
+    return attr
+
+
+class RawAddressHandle:
+    """An ``ibv_ah`` the compiled loop can name (``address``), made on the protection domain
+    of the QP at `qp_address`, beside `pyverbs_ah` (what the Python posting path uses)."""
+
+    def __init__(self, qp_address: int, gid: bytes, sgid_index: int, port: int,
+                 pyverbs_ah=None, *, library=None):
+        self._library = library or _libibverbs()
+        self.pyverbs = pyverbs_ah
+        pd = ctypes.c_uint64.from_address(qp_address + QP_PD).value
+        attr = address_handle_attributes(gid, sgid_index, port)
+        self.address = self._library.ibv_create_ah(pd, ctypes.byref(attr)) or 0
+        if not self.address:
+            raise OSError(ctypes.get_errno(), f"mkrt.proxy: ibv_create_ah failed for GID "
+                          f"{gid.hex()} (port {port}, sgid index {sgid_index})")
+
+    def close(self) -> None:
+        if self.address:
+            self._library.ibv_destroy_ah(self.address)
+            self.address = 0
