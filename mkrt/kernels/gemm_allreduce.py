@@ -535,7 +535,10 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
         st_relaxed_sys(peer + L.target(a.me), where);
         st_release_sys(peer + L.arrive(a.me), epoch);
     }
-    if (a.nodes > 1 && blockIdx.x == gridDim.x - 1 && threadIdx.x == 0 && rank != muted_rank) {
+    // From CTA 0 (its second warp), like the arrival above: the one CTA sure to run, so a
+    // grid not all resident at once (a GPU shared with other work, a sanitizer) still
+    // tells the other nodes; any CTA can take any task on the role board.
+    if (a.nodes > 1 && blockIdx.x == 0 && threadIdx.x == 32 && rank != muted_rank) {
         for (int step = 1; step < a.nodes; ++step) {
             const int node = (a.node + step) % a.nodes;
             if (post_signal(*a.queue, ctx, (unsigned)(node * a.G + a.me), (unsigned)a.flags_region,
