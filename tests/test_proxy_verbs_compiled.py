@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mkrt.proxy import OP_BARRIER, OP_FENCE, OP_PUT, OP_PUT_SIGNAL, OP_SIGNAL, REGION_HOST, QueueSet
+from mkrt.errors import MkrtError
 from mkrt.proxy import ProxyError
 from mkrt.proxy import producer as PR
 from mkrt.proxy import queue as Q
@@ -225,7 +226,8 @@ class Ranks:
     """`n` ranks, each: data region 0 (dma-buf style iova base), flag region 1 (host), a
     verbs transport over one loopback fabric."""
 
-    def __init__(self, n=2, *, sq_depth=16, signal_every=4, max_inline=64, seed=0, efa=False):
+    def __init__(self, n=2, *, sq_depth=16, signal_every=4, max_inline=64, seed=0, efa=False,
+                 efa_flags="immediate"):
         self.fabric = L.LoopbackFabric()
         rng = np.random.default_rng(seed)
         self.data = [rng.integers(0, 256, DATA, dtype=np.uint8) for _ in range(n)]
@@ -238,7 +240,7 @@ class Ranks:
                                                               bytes([r]) * 16, 5, 32)
             t = V.VerbsTransport(r, n, 2, backend=backend, sq_depth=sq_depth,
                                  signal_every=1 if efa else signal_every, recv_depth=64,
-                                 timeout=5.0)
+                                 efa_flags=efa_flags, timeout=5.0)
             dmabuf = {} if efa else dict(dmabuf_fd=99, dmabuf_offset=4096)
             t.register_region(0, self.data[r].ctypes.data, DATA, **dmabuf)
             t.register_region(1, self.flags[r].ctypes.data, self.flags[r].nbytes, kind=REGION_HOST)
@@ -553,6 +555,77 @@ def test_efa_puts_with_flags_land_and_flags_never_go_backwards():
             sent = [i + 1 for i in range(0, len(expected), 3) if i % 64 == slot]
             assert int(ranks.flags[1][slot]) == (max(sent) if sent else 0)
         assert all(t.cq.nic.overflows == 0 for t in ranks.transports)   # no completion lost
+    finally:
+        assert ranks.close() == []
+
+
+def test_efa_direct_flags_land_after_their_data_in_any_region_with_any_value():
+    """efa_flags="direct" (worlds: flags in GPU memory): each flag is an 8-byte WRITE the
+    sender posts once everything before it has completed. The stand-in carries out each
+    posted batch last to first, so a flag posted in its data's batch would land first: a
+    copy hook records the order of every write. Flags go into the data region (not host
+    memory, not the immediate format's region) with values past 2**20."""
+    from numba import cfunc, types
+
+    from mkrt.proxy.atomics import copy_bytes, load_acquire_at, store_release_at
+
+    @cfunc(types.int32(types.uint64, types.uint64, types.uint64, types.uint64), nogil=True)
+    def logging_copy(dst, src, nbytes, log):
+        copy_bytes(dst, src, nbytes)
+        n = load_acquire_at(log)
+        store_release_at(log + np.uint64(8) * (np.uint64(1) + np.uint64(2) * n), dst)
+        store_release_at(log + np.uint64(8) * (np.uint64(2) + np.uint64(2) * n), nbytes)
+        store_release_at(log, n + np.uint64(1))
+        return 0
+
+    ranks = Ranks(efa=True, efa_flags="direct")
+    log = np.zeros(1 + 2 * 4096, dtype=np.uint64)
+    sender = ranks.transports[0].qps[0]
+    sender.nic.use_copy(sender.index, logging_copy.address, log.ctypes.data)
+    try:
+        flag_base = DATA - 8 * 64                        # the data region's last 64 words
+        ranks.data[1][flag_base:] = 0
+        ranks.start(compiled=True)
+        rng = np.random.default_rng(5)
+        records, puts = [], []
+        for i in range(200):
+            nbytes, src_offset = int(rng.integers(1, 200)), int(rng.integers(0, DATA - 200))
+            flagged = i % 4 == 0
+            records.append(dict(opcode=OP_PUT_SIGNAL if flagged else OP_PUT, dst_rank=1,
+                                src_offset=src_offset, dst_offset=200 * i, nbytes=nbytes,
+                                signal_region=0 if flagged else Q.NO_REGION,
+                                signal_offset=flag_base + 8 * (i % 64),
+                                signal_value=(1 << 40) + i))
+            puts.append((src_offset, 200 * i, nbytes, flagged))
+        want = ranks.data[1].copy()
+        for s_, d, n, _ in puts:
+            want[d:d + n] = ranks.data[0][s_:s_ + n]
+        ranks.post(0, records + [dict(opcode=OP_SIGNAL, dst_rank=1, signal_region=1,
+                                      signal_offset=8 * 100, signal_value=(1 << 33) + 7)])
+        ranks.wait_flag(1, 100, (1 << 33) + 7)           # the bare flag: after everything
+        assert PR.wait_at_least(ranks.queues[0].header, Q.H_DONE, np.uint64(len(records) + 1), SPINS)
+        flags_seen = ranks.data[1][flag_base:].view(np.uint64)
+        for slot in range(64):
+            sent = [(1 << 40) + i for i in range(0, 200, 4) if i % 64 == slot]
+            assert int(flags_seen[slot]) == (max(sent) if sent else 0)
+        want[flag_base:] = ranks.data[1][flag_base:]
+        assert np.array_equal(ranks.data[1], want)
+        # every flag write comes after the write of its put's data, in the order of posts
+        base = int(ranks.data[1].ctypes.data)
+        writes = [(int(log[1 + 2 * j]) - base, int(log[2 + 2 * j])) for j in range(int(log[0]))]
+        data_writes = {(d, n): j for j, (d, n) in enumerate(writes) if d < flag_base}
+        flag_writes: dict = {}           # slot -> positions of its writes, in order
+        for j, (d, n) in enumerate(writes):
+            if d >= flag_base:
+                flag_writes.setdefault((d - flag_base) // 8, []).append(j)
+        for i, (_, d, n, flagged) in enumerate(puts):
+            if flagged:      # the m-th flag to a slot is the m-th write of that slot
+                slot = i % 64
+                m = sum(1 for e in range(0, i, 4) if e % 64 == slot)
+                assert data_writes[(d, n)] < flag_writes[slot][m], (i, data_writes[(d, n)],
+                                                                    flag_writes[slot])
+        with pytest.raises(MkrtError, match="compiled loop only"):
+            ranks.transports[0].post_commands(1, [])    # the Python proxy's way in
     finally:
         assert ranks.close() == []
 

@@ -24,6 +24,9 @@ the completion status. EFA's SRD endpoint (one QP for every destination, complet
 order) is posted through the extended QP API (``ibv_wr_*``): a put with its flag is one
 write with immediate, a bare flag waits for everything posted before it, every WR is
 signalled, and received immediates are written as flags (never backwards) by this loop.
+With the transport's ``efa_flags="direct"`` (worlds, whose flags are GPU memory in any
+region) the sender writes each flag itself, as an 8-byte WRITE posted once everything
+before it has completed: no immediates, no receiver CPU.
 
 State is u64 numpy arrays (``P_*``, ``CF_*`` word names), built by
 :class:`CompiledVerbsProxy` from a connected :class:`~mkrt.proxy.transports.verbs.VerbsTransport`.
@@ -58,7 +61,7 @@ PEER_WORDS = 10
 CF_DEPTH, CF_SIGNAL_EVERY, CF_INLINE, CF_STAGING_LKEY, CF_CQ, CF_POLL, CF_TIMEOUT_NS, \
     CF_ERR_PEER, CF_ERR_WR, CF_ERR_STATUS, CF_ERR_KIND, \
     CF_EFA, CF_EFA_FLAG_REGION, CF_EFA_FLAGS, CF_EFA_FLAGS_SIZE, CF_POST_RECV, CF_RECV_QP, \
-    CF_RECV_ID, CF_QKEY = range(19)
+    CF_RECV_ID, CF_QKEY, CF_EFA_DIRECT = range(20)
 CF_RECV_WR = 24         # config[24:28]: the ibv_recv_wr a receive is reposted with
 CONFIG_WORDS = 28
 # extended-QP functions (EFA SRD), qpx[...]
@@ -241,6 +244,9 @@ def post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs
     `peers` between the WR writes cost about 40 ns per WR on the CPU measured (the
     compiler must assume the arrays alias), against 3 ns from locals."""
     if config[CF_EFA] != np.uint64(0):
+        if config[CF_EFA_DIRECT] != np.uint64(0):
+            return _efa_direct_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs,
+                                       timespec, decoded, picks, count, p)
         return _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec,
                             decoded, picks, count, p)
     depth, every = config[CF_DEPTH], config[CF_SIGNAL_EVERY]
@@ -367,6 +373,67 @@ def _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, time
 
 
 @njit(nogil=True, cache=False)
+def _efa_direct_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec,
+                        decoded, picks, count, p):
+    """EFA SRD with flags written by the sender (worlds: flags in GPU memory, in any
+    region): a put is one WRITE; a flag is an 8-byte WRITE of its value, from a registered
+    staging slot, into the flag's own word, posted only once every WR before it has
+    completed (SRD may deliver out of order; a write's completion says it was placed).
+    Every WR signalled, built through the extended QP API and posted by wr_complete;
+    returns WRs posted, or -1."""
+    qp = peers[p, P_QP]
+    depth = config[CF_DEPTH]
+    flags = np.uint64(IBV_SEND_SIGNALED)
+    staging_base = np.uint64(staging.ctypes.data) + np.uint64(8) * np.uint64(p) * depth
+    k = 0
+    posted = 0
+    A.call_qpx(qpx[X_START], qp)
+    for i in range(count):
+        r = picks[i]
+        has_data, has_flag = _carries(decoded, r)
+        need = (1 if has_data else 0) + (1 if has_flag else 0)
+        for w in range(need):
+            is_flag = has_flag and w == need - 1
+            if depth - peers[0, P_OUTSTANDING] < np.uint64(1) or k + 1 > MAX_CHAIN or (is_flag and k > 0):
+                rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
+                if rc != 0:
+                    return _fail(config, ERR_POST, p, 0, rc)
+                posted += k
+                k = 0
+                if _wait_credits(peers, signalled, config, wcs, 0, 1, timespec) < 0:
+                    return -1
+                A.call_qpx(qpx[X_START], qp)
+            if is_flag and quiesce(peers, signalled, config, wcs, timespec) < 0:
+                A.call_qpx(qpx[X_ABORT], qp)
+                return -1
+            sequence = peers[0, P_NEXT]
+            peers[0, P_NEXT] = sequence + np.uint64(1)
+            peers[0, P_OUTSTANDING] += np.uint64(1)
+            store_release_at(qp + np.uint64(A.QPX_WR_ID), (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence)
+            store_release_at(qp + np.uint64(A.QPX_WR_FLAGS), flags)
+            if is_flag:
+                # the slot is reused `depth` sequences later: by then this WR has completed
+                slot = sequence % depth
+                staging[np.uint64(p) * depth + slot] = decoded[r, P.V_VALUE]
+                A.call_qpx_write(qpx[X_WRITE], qp, rkeys[p, decoded[r, P.V_GREGION]],
+                                 decoded[r, P.V_FLAG], 0)
+                A.call_qpx_ud_addr(qpx[X_UD_ADDR], qp, peers[p, P_AH], peers[p, P_QPN], config[CF_QKEY])
+                A.call_qpx_sge(qpx[X_SGE], qp, config[CF_STAGING_LKEY],
+                               staging_base + np.uint64(8) * slot, 8)
+            else:
+                A.call_qpx_write(qpx[X_WRITE], qp, rkeys[p, decoded[r, P.V_DREGION]],
+                                 decoded[r, P.V_DST], 0)
+                A.call_qpx_ud_addr(qpx[X_UD_ADDR], qp, peers[p, P_AH], peers[p, P_QPN], config[CF_QKEY])
+                A.call_qpx_sge(qpx[X_SGE], qp, lkeys[decoded[r, P.V_SREGION]], decoded[r, P.V_SRC],
+                               decoded[r, P.V_BYTES])
+            k += 1
+    rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
+    if rc != 0:
+        return _fail(config, ERR_POST, p, 0, rc)
+    return posted + k
+
+
+@njit(nogil=True, cache=False)
 def _flush(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs, bad, timespec,
            decoded, pending, npending, picks, stats):
     """Post the pending commands, one destination at a time (each one's order kept)."""
@@ -446,7 +513,7 @@ def loop(ring, header, regions, my_rank, slots, batch, control, stats, peers, si
                 ticket = tail + np.uint64(n)
                 v = decoded[n]
                 err, detail = P.validate_command(ring, base, regions, my_rank, v)
-                if err == 0 and config[CF_EFA] != np.uint64(0):
+                if err == 0 and config[CF_EFA] != np.uint64(0) and config[CF_EFA_DIRECT] == np.uint64(0):
                     err, detail = efa_refusal(config, v)
                 n += 1
                 if failed[q] != 0 or broken:
@@ -605,7 +672,8 @@ class CompiledVerbsProxy(P.Proxy):
 
     def _configure_efa(self, transport) -> None:
         """One SRD QP for every destination: its extended-QP functions, an address handle
-        and QP number per destination, the flag region receivers write, receives."""
+        and QP number per destination; with immediate flags, the flag region receivers
+        write and their receives."""
         from mkrt.proxy.transports.verbs import QKEY
         qp = int(self.peers[0, P_QP])
         functions = A.qpx_functions(qp)
@@ -617,19 +685,22 @@ class CompiledVerbsProxy(P.Proxy):
             self.peers[p, P_AH] = _raw_address(transport._ah[p], "ah")
             self.peers[p, P_QPN] = transport.connections[p].remote.qp_num
         self.peers[0, P_LOW] = 1
+        self.config[CF_EFA] = 1
+        self.config[CF_QKEY] = QKEY
+        if transport.efa_direct:       # the sender writes flags: no flag region, no receives
+            self.config[CF_EFA_DIRECT] = 1
+            return
         region = transport.efa_flag_region
         if region not in transport.local:
             raise MkrtError(f"mkrt.proxy: EFA flags live in region {region}, which this rank "
                             "has not registered")
         local, address, _ = transport.local[region]
-        self.config[CF_EFA] = 1
         self.config[CF_EFA_FLAG_REGION] = region
         self.config[CF_EFA_FLAGS] = address
         self.config[CF_EFA_FLAGS_SIZE] = local.size
         self.config[CF_POST_RECV] = A.context_functions(qp)[2]
         self.config[CF_RECV_QP] = qp
         self.config[CF_RECV_ID] = transport._recv_id
-        self.config[CF_QKEY] = QKEY
 
     def _arguments(self, control, stats):
         qs = self.queue_set

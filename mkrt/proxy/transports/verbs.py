@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from mkrt.errors import MkrtError
 from mkrt.proxy import queue as Q
 from mkrt.proxy.atomics import load_acquire_at, store_release_at
 from mkrt.proxy.transports.base import TransportUnavailable
@@ -605,26 +606,35 @@ class VerbsTransport:
 
     RC: one QP per peer, each with ``sq_depth`` send slots and its own :class:`Credits`
     (signalled every ``signal_every`` WRs and at the end of every posted chain).
-    EFA (SRD): one QP, an address handle per peer, write-with-immediate; flags must live in
-    region ``efa_flag_region`` (host memory) of the destination at index < 4096 with value < 2**20;
-    the receiver posts ``recv_depth`` receives and writes flags from their completions.
+    EFA (SRD): one QP, an address handle per peer. ``efa_flags="immediate"``: a flag rides
+    on its put as write-with-immediate; flags must live in region ``efa_flag_region`` (host
+    memory) of the destination at index < 4096 with value < 2**20; the receiver posts
+    ``recv_depth`` receives and writes flags from their completions. ``efa_flags="direct"``
+    (worlds: flags in GPU memory, any region, any value): the sender writes each flag as an
+    8-byte WRITE of its own, posted once every WR before it has completed; only the compiled
+    loop (:class:`mkrt.proxy.verbs_loop.CompiledVerbsProxy`) posts in this mode.
     """
 
     name = "verbs"
 
     def __init__(self, rank: int, ranks: int, regions: int, *, backend=None,
                  device_name: str | None = None, sq_depth: int = 256, signal_every: int = 32,
-                 recv_depth: int = 256, efa_flag_region: int = 1, timeout: float = 30.0):
+                 recv_depth: int = 256, efa_flag_region: int = 1, efa_flags: str = "immediate",
+                 timeout: float = 30.0):
         if not (0 <= rank < ranks):
             raise ValueError(f"mkrt.proxy: verbs transport needs 0 <= rank < ranks; got {rank=}, {ranks=}")
         if sq_depth < 4 or recv_depth < 1 or timeout <= 0:
             raise ValueError(f"mkrt.proxy: verbs transport needs sq_depth >= 4, recv_depth >= 1, "
                              f"timeout > 0; got {sq_depth=}, {recv_depth=}, {timeout=}")
         Credits(sq_depth, signal_every)             # validates the pair
+        if efa_flags not in ("immediate", "direct"):
+            raise ValueError(f"mkrt.proxy: efa_flags={efa_flags!r}; expected 'immediate' or 'direct'")
         self.rank, self.ranks, self.timeout = rank, ranks, timeout
         self.backend = backend if backend is not None else PyverbsBackend()
         self.info = self.backend.open(device_name)
         self.efa = self.info.efa
+        #: EFA flags written by the sender as WRITEs of their own (see the class docstring)
+        self.efa_direct = self.efa and efa_flags == "direct"
         self.sq_depth, self.signal_every, self.recv_depth = sq_depth, signal_every, recv_depth
         self.efa_flag_region = efa_flag_region
         self.regions = Q.new_region_table(ranks, regions)   # bases are what WRs use (iova)
@@ -680,7 +690,8 @@ class VerbsTransport:
         if address <= 0 or size <= 0:
             raise ValueError(f"mkrt.proxy: verbs region {region} needs address > 0 and size > 0; "
                              f"got {address=:#x}, {size=}")
-        if self.efa and region == self.efa_flag_region and kind != Q.REGION_HOST:
+        if self.efa and not self.efa_direct and region == self.efa_flag_region \
+                and kind != Q.REGION_HOST:
             raise ValueError(f"mkrt.proxy: EFA flags are written by the receiving CPU: region "
                              f"{region} must be host memory; got {kind=}")
         reg = self.backend.register(address, size, dmabuf_fd, dmabuf_offset)
@@ -802,6 +813,7 @@ class VerbsTransport:
         Returns the number of WRs posted."""
         from mkrt.proxy import proxy as P
         self._check_ready(peer)
+        self._python_posting()
         builder, credits = self.builders[peer], self.credits[peer]
         chain: list[WorkRequest] = []
         posted = 0
@@ -827,7 +839,7 @@ class VerbsTransport:
         anything of the command is posted, so it is refused like a malformed command."""
         from mkrt.proxy import proxy as P
         opcode = int(v[P.V_OPCODE])
-        if not self.efa or not (opcode in (Q.OP_PUT_SIGNAL, Q.OP_SIGNAL, Q.OP_BARRIER)
+        if not self.efa or self.efa_direct or not (opcode in (Q.OP_PUT_SIGNAL, Q.OP_SIGNAL, Q.OP_BARRIER)
                                 or (opcode == Q.OP_FENCE and v[P.V_SIGNAL])):
             return 0, 0
         return self._efa_flag_refusal(int(v[P.V_GREGION]), int(v[P.V_GOFFSET]), int(v[P.V_VALUE]))
@@ -841,8 +853,14 @@ class VerbsTransport:
             return Q.E_BOUNDS, offset if offset // 8 >= 1 << 12 else value
         return 0, 0
 
+    def _python_posting(self) -> None:
+        if self.efa_direct:
+            raise MkrtError("mkrt.proxy: EFA with efa_flags='direct' is posted by the compiled "
+                            "loop only (CompiledVerbsProxy), not by the Python proxy")
+
     def _flag(self, peer, region, offset, value):
         """(RemoteRegion, offset, value, index) of a flag write."""
+        self._python_posting()
         remote = RemoteRegion(int(self.regions[peer, region, 0]), int(self.regions[peer, region, 1]),
                               int(self.rkeys[peer, region]))
         index = 0
