@@ -90,10 +90,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "How the proxy moves data between nodes: 'ce' (GPU copies; nodes on one host), "
            "'verbs' (RDMA queue pairs, posted by the compiled proxy loop), 'auto' (verbs when "
            "nodes are on different hosts, else ce)."),
-    EnvVar("MKRT_VERBS_PROVIDER", "device", _choice("device", "loopback"),
-           "With MKRT_TRANSPORT=verbs: 'device' (an RDMA device through pyverbs) or "
-           "'loopback' (mkrt's stand-in NIC behind the same ibv ABI, for nodes of one "
-           "process: tests of the verbs path without RDMA hardware)."),
+    EnvVar("MKRT_VERBS_PROVIDER", "device", _choice("device", "loopback", "loopback_efa"),
+           "With MKRT_TRANSPORT=verbs: 'device' (an RDMA device through pyverbs), "
+           "'loopback' (mkrt's stand-in NIC behind the same ibv ABI, RC queue pairs, for "
+           "nodes of one process: tests of the verbs path without RDMA hardware) or "
+           "'loopback_efa' (the stand-in as an EFA SRD endpoint: one queue pair, delivery "
+           "out of order)."),
     EnvVar("MKRT_VERBS_DEVICES", "", str,
            "RDMA devices for the verbs transport, comma-separated, one per GPU of the host "
            "(GPU i uses the i-th; a single name serves every GPU); empty: the first device. "

@@ -591,7 +591,8 @@ PIECES = [
                                     against="of host splits + copies + torch._grouped_mm")),
     Piece("not yet", "MoE across nodes and fused into one kernel, the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware, "
-          "worlds on EFA, a split-K that pays (it never won a shape)"),
+          "a world over EFA on a GPU (written: flags written by the sender; CPU-tested over the "
+          "stand-in), a split-K that pays (it never won a shape)"),
 ]
 
 

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def verbs_env(monkeypatch):
-    def use(transport):
+    def use(transport, provider="loopback"):
         monkeypatch.setenv("MKRT_TRANSPORT", transport)
-        monkeypatch.setenv("MKRT_VERBS_PROVIDER", "loopback")
+        monkeypatch.setenv("MKRT_VERBS_PROVIDER", provider)
     return use
 
 
@@ -47,23 +47,28 @@ def _run_gemm_allreduce(layout, calls, fuse=True):
         world.close()
 
 
+@pytest.mark.parametrize("provider", ["loopback", "loopback_efa"])
 @pytest.mark.parametrize("layout", ["2x2", "2x1", "3x1"])
-def test_gemm_allreduce_over_verbs_equals_ce_bit_for_bit(verbs_env, layout):
+def test_gemm_allreduce_over_verbs_equals_ce_bit_for_bit(verbs_env, layout, provider):
+    """RC queue pairs, and an EFA SRD endpoint (delivery out of order; each flag written by
+    the sender once its data has completed)."""
     from mkrt.proxy.verbs_world import VerbsWorldProxy
     verbs_env("ce")
     _, ce = _run_gemm_allreduce(layout, 3)
-    verbs_env("verbs")
+    verbs_env("verbs", provider)
     proxy, verbs = _run_gemm_allreduce(layout, 3)
     assert isinstance(proxy, VerbsWorldProxy)
+    assert all(t.efa == (provider == "loopback_efa") for t in proxy.transports.values())
     for x, y in zip(ce, verbs):
         assert np.array_equal(x.view(np.uint16), y.view(np.uint16))
 
 
-def test_allgather_over_verbs_equals_ce(verbs_env):
+@pytest.mark.parametrize("provider", ["loopback", "loopback_efa"])
+def test_allgather_over_verbs_equals_ce(verbs_env, provider):
     import cupy
     results = []
     for transport in ("ce", "verbs"):
-        verbs_env(transport)
+        verbs_env(transport, provider)
         world = mkrt.init(emulate="2x2")
         try:
             x = [cupy.arange(5000, dtype=np.float32) + 1000 * info.rank for info in world.local]

@@ -10,7 +10,10 @@ as with the `ce` transport.
 ``MKRT_VERBS_PROVIDER=loopback`` puts mkrt's stand-in NIC behind the same ABI
 (:mod:`mkrt.proxy.transports.loopback_nic`): its queue pairs copy with ``cuMemcpy``, so
 an emulated world (every rank in this process) runs the whole verbs path, from the GPU's
-commands through work requests and completions, without RDMA hardware.
+commands through work requests and completions, without RDMA hardware;
+``loopback_efa`` makes it an EFA SRD endpoint. On EFA (a device or that stand-in) the
+sender writes every flag as a WRITE of its own once the data before it has completed
+(``efa_flags="direct"``): a world's flags are GPU memory in many regions.
 ``MKRT_VERBS_PROVIDER=device`` opens an RDMA device through pyverbs.
 
 Connection data is exchanged in the process when it holds every rank, else over the
@@ -46,7 +49,8 @@ class VerbsWorldProxy(ProxyService):
         everyone_here = len(world.local) == world.size
         if not everyone_here and len(world.local) != 1:
             raise MkrtError("mkrt.proxy: verbs across processes needs one rank per process")
-        if self.provider == "loopback" and not everyone_here:
+        loopback = self.provider in ("loopback", "loopback_efa")
+        if loopback and not everyone_here:
             me = world.local[0].rank
             others = [r.rank for r in world.ranks if not world.same_host(me, r.rank)]
             if others:
@@ -56,7 +60,7 @@ class VerbsWorldProxy(ProxyService):
         self.queue_sets: dict[int, Q.QueueSet] = {}
         self.proxies = {}
         fabric = None
-        if self.provider == "loopback":
+        if loopback:
             from mkrt.proxy.transports.loopback_nic import LoopbackFabric
             # one process: every rank shares owner 0; processes: each registers as its
             # rank and aliases its peers' registrations onto its IPC mappings of them
@@ -67,20 +71,14 @@ class VerbsWorldProxy(ProxyService):
             for info in world.local:
                 if fabric is not None:
                     from mkrt.proxy.transports.loopback_nic import LoopbackBackend
-                    backend = LoopbackBackend(fabric, info.rank, device=info.device)
+                    backend = LoopbackBackend(fabric, info.rank, device=info.device,
+                                              efa=self.provider == "loopback_efa")
                 else:
                     backend = PyverbsBackend()
                 self.transports[info.rank] = VerbsTransport(
                     info.rank, world.size, MAX_REGIONS, backend=backend, sq_depth=sq_depth,
-                    signal_every=signal_every, timeout=timeout,
+                    signal_every=signal_every, timeout=timeout, efa_flags="direct",
                     device_name=None if fabric is not None else nic_for_gpu(info.device))
-            if any(t.efa for t in self.transports.values()):
-                # receivers write EFA flags from immediates with the CPU; a world's flags
-                # live in GPU memory, where that needs a device write not built yet
-                # (experiments/notes/verbs.md, "EFA worlds: what is left")
-                raise MkrtError("mkrt.proxy: worlds over EFA are not wired yet (flags written "
-                                "by the receiving proxy into GPU memory); the EFA transport and "
-                                "compiled loop run with flags in host memory")
             self._connect()
             for info in world.local:
                 transport = self.transports[info.rank]

@@ -558,13 +558,16 @@ class _LoopbackQP:
 
 class LoopbackBackend:
     """The verbs transport's backend (same methods as ``PyverbsBackend``) over the
-    loopback stand-in: ranks of one process share a :class:`LoopbackFabric`. RC only."""
+    loopback stand-in: ranks of one process share a :class:`LoopbackFabric`. RC queue
+    pairs, or with ``efa=True`` an SRD-like endpoint (one QP behind the extended QP API,
+    delivering out of order), as an EFA device would give."""
 
     def __init__(self, fabric: LoopbackFabric, rank: int, *, max_inline: int = 64,
-                 device: int | None = None):
+                 device: int | None = None, efa: bool = False):
         """``device``: the GPU whose memory this rank registers; its queue pairs then copy
         with ``cuMemcpy`` (any memory under unified addressing) instead of memmove."""
         self.fabric, self.rank, self.max_inline, self.device = fabric, rank, max_inline, device
+        self.efa = efa
         self.nic: LoopbackNic | None = None
         if not hasattr(fabric, "nics"):
             fabric.nics = {}
@@ -575,8 +578,8 @@ class LoopbackBackend:
 
     def open(self, device_name):
         from mkrt.proxy.transports.verbs import DeviceInfo
-        return DeviceInfo("loopback", False, self.rank + 1, bytes([self.rank % 256]) * 16, 5,
-                          self.max_inline)
+        return DeviceInfo("efa_loopback" if self.efa else "loopback", self.efa, self.rank + 1,
+                          bytes([self.rank % 256]) * 16, 5, self.max_inline)
 
     def create_cq(self, cqe):
         self.nic = LoopbackNic(self.fabric, cq_entries=max(64, int(cqe)))
