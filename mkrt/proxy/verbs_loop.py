@@ -244,9 +244,6 @@ def post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs
     `peers` between the WR writes cost about 40 ns per WR on the CPU measured (the
     compiler must assume the arrays alias), against 3 ns from locals."""
     if config[CF_EFA] != np.uint64(0):
-        if config[CF_EFA_DIRECT] != np.uint64(0):
-            return _efa_direct_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs,
-                                       timespec, decoded, picks, count, p)
         return _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec,
                             decoded, picks, count, p)
     depth, every = config[CF_DEPTH], config[CF_SIGNAL_EVERY]
@@ -316,74 +313,50 @@ def post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wrs, sges, wcs
 
 
 @njit(nogil=True, cache=False)
-def _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec, decoded,
-                 picks, count, p):
-    """EFA SRD: each command one WR (a put with its flag: one write with immediate; a bare
-    flag: a zero-length write with immediate, after everything posted before it has
-    completed: SRD may deliver out of order), every WR signalled, built through the
-    extended QP API and posted by wr_complete; returns WRs posted, or -1."""
-    qp = peers[p, P_QP]
-    depth = config[CF_DEPTH]
-    flags = np.uint64(IBV_SEND_SIGNALED)
-    k = 0
+def _efa_open_wr(peers, signalled, config, qpx, wcs, timespec, qp, p, k, after_all):
+    """Room for one more WR to destination `p` in the open extended-QP batch (`k` WRs
+    built): when the send queue is full, the batch long, or the WR must follow everything
+    posted before it (`after_all`: SRD delivers out of order), post the batch, then wait
+    for credits and, with `after_all`, for every WR to complete. Then the WR's id and
+    flags (signalled). Returns (WRs posted, WRs now in the batch, the WR's sequence), or
+    (-1, 0, 0) after a failure."""
     posted = 0
-    A.call_qpx(qpx[X_START], qp)
-    for i in range(count):
-        r = picks[i]
-        has_data, has_flag = _carries(decoded, r)
-        if not has_data and not has_flag:
-            continue
-        bare_flag = has_flag and not has_data
-        if depth - peers[0, P_OUTSTANDING] < np.uint64(1) or k + 1 > MAX_CHAIN or (bare_flag and k > 0):
-            rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
-            if rc != 0:
-                return _fail(config, ERR_POST, p, 0, rc)
-            posted += k
-            k = 0
-            if _wait_credits(peers, signalled, config, wcs, 0, 1, timespec) < 0:
-                return -1
-            A.call_qpx(qpx[X_START], qp)
-        if bare_flag and quiesce(peers, signalled, config, wcs, timespec) < 0:
-            A.call_qpx(qpx[X_ABORT], qp)
-            return -1
-        sequence = peers[0, P_NEXT]
-        peers[0, P_NEXT] = sequence + np.uint64(1)
-        peers[0, P_OUTSTANDING] += np.uint64(1)
-        store_release_at(qp + np.uint64(A.QPX_WR_ID), (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence)
-        store_release_at(qp + np.uint64(A.QPX_WR_FLAGS), flags)
-        if has_flag:
-            imm = ((decoded[r, P.V_GOFFSET] // np.uint64(8)) << np.uint64(20)) | decoded[r, P.V_VALUE]
-            target = decoded[r, P.V_DST] if has_data else decoded[r, P.V_FLAG]
-            region = decoded[r, P.V_DREGION] if has_data else decoded[r, P.V_GREGION]
-            A.call_qpx_write(qpx[X_WRITE_IMM], qp, rkeys[p, region], target, A.byteswap32(imm))
-        else:
-            A.call_qpx_write(qpx[X_WRITE], qp, rkeys[p, decoded[r, P.V_DREGION]],
-                             decoded[r, P.V_DST], 0)
-        A.call_qpx_ud_addr(qpx[X_UD_ADDR], qp, peers[p, P_AH], peers[p, P_QPN], config[CF_QKEY])
-        if has_data:
-            A.call_qpx_sge(qpx[X_SGE], qp, lkeys[decoded[r, P.V_SREGION]], decoded[r, P.V_SRC],
-                           decoded[r, P.V_BYTES])
-        else:
-            A.call_qpx_sge(qpx[X_SGE], qp, config[CF_STAGING_LKEY], np.uint64(staging.ctypes.data), 0)
-        k += 1
-    rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
-    if rc != 0:
-        return _fail(config, ERR_POST, p, 0, rc)
-    return posted + k
+    if config[CF_DEPTH] - peers[0, P_OUTSTANDING] < np.uint64(1) or k + 1 > MAX_CHAIN \
+            or (after_all and k > 0):
+        rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
+        if rc != 0:
+            return _fail(config, ERR_POST, p, 0, rc), 0, np.uint64(0)
+        posted, k = k, 0
+        if _wait_credits(peers, signalled, config, wcs, 0, 1, timespec) < 0:
+            return -1, 0, np.uint64(0)
+        A.call_qpx(qpx[X_START], qp)
+    if after_all and quiesce(peers, signalled, config, wcs, timespec) < 0:
+        A.call_qpx(qpx[X_ABORT], qp)
+        return -1, 0, np.uint64(0)
+    sequence = peers[0, P_NEXT]
+    peers[0, P_NEXT] = sequence + np.uint64(1)
+    peers[0, P_OUTSTANDING] += np.uint64(1)
+    store_release_at(qp + np.uint64(A.QPX_WR_ID), (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence)
+    store_release_at(qp + np.uint64(A.QPX_WR_FLAGS), np.uint64(IBV_SEND_SIGNALED))
+    return posted, k + 1, sequence
 
 
 @njit(nogil=True, cache=False)
-def _efa_direct_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec,
-                        decoded, picks, count, p):
-    """EFA SRD with flags written by the sender (worlds: flags in GPU memory, in any
-    region): a put is one WRITE; a flag is an 8-byte WRITE of its value, from a registered
-    staging slot, into the flag's own word, posted only once every WR before it has
-    completed (SRD may deliver out of order; a write's completion says it was placed).
-    Every WR signalled, built through the extended QP API and posted by wr_complete;
-    returns WRs posted, or -1."""
+def _efa_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wcs, timespec, decoded,
+                 picks, count, p):
+    """EFA SRD, one QP for every destination, every WR signalled, built through the
+    extended QP API and posted by wr_complete; SRD may deliver out of order. Returns WRs
+    posted, or -1.
+
+    Immediate flags: each command one WR (a put with its flag: one write with immediate;
+    a bare flag: a zero-length write with immediate, after everything posted before it has
+    completed). Direct flags (``CF_EFA_DIRECT``; worlds, flags in GPU memory in any
+    region): a put is one write; a flag is an 8-byte write of its value, from a registered
+    staging slot, into the flag's own word, after everything posted before it has
+    completed (a write's completion says it was placed)."""
     qp = peers[p, P_QP]
     depth = config[CF_DEPTH]
-    flags = np.uint64(IBV_SEND_SIGNALED)
+    direct = config[CF_EFA_DIRECT] != np.uint64(0)
     staging_base = np.uint64(staging.ctypes.data) + np.uint64(8) * np.uint64(p) * depth
     k = 0
     posted = 0
@@ -391,42 +364,38 @@ def _efa_direct_post_to(peers, signalled, config, qpx, staging, rkeys, lkeys, wc
     for i in range(count):
         r = picks[i]
         has_data, has_flag = _carries(decoded, r)
-        need = (1 if has_data else 0) + (1 if has_flag else 0)
+        separate_flag = has_flag and (direct or not has_data)
+        need = (1 if has_data else 0) + (1 if separate_flag else 0)
         for w in range(need):
-            is_flag = has_flag and w == need - 1
-            if depth - peers[0, P_OUTSTANDING] < np.uint64(1) or k + 1 > MAX_CHAIN or (is_flag and k > 0):
-                rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
-                if rc != 0:
-                    return _fail(config, ERR_POST, p, 0, rc)
-                posted += k
-                k = 0
-                if _wait_credits(peers, signalled, config, wcs, 0, 1, timespec) < 0:
-                    return -1
-                A.call_qpx(qpx[X_START], qp)
-            if is_flag and quiesce(peers, signalled, config, wcs, timespec) < 0:
-                A.call_qpx(qpx[X_ABORT], qp)
+            flag_wr = separate_flag and w == need - 1      # after everything before it
+            got, k, sequence = _efa_open_wr(peers, signalled, config, qpx, wcs, timespec, qp, p,
+                                            k, flag_wr)
+            if got < 0:
                 return -1
-            sequence = peers[0, P_NEXT]
-            peers[0, P_NEXT] = sequence + np.uint64(1)
-            peers[0, P_OUTSTANDING] += np.uint64(1)
-            store_release_at(qp + np.uint64(A.QPX_WR_ID), (np.uint64(p) << np.uint64(PEER_SHIFT)) | sequence)
-            store_release_at(qp + np.uint64(A.QPX_WR_FLAGS), flags)
-            if is_flag:
+            posted += got
+            if flag_wr and direct:
                 # the slot is reused `depth` sequences later: by then this WR has completed
                 slot = sequence % depth
                 staging[np.uint64(p) * depth + slot] = decoded[r, P.V_VALUE]
                 A.call_qpx_write(qpx[X_WRITE], qp, rkeys[p, decoded[r, P.V_GREGION]],
                                  decoded[r, P.V_FLAG], 0)
-                A.call_qpx_ud_addr(qpx[X_UD_ADDR], qp, peers[p, P_AH], peers[p, P_QPN], config[CF_QKEY])
-                A.call_qpx_sge(qpx[X_SGE], qp, config[CF_STAGING_LKEY],
-                               staging_base + np.uint64(8) * slot, 8)
+                source_key, source = config[CF_STAGING_LKEY], staging_base + np.uint64(8) * slot
+                length = np.uint64(8)
+            elif has_flag and not direct:
+                imm = ((decoded[r, P.V_GOFFSET] // np.uint64(8)) << np.uint64(20)) | decoded[r, P.V_VALUE]
+                target = decoded[r, P.V_DST] if has_data else decoded[r, P.V_FLAG]
+                region = decoded[r, P.V_DREGION] if has_data else decoded[r, P.V_GREGION]
+                A.call_qpx_write(qpx[X_WRITE_IMM], qp, rkeys[p, region], target, A.byteswap32(imm))
+                source_key, source = config[CF_STAGING_LKEY], np.uint64(staging.ctypes.data)
+                length = np.uint64(0)
             else:
                 A.call_qpx_write(qpx[X_WRITE], qp, rkeys[p, decoded[r, P.V_DREGION]],
                                  decoded[r, P.V_DST], 0)
-                A.call_qpx_ud_addr(qpx[X_UD_ADDR], qp, peers[p, P_AH], peers[p, P_QPN], config[CF_QKEY])
-                A.call_qpx_sge(qpx[X_SGE], qp, lkeys[decoded[r, P.V_SREGION]], decoded[r, P.V_SRC],
-                               decoded[r, P.V_BYTES])
-            k += 1
+            if has_data and not flag_wr:
+                source_key, source, length = lkeys[decoded[r, P.V_SREGION]], decoded[r, P.V_SRC], \
+                    decoded[r, P.V_BYTES]
+            A.call_qpx_ud_addr(qpx[X_UD_ADDR], qp, peers[p, P_AH], peers[p, P_QPN], config[CF_QKEY])
+            A.call_qpx_sge(qpx[X_SGE], qp, source_key, source, length)
     rc = A.call_qpx_complete(qpx[X_COMPLETE], qp)
     if rc != 0:
         return _fail(config, ERR_POST, p, 0, rc)
