@@ -94,10 +94,11 @@ def probe_grid(args, rows) -> None:
                 for grid in args.grids:
                     grid = min(grid, p.grid) // 2 * 2 if cluster else min(grid, p.grid)
                     call_state = G._PreparedGemm(dataclasses.replace(p, grid=grid), function, 0)
+                    grid = call_state.plan.grid          # clusters: cut to what the GPU holds
 
                     def call():
                         call_state.patch(a.data.ptr, b.data.ptr, out.data.ptr)
-                        call_state.launch.__call__(cupy.cuda.get_current_stream().ptr)
+                        call_state.launch(cupy.cuda.get_current_stream().ptr)
                     error = checked(call, out, a, b)
                     us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
                     per_step = us * grid / steps

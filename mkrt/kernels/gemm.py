@@ -556,9 +556,14 @@ def _quick_checks(device, *arrays) -> bool:
 
 
 class _PreparedGemm:
-    """One signature of :func:`gemm`: its plan, kernel and packed parameters."""
+    """One signature of :func:`gemm`: its plan, kernel and packed parameters. With clusters
+    the grid is cut to the clusters the device holds at once (:func:`cluster_grid`)."""
 
     def __init__(self, p: GemmPlan, function, device: int = 0):
+        if p.spec.cluster_m > 1:
+            import cupy
+            with cupy.cuda.Device(device):         # the occupancy query uses the current context
+                p = dataclasses.replace(p, grid=cluster_grid(p, function))
         self.plan = p
         self.out_shape = (p.m, p.n)
         params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_out", 128, 64),
@@ -660,10 +665,6 @@ def _prepared_gemm(key, p: GemmPlan, device: int) -> _PreparedGemm:
     call = _PREPARED.get(key)
     if call is None:
         function = p.spec.function("gemm", device, p.spec.smem_bytes)
-        if p.spec.cluster_m > 1:
-            import cupy
-            with cupy.cuda.Device(device):         # the occupancy query uses the current context
-                p = dataclasses.replace(p, grid=cluster_grid(p, function))
         call = _PREPARED[key] = _PreparedGemm(p, function, device)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)
@@ -680,10 +681,7 @@ def _gemm_padded(a, a_view, b_view, out_view, p: GemmPlan, stream):
             out_view = cupy.empty((m, n), dtype=a_view.dtype)
         b_rows = cupy.zeros((k, p.pad_n), dtype=b_view.dtype)
         b_rows[:, :n] = b_view
-        function = spec.function("gemm", device, spec.smem_bytes)
-        if spec.cluster_m > 1:
-            p = dataclasses.replace(p, grid=cluster_grid(p, function))
-        call = _PreparedGemm(p, function, device)
+        call = _PreparedGemm(p, spec.function("gemm", device, spec.smem_bytes), device)
         call.patch(a_view.data.ptr, b_rows.data.ptr, out_view.data.ptr)
         call.launch((stream or cupy.cuda.get_current_stream()).ptr)
         # keep the padded copy alive until the kernel has read it
