@@ -158,17 +158,24 @@ class Line:
                                             # (an experiment run op by op, world by world)
 
 
-def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
-    """(summary text, commit) of `line` over `rows`, or None when no row belongs to it."""
+def summarised_rows(line: Line, rows: list[Row]) -> list[Row]:
+    """The rows `line` summarises: the newest row of every case, the newest commit's rows,
+    or the newest run's, as the line says."""
     mine = [r for r in rows if line.select(r)]
     if not mine:
-        return None
+        return []
     if line.latest_per_case:
-        run = list({_case(r): r for r in mine}.values())
-    elif line.same_commit:
-        run = [r for r in mine if r.get("commit") == mine[-1].get("commit")]
-    else:
-        run = newest_run(mine)
+        return list({_case(r): r for r in mine}.values())
+    if line.same_commit:
+        return [r for r in mine if r.get("commit") == mine[-1].get("commit")]
+    return newest_run(mine)
+
+
+def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
+    """(summary text, commit) of `line` over `rows`, or None when no row belongs to it."""
+    run = summarised_rows(line, rows)
+    if not run:
+        return None
     if line.describe is not None:
         return line.describe(run), commit_of(run)
     key = "ratio" if line.show == "ratio" else "value"
@@ -197,7 +204,7 @@ def summarise(line: Line, rows: list[Row]) -> tuple[str, str] | None:
         text += f"; {sum(v >= line.at_least for v in values)} of {len(values)} at or above {fmt(line.at_least)}x"
     if line.history:
         per_run = []
-        for group in runs(mine):
+        for group in runs([r for r in rows if line.select(r)]):
             got = [v for v in (_number(r.get(key)) for r in group) if v is not None]
             if got:
                 per_run.append(geomean(got) if key == "ratio" and all(v > 0 for v in got) else got[-1])
@@ -316,20 +323,17 @@ def _runtime_lines(rows):
         return f"{row.get('op', '?')}: host time per call per rank{label}"
     lines = family_lines(rows, family, show="value")
 
-    def summarised(line):
-        # the current code's lines: the newest row of every world (runs go world by world);
-        # an A/B run or the code before: its newest commit's rows
-        mine = [r for r in rows if line.select(r)]
-        if "A/B" in line.label or "before" in line.label:
-            return dataclasses.replace(line, same_commit=True), \
-                [r for r in mine if r.get("commit") == mine[-1].get("commit")]
-        return dataclasses.replace(line, latest_per_case=True), \
-            list({_case(r): r for r in mine}.values())
+    def current_code(line):
+        # an A/B run or the code before: its newest commit's rows; the current code's
+        # lines: the newest row of every world (runs go world by world)
+        label = str(next(r for r in rows if line.select(r)).get("label", ""))
+        return not (label.startswith("ab_") or label == "before")
 
     out = []
     for line in lines:
-        line, shown = summarised(line)
-        found = sorted({str(r.get("layout")) for r in shown})
+        current = current_code(line)
+        line = dataclasses.replace(line, latest_per_case=current, same_commit=not current)
+        found = sorted({str(r.get("layout")) for r in summarised_rows(line, rows)})
         out.append(dataclasses.replace(line, label=f"{line.label}, {'/'.join(found)}"))
     return out
 
