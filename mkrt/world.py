@@ -213,9 +213,14 @@ class World:
         """Raise the proxy's error, once, and retire the proxy that reported it."""
         try:
             proxy.check()
-        except Exception:
+        except Exception as error:
             self.failures += 1
             self._retire_proxy(proxy)
+            # The kernels that were waiting on the failed proxy gave up too, and wrote their
+            # records: they belong to this failure, not to the next op's first check.
+            drained = self._drain_status_blocks()
+            if drained and not hasattr(error, "records"):
+                error.records = tuple(drained)
             raise
 
     def _retire_proxy(self, proxy) -> None:
@@ -234,6 +239,19 @@ class World:
             proxy.close()
         except Exception as error:     # noqa: BLE001 - the failure being raised says more
             log.warning("mkrt.world: while retiring the proxy after a failure: %s", error)
+
+    def _drain_status_blocks(self) -> list:
+        """Read and clear every status block (after the GPUs went idle); the records."""
+        drained = []
+        for block in list(self._status_blocks()):
+            try:
+                words = block.read()
+                if words[0] or block.failed():
+                    drained.extend(block.records())
+                    block.reset()
+            except Exception as error:     # noqa: BLE001 - the failure being raised says more
+                log.warning("mkrt.world: while clearing a status block after a failure: %s", error)
+        return drained
 
     @staticmethod
     def _proxy_stream_stalled(proxy) -> bool:

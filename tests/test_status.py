@@ -107,3 +107,40 @@ def test_a_failed_proxy_is_reported_once_then_retired_for_a_fresh_one():
     assert proxy.closed and world.running_service("proxy") is None
     assert world.failures == 1              # ops that launched before now refuse
     world.check()                           # nothing left to report
+
+
+class _AbortedBlock:
+    """A status block the kernels wrote into after the proxy failed (read once idle)."""
+
+    def __init__(self, records):
+        self._records, self.cleared = list(records), False
+        self.host_word = np.zeros(1, np.uint64)     # the mirror lagged: the fast path misses it
+
+    def read(self):
+        return np.array([0 if self.cleared else 1], np.uint64)
+
+    def failed(self):
+        return False
+
+    def records(self):
+        return [] if self.cleared else list(self._records)
+
+    def reset(self):
+        self.cleared = True
+
+
+def test_waits_that_gave_up_on_a_failed_proxy_go_with_its_error_not_to_the_next_op():
+    import pytest
+
+    import mkrt
+    from mkrt.errors import WaitRecord
+    world = mkrt.init(emulate="1x2")
+    world._services[("proxy", None)] = _BrokenProxy()
+    records = [WaitRecord(0, "reduce", 3, 6, -2, 2, 2566)]
+    block = _AbortedBlock(records)
+    world._status_blocks = lambda: [block]
+    with pytest.raises(RuntimeError, match="destination rank") as caught:
+        world.check()
+    assert caught.value.records == tuple(records)
+    assert block.cleared
+    world.check()                           # the next op's check finds nothing stale
