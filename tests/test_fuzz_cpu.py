@@ -214,7 +214,7 @@ GOOD_GAR_OPTIONS = st.fixed_dictionaries({
     "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
     "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS,
     "roles": st.sampled_from(["adaptive", "static", "search"]), "trace": st.booleans(),
-    "block_n": st.sampled_from([128, 192, 256])})
+    "block_n": st.sampled_from([128, 192, 256, None])})
 BAD_COUNTS = st.one_of(st.integers(-3, 0), st.floats(-2, 300), st.sampled_from(["4", True, [2]]),
                       st.just(2**40))
 BAD_GAR_OPTIONS = {"b_layout": st.one_of(st.text(max_size=3), st.none(), st.just(["kn"])),
@@ -224,7 +224,7 @@ BAD_GAR_OPTIONS = {"b_layout": st.one_of(st.text(max_size=3), st.none(), st.just
                    "fuse": st.sampled_from(["no", "yes", 2, -1, [True]]),
                    "roles": st.sampled_from(["Adaptive", "dynamic", None, 3, ["static"]]),
                    "trace": st.sampled_from(["yes", 2, None]),
-                   "block_n": st.sampled_from([64, 320, 256.0, True, "256", None])}
+                   "block_n": st.sampled_from([64, 320, 256.0, True, "256", 0])}
 
 
 @FAST
@@ -241,7 +241,7 @@ def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, con
         assert op.reduce_ctas is None or (isinstance(op.reduce_ctas, int) and op.reduce_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31    # an int32 argument
         assert op.roles in ("adaptive", "static", "search") and op.trace in (True, False)
-        assert type(op.block_n) is int and op.block_n in (128, 192, 256)
+        assert op.block_n is None or (type(op.block_n) is int and op.block_n in (128, 192, 256))
         assert_timeout_valid(op)
 
 
@@ -268,6 +268,7 @@ def test_gemm_allreduce_plan_for_a_call_is_runnable_or_refused(layout, options, 
         assert 1 <= p.m < 2**31 and 1 <= p.n < 2**31 and 8 <= p.k < 2**31 and p.k % 8 == 0
         assert 1 <= p.reduce_ctas < p.ctas <= 66 and p.compute_ctas >= 1
         assert (p.nodes, p.G) == (world.nodes, world.ranks_per_node)
+        assert p.block_n in (128, 192, 256) and p.block_n == (options["block_n"] or p.block_n)
         if p.fused and op.b_layout == "kn":
             assert p.n % 8 == 0              # TMA rows of B: 16 bytes
         if options["fuse"] is not None:

@@ -25,11 +25,15 @@ BLOCK_M, BLOCK_N = 128, 256
 TILE_WIDTHS = (128, 192, 256)
 
 
-def check_block_n(block_n, area: str = "gemm_allreduce") -> int:
-    """`block_n` as an int if it is a tile width the fused kernel builds; ValueError otherwise."""
+def check_block_n(block_n, area: str = "gemm_allreduce") -> int | None:
+    """`block_n` as an int if it is a tile width the fused kernel builds, None (the GEMM
+    rule chooses per shape) as None; ValueError otherwise."""
+    if block_n is None:
+        return None
     if not isinstance(block_n, (int, np.integer)) or isinstance(block_n, bool) \
             or block_n not in TILE_WIDTHS:
-        raise ValueError(f"mkrt.{area}: block_n={block_n!r}; expected one of {TILE_WIDTHS}")
+        raise ValueError(f"mkrt.{area}: block_n={block_n!r}; expected one of {TILE_WIDTHS} "
+                         "or None (chosen per shape)")
     return int(block_n)
 
 
@@ -293,9 +297,11 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
          dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
          fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
          send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings(),
-         collective: str = "allreduce", block_n: int = BLOCK_N) -> Plan:
+         collective: str = "allreduce", block_n: int | None = None) -> Plan:
     """Plan one shape on a world; ``fuse=None`` lets the cost model decide. ``block_n``:
-    the compute role's tile width (128, 192 or 256; tiles are BLOCK_M rows).
+    the compute role's tile width (128, 192 or 256; tiles are BLOCK_M rows); None: the GEMM
+    engine's rule chooses it for the compute CTAs of the default role split
+    (:func:`mkrt.kernels.gemm_rule.fused_tile_width`).
 
     ``send_bytes``: about how much one put between nodes carries (tiles are grouped to
     reach it: a copy-engine put costs microseconds whatever its size).
@@ -314,7 +320,6 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
         raise ValueError(f"mkrt.gemm_allreduce: dtype={dtype!r}, b_layout={b_layout!r}; expected "
                          "bf16/f16 and kn/nk")
     block_n = check_block_n(block_n)
-    tile = (dtype, b_layout, BLOCK_M, block_n, gemm_module.max_stages(BLOCK_M, block_n, "direct"))
     world = nodes * ranks_per_node
     area = "gemm_reducescatter" if collective == "reducescatter" else "gemm_allreduce"
     if collective not in ("allreduce", "reducescatter"):
@@ -324,6 +329,8 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
         raise ValueError(f"mkrt.{area}: m={m} must be a multiple of the world size {world} "
                          f"(rank r keeps rows r*m/{world} .. (r+1)*m/{world})")
     if world == 1:
+        block_n = block_n or BLOCK_N
+        tile = (dtype, b_layout, BLOCK_M, block_n, gemm_module.max_stages(BLOCK_M, block_n, "direct"))
         return Plan(*tile, m, n, k, 1, 1, ctas, 0, False, "one rank: plain GEMM, nothing to reduce",
                     0.0, 0.0, collective=collective)
     if reduce_ctas is None:
@@ -331,6 +338,10 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
     if not 1 <= reduce_ctas < ctas:
         raise ValueError(f"mkrt.gemm_allreduce: reduce_ctas={reduce_ctas} must be in [1, {ctas - 1}] "
                          f"(ctas={ctas} per rank)")
+    if block_n is None:
+        from mkrt.kernels.gemm_rule import fused_tile_width
+        block_n = fused_tile_width(m, n, k, ctas - reduce_ctas, TILE_WIDTHS, b_layout, BLOCK_M)
+    tile = (dtype, b_layout, BLOCK_M, block_n, gemm_module.max_stages(BLOCK_M, block_n, "direct"))
     fitted = fitted_times(f"{nodes}x{ranks_per_node}", m, n, k, ctas=ctas,
                           reduce_ctas=reduce_ctas, ranks_per_gpu=ranks_per_gpu)
     if fitted is not None:

@@ -150,6 +150,23 @@ def best_configuration(m: int, n: int, k: int, sms: int, fit: dict,
     return Choice(*tile, split, cluster)
 
 
+def fused_tile_width(m: int, n: int, k: int, sms: int, widths: tuple[int, ...],
+                     b_layout: str = "nk", block_m: int = 128) -> int:
+    """The tile width a fused kernel's compute role uses on `sms` compute CTAs: the rule's
+    least predicted time among ``block_m`` x width tiles it rates (one CTA per tile, no
+    split-K: the fused kernels reduce whole tiles), the widest on a tie; without a fit,
+    the widest. The wave model counts the compute role alone: what the tile costs the
+    reduce role (narrower tiles: more, smaller partials) is not in it."""
+    fit = fitted_model()
+    best = (math.inf, 0)
+    for width in sorted(widths, reverse=True):
+        time = math.inf if fit is None else predicted_us(m, n, k, max(1, sms), (block_m, width),
+                                                         1, fit, "", b_layout)
+        if time < best[0] * (1 - 1e-9):
+            best = (time, width)
+    return best[1] or max(widths)
+
+
 @functools.lru_cache(maxsize=2)
 def _load_fit(path: str, mtime: float, size: int) -> dict | None:
     try:
