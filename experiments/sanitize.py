@@ -353,7 +353,16 @@ def one(tool: str | None, name: str, timeout_s: float, copy_method: str = "kerne
             "errors": int(summary.group(1)) if summary else None,
             "hazards": int(races.group(1)) if races else None,
             "case_ok": f"SANITIZE_CASE {name} ok=True" in output,
+            "first_reports": first_reports(output),
             "tail": output[-3000:]}
+
+
+def first_reports(output: str, count: int = 15) -> list[str]:
+    """The tool's first report lines (what was found and in which kernel), without the
+    backtraces that fill the tail when there are many."""
+    lines = [line.strip("= ").strip() for line in output.splitlines() if line.startswith("=========")]
+    return [line for line in lines if line and not line.startswith(
+        ("Host Frame", "Device Frame", "Saved host backtrace", "COMPUTE-SANITIZER"))][:count]
 
 
 def main() -> None:
