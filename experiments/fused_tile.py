@@ -38,7 +38,7 @@ def rule_pick(layout: str, m: int, n: int, k: int) -> int:
     ranks = nodes * per_node
     ctas = 132 // ranks
     p = plan(m, n, k, nodes=nodes, ranks_per_node=per_node, ctas=ctas, fuse=True,
-             b_layout="nk", sms_per_gpu=132, ranks_per_gpu=ranks,
+             b_layout="nk", sms_per_gpu=132, ranks_per_gpu=ranks, block_n=None,
              ceilings=Ceilings(network_gbps=35.0))
     return p.block_n
 

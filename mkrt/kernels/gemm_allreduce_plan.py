@@ -297,11 +297,12 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
          dtype: str = "bf16", b_layout: str = "kn", reduce_ctas: int | None = None,
          fuse: bool | None = None, sms_per_gpu: int = 132, ranks_per_gpu: int = 1,
          send_bytes: int = 1 << 20, ceilings: Ceilings = Ceilings(),
-         collective: str = "allreduce", block_n: int | None = None) -> Plan:
+         collective: str = "allreduce", block_n: int | None = BLOCK_N) -> Plan:
     """Plan one shape on a world; ``fuse=None`` lets the cost model decide. ``block_n``:
     the compute role's tile width (128, 192 or 256; tiles are BLOCK_M rows); None: the GEMM
     engine's rule chooses it for the compute CTAs of the default role split
-    (:func:`mkrt.kernels.gemm_rule.fused_tile_width`).
+    (:func:`mkrt.kernels.gemm_rule.fused_tile_width`; not the default: measured, it loses
+    on most multi-node shapes, experiments/notes/gemm_allreduce.md).
 
     ``send_bytes``: about how much one put between nodes carries (tiles are grouped to
     reach it: a copy-engine put costs microseconds whatever its size).

@@ -156,7 +156,9 @@ def fused_tile_width(m: int, n: int, k: int, sms: int, widths: tuple[int, ...],
     least predicted time among ``block_m`` x width tiles it rates (one CTA per tile, no
     split-K: the fused kernels reduce whole tiles), the widest on a tie; without a fit,
     the widest. The wave model counts the compute role alone: what the tile costs the
-    reduce role (narrower tiles: more, smaller partials) is not in it."""
+    reduce role (narrower tiles: more, smaller partials, more puts between nodes) is not in
+    it, and measured on the fused GEMM+AllReduce it mostly loses between nodes
+    (experiments/results/fused_tile.jsonl), so that kernel uses it only when asked."""
     fit = fitted_model()
     best = (math.inf, 0)
     for width in sorted(widths, reverse=True):
