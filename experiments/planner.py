@@ -150,6 +150,7 @@ def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
         # 5 s: a shape that times out costs little and is recorded.
         fused_op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000)
         auto_op = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=5000)
+        measure_op = mkrt.GemmAllReduce(world, fuse="measure", b_layout="nk", timeout_ms=5000)
         for set_name in sets:
             shapes = SETS[set_name]()[start:limit]
             for m, n, k, family in shapes:
@@ -157,10 +158,12 @@ def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
                 a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
                 b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
                 outs = {name: [cupy.empty((m, n), bfloat16) for _ in world.local]
-                        for name in ("fused", "unfused", "auto")}
+                        for name in ("fused", "unfused", "auto", "measured")}
                 paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),
                          "unfused": lambda: fused_op.unfused(a, b, out=outs["unfused"]),
-                         "auto": lambda: auto_op(a, b, out=outs["auto"])}
+                         "auto": lambda: auto_op(a, b, out=outs["auto"]),
+                         # fuse="measure": its first call times both paths (not counted here)
+                         "measured": lambda: measure_op(a, b, out=outs["measured"])}
                 try:
                     times = time_paths(world, paths, rounds, batch)
                 except mkrt.CommTimeout as error:
@@ -177,6 +180,8 @@ def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
                     world = mkrt.init(emulate=layout)
                     fused_op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000)
                     auto_op = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=5000)
+                    measure_op = mkrt.GemmAllReduce(world, fuse="measure", b_layout="nk",
+                                                    timeout_ms=5000)
                     continue
                 fused_out = to_float32(outs["fused"][0])
                 unfused_out = to_float32(outs["unfused"][0])
@@ -193,16 +198,21 @@ def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
                              reduce_ctas=plan.reduce_ctas, ctas=plan.ctas,
                              predicted_fused_us=plan.predicted_fused_us,
                              predicted_unfused_us=plan.predicted_unfused_us,
-                             fused_vs_unfused_rel_diff=difference, rounds=rounds, batch=batch)
+                             fused_vs_unfused_rel_diff=difference, rounds=rounds, batch=batch,
+                             measured_us=times["measured"],
+                             measured_fused=measure_op.last_plan.fused,
+                             measured_vs_best=best / times["measured"])
                 print(f"{set_name:11s} {case:24s} fused {times['fused']:9.1f} unfused "
                       f"{times['unfused']:9.1f} auto {times['auto']:9.1f} "
                       f"({'F' if plan.fused else 'U'}) best/auto {row['ratio']:.3f} "
+                      f"best/measured {row['measured_vs_best']:.3f} "
                       f"diff {difference:.1e}", flush=True)
                 append_jsonl(out_path, [row])
                 del a, b, outs, paths
                 cupy.get_default_memory_pool().free_all_blocks()
         fused_op.close()
         auto_op.close()
+        measure_op.close()
         world.close()
 
 

@@ -96,7 +96,7 @@ GOOD_GAR = st.fixed_dictionaries({
     "m": st.integers(1, 3000), "n": st.integers(1, 3000),
     "k": st.integers(1, 512).map(lambda x: 8 * x), "nodes": st.integers(1, 4),
     "ranks_per_node": st.integers(1, 8), "ctas": st.integers(2, 40),
-    "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False]),
+    "reduce_ctas": st.none(), "fuse": st.sampled_from([None, True, False, "measure"]),
     "ranks_per_gpu": st.integers(1, 8), "b_layout": st.sampled_from(["kn", "nk"])})
 BAD_GAR = {"m": st.integers(-1, 0), "n": st.sampled_from([0, 2**31]), "k": st.integers(-8, 12),
            "nodes": st.sampled_from([0, 33]), "ranks_per_node": st.sampled_from([0, 33, 64]),
@@ -236,7 +236,7 @@ def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, con
         if op is None:
             return
         event("an op")
-        assert op.b_layout in ("kn", "nk") and op.fuse in (None, True, False)
+        assert op.b_layout in ("kn", "nk") and op.fuse in (None, True, False, "measure")
         assert op.ctas is None or (isinstance(op.ctas, int) and 1 <= op.ctas <= MAX_GRID)
         assert op.reduce_ctas is None or (isinstance(op.reduce_ctas, int) and op.reduce_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31    # an int32 argument
@@ -271,7 +271,7 @@ def test_gemm_allreduce_plan_for_a_call_is_runnable_or_refused(layout, options, 
         assert p.block_n in (128, 192, 256) and p.block_n == (options["block_n"] or p.block_n)
         if p.fused and op.b_layout == "kn":
             assert p.n % 8 == 0              # TMA rows of B: 16 bytes
-        if options["fuse"] is not None:
+        if options["fuse"] in (True, False):
             assert p.fused == (options["fuse"] and not (op.b_layout == "kn" and n % 8))
         gar.spec_for(p)                       # the kernel of the plan exists
 

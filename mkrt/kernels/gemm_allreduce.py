@@ -620,6 +620,8 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
 KERNEL_ID = kernel_id("gemm_allreduce")
 #: how the CTAs' split between compute and reduce is decided (see GemmAllReduce)
 ROLE_MODES = ("adaptive", "static", "search")
+#: fuse="measure": rounds of back-to-back calls per path, and calls per round
+MEASURE_ROUNDS, MEASURE_CALLS = 3, 2
 #: what the reduce role ends with: every rank all of C, or each rank its rows of C
 COLLECTIVES = ("allreduce", "reducescatter")
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
@@ -713,7 +715,10 @@ class GemmAllReduce(Op):
     rank); b: [K_r, N] (``b_layout="kn"``) or [N, K_r] (``"nk"``, nn.Linear's weight).
     ``reduce_ctas``: CTAs per rank in the reduce role (default: :func:`default_reduce_ctas`);
     ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
-    the planner choose fused or unfused per shape (``op.last_plan`` says which and why).
+    the planner's cost model choose fused or unfused per shape (``op.last_plan`` says which
+    and why); ``"measure"`` times both paths on the first call of each size class (M
+    rounded up to a power of two) and keeps the faster (:attr:`fusion_times`), so that
+    call costs about 15 calls; True / False force a path.
     ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
     ``roles``: ``"adaptive"`` (default) lets the on-GPU controller move CTAs between the
     compute and reduce queues during each launch, starting from ``reduce_ctas`` (or the
@@ -751,7 +756,8 @@ class GemmAllReduce(Op):
         ctas = checks.integer(ctas, "ctas", area, low=1, high=MAX_GRID, optional=True)
         reduce_ctas = checks.integer(reduce_ctas, "reduce_ctas", area, low=1, high=MAX_GRID,
                                      optional=True)
-        fuse = checks.flag(fuse, "fuse", area, optional=True)
+        if not (isinstance(fuse, str) and fuse == "measure"):
+            fuse = checks.flag(fuse, "fuse", area, optional=True)
         group_m = checks.integer(group_m, "group_m", area, low=1, high=1 << 16)
         muted_rank = checks.integer(muted_rank, "muted_rank", area, low=0,
                                     high=self.world.size - 1, optional=True)
@@ -779,6 +785,10 @@ class GemmAllReduce(Op):
         self._layout_key = None
         self._generation = 0         # counts buffer allocations (a layout can come back)
         self._prepared: dict = {}
+        self._fusion_choices: dict = {}   # fuse="measure": size class -> fused?
+        #: fuse="measure": size class (M rounded up to a power of two, N, K, dtype) ->
+        #: (fused, unfused) microseconds per call as measured
+        self.fusion_times: dict = {}
 
     # -- planning and buffers --
     def plan_for(self, m: int, n: int, k: int, dtype: str, mode_fuse=None) -> Plan:
@@ -791,6 +801,8 @@ class GemmAllReduce(Op):
         ceilings = Ceilings(network_gbps=35.0) if same_host else Ceilings()
         send_bytes = 1 << 20
         fuse = self.fuse if mode_fuse is None else mode_fuse
+        if fuse == "measure":
+            fuse = None              # the model's pick until the paths are measured
         fusable = not (self.b_layout == "kn" and n % 8)
         if fuse and not fusable:
             raise ValueError(f"mkrt.gemm_allreduce: the fused kernel with b_layout='kn' needs "
@@ -802,7 +814,7 @@ class GemmAllReduce(Op):
                  sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
                  ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings,
                  collective=self.collective, block_n=self.block_n)
-        if not fusable and mode_fuse is None and self.fuse is None:
+        if not fusable and mode_fuse is None and self.fuse in (None, "measure"):
             p = dataclasses.replace(p, reason="b_layout='kn' with n % 8 != 0: the fused kernel's "
                                               "TMA needs 16-byte rows of B; unfused path")
         return p
@@ -912,10 +924,12 @@ class GemmAllReduce(Op):
         b_list, _ = self.arrays(b, "b")
         outs = self.arrays(out, "out")[0] if out is not None else None
         call = self._prepared_call(a_list, b_list, outs)
-        p = self.last_plan = call.plan
         self.before_launch()
         if outs is None:
             outs = self.new_outputs(call.out_shape, call.dtype)
+        if self.fuse == "measure" and not call.settled and self.world.size > 1:
+            self._settle_fusion(call, a_list, b_list, outs)
+        p = self.last_plan = call.plan
         if self.world.size == 1:
             gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout,
                              sms=self.ctas)
@@ -927,6 +941,62 @@ class GemmAllReduce(Op):
         if out is not None:
             return out
         return outs if as_list else like_input(outs[0], a)
+
+    def _settle_fusion(self, call: "_PreparedCall", a_list, b_list, outs) -> None:
+        """``fuse="measure"``: the faster of the fused and unfused paths, timed on this
+        call's operands, once per size class (M rounded up to a power of two; N, K and dtype
+        exact), then kept. The timed calls write `outs`, which the chosen path then writes
+        again, so every output comes from the path the op settled on. Under CUDA graph
+        capture nothing is timed: the model's pick runs until an eager call settles."""
+        p = call.plan
+        size_class = (1 << (p.m - 1).bit_length(), p.n, p.k, str(call.dtype))
+        fused = self._fusion_choices.get(size_class)
+        if fused is None:
+            if self.capturing():
+                return
+            try:
+                fused_plan = self.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
+            except ValueError:                   # the fused kernel cannot run this shape
+                call.settled = True
+                return
+            call.plan = fused_plan
+            fused_us, unfused_us = self._time_paths(call, a_list, b_list, outs)
+            fused = fused_us <= unfused_us
+            self._fusion_choices[size_class] = fused
+            self.fusion_times[size_class] = (fused_us, unfused_us)
+            reason = f"measured: fused {fused_us:.1f} us vs unfused {unfused_us:.1f} us per call"
+        else:
+            fused_us, unfused_us = self.fusion_times[size_class]
+            reason = (f"measured on M = {size_class[0]}'s size class: fused {fused_us:.1f} us vs "
+                      f"unfused {unfused_us:.1f} us per call")
+        call.plan = dataclasses.replace(call.plan, fused=fused, reason=reason)
+        call.settled = True
+
+    def _time_paths(self, call, a_list, b_list, outs) -> tuple[float, float]:
+        """Microseconds per call of the fused and the unfused path: the best of a few rounds
+        of back-to-back calls (host time included), the slowest process's figure."""
+        import time
+        paths = {"unfused": lambda: self._unfused(call, a_list, b_list, outs),
+                 "fused": lambda: self._run(call, "gemm", a_list, b_list, outs)}
+        # First calls alone: compiles, and cuBLAS's first call of a shape, which may wait
+        # for the device, never while a fused kernel waits for the proxy's copies.
+        self.world.synchronize()
+        for run in paths.values():
+            run()
+            self.world.synchronize()
+        best = {name: float("inf") for name in paths}
+        for _ in range(MEASURE_ROUNDS):
+            for name, run in paths.items():
+                start = time.perf_counter()
+                for _ in range(MEASURE_CALLS):
+                    run()
+                self.world.synchronize()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e6 / MEASURE_CALLS)
+        times = (best["fused"], best["unfused"])
+        if self.world.comm is not None:          # every process settles alike
+            gathered = self.world.comm.allgather(times)
+            times = tuple(max(t[i] for t in gathered) for i in range(2))
+        return times
 
     def out_shape(self, m: int, n: int) -> tuple:
         """Each rank's C: all of it (subclasses keep a part)."""
@@ -1156,6 +1226,7 @@ class _PreparedCall:
     operand_pointers: dict = dataclasses.field(default_factory=dict)  # rank index -> (a, b)
     boards: dict = dataclasses.field(default_factory=dict)    # mode -> per rank: role Board
     buffers_key: int = -1     # the op's buffer generation its launches point into
+    settled: bool = False     # fuse="measure": the path is chosen (plan.fused)
 
 
 def gemm_allreduce(a, b, *, world=None, out=None, b_layout: str = "kn", **options):

@@ -244,6 +244,11 @@ class Op:
         self.join_caller_stream()
         return self._rank_streams
 
+    def capturing(self) -> bool:
+        """Whether the caller's current stream is being captured into a CUDA graph."""
+        return bool(self._local_devices) and self._local_devices[0] is not None and \
+            _current_stream(self._local_devices[0]).is_capturing()
+
     def on_device(self, device: int):
         """Context for work on `device`: a no-op when it is already the current one (the
         common case: the op's ranks share one device)."""

@@ -1,0 +1,97 @@
+"""fuse="measure": GemmAllReduce times both paths once per size class and keeps the
+faster (the timing and the bookkeeping, with the paths stubbed: no GPU)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mkrt
+from mkrt.kernels import gemm_allreduce as gar
+from mkrt.world import World
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """An op on emulated 1x2 whose paths advance a fake clock by a set cost per call."""
+    monkeypatch.setattr(World, "sm_count", lambda self, rank: 66)
+    clock = _Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    world = mkrt.init(emulate="1x2")
+    op = mkrt.GemmAllReduce(world, fuse="measure", b_layout="nk")
+    cost = {"fused": 100e-6, "unfused": 130e-6}
+    calls = []
+
+    def path(name):
+        def run(call, *args, **kwargs):
+            if name == "fused":
+                assert call.plan.fused, "the fused kernel runs from a fused plan"
+            calls.append(name)
+            clock.now += cost[name]
+        return run
+
+    monkeypatch.setattr(op, "_run", path("fused"))
+    monkeypatch.setattr(op, "_unfused", path("unfused"))
+
+    def settle(m, n=1024, k=512):
+        p = op.plan_for(m, n, k, "bf16")
+        call = gar._PreparedCall(p, np.dtype(np.float16), (m, k), (n, k), (m, n))
+        calls.clear()
+        op._settle_fusion(call, [None, None], [None, None], [None, None])
+        return call, list(calls)
+
+    yield op, cost, settle
+    world.close()
+
+
+def test_the_faster_path_is_kept_per_size_class(measured):
+    op, cost, settle = measured
+    call, calls = settle(1000)
+    per_path = 1 + gar.MEASURE_ROUNDS * gar.MEASURE_CALLS
+    assert calls.count("fused") == calls.count("unfused") == per_path
+    assert call.settled and call.plan.fused and call.plan.reason.startswith("measured")
+    assert op.fusion_times[(1024, 1024, 512, "float16")] == pytest.approx((100.0, 130.0))
+    # Another M of the same class (513 .. 1024): settled without timing anything.
+    call, calls = settle(600)
+    assert calls == [] and call.plan.fused and "size class" in call.plan.reason
+    # A new class is measured again; now the unfused path is the faster.
+    cost["fused"] = 200e-6
+    call, calls = settle(1100)
+    assert len(calls) == 2 * per_path and call.settled and not call.plan.fused
+
+
+def test_a_shape_the_fused_kernel_cannot_run_is_not_timed(measured, monkeypatch):
+    op, _, settle = measured
+    op.b_layout = "kn"                       # B rows of 1001 elements: no TMA for them
+    call, calls = settle(512, n=1001)
+    assert calls == [] and call.settled and not call.plan.fused
+
+
+def test_processes_settle_alike_on_the_slowest_figures(measured):
+    op, _, settle = measured
+
+    class _Comm:                              # another process measured the fused path slower
+        def allgather(self, mine):
+            return [mine, (150.0, 120.0)]
+
+    op.world.comm = _Comm()
+    call, _ = settle(2000)
+    assert not call.plan.fused
+    assert op.fusion_times[(2048, 1024, 512, "float16")] == pytest.approx((150.0, 130.0))
+
+
+def test_measure_is_an_accepted_option_and_others_are_not():
+    world = mkrt.init(emulate="1x2")
+    assert mkrt.GemmAllReduce(world, fuse="measure").fuse == "measure"
+    with pytest.raises(TypeError, match="fuse"):
+        mkrt.GemmAllReduce(world, fuse="Measure")
