@@ -238,3 +238,45 @@ def test_narrower_tiles_match_float64_reference(make_world, block_n, layout, m, 
     for out in outs:
         assert cupy.array_equal(out.view(cupy.uint16), first.view(cupy.uint16))
     op.close()
+
+
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_measured_fusion_settles_and_every_output_comes_from_its_path(make_world, layout):
+    """fuse="measure": the first call times both paths and settles; that call's output and
+    every later one are the settled path's bits (equal to a forced op of that path); a
+    capture after settling records the settled path."""
+    import cupy
+    world = make_world(layout)
+    op = gar.GemmAllReduce(world, b_layout="nk", fuse="measure", timeout_ms=10000)
+    a_list, b_list = operands(world, 640, 512, 128, "nk", "bf16", seed=21)
+    first = op(a_list, b_list)
+    world.synchronize()
+    plan = op.last_plan
+    assert plan.reason.startswith("measured") and len(op.fusion_times) == 1
+    forced = gar.GemmAllReduce(world, b_layout="nk", fuse=plan.fused, timeout_ms=10000)
+    reference = forced(a_list, b_list) if plan.fused else forced.unfused(a_list, b_list)
+    again = [op(a_list, b_list) for _ in range(3)]
+    # another M of the same size class (513 .. 1024): no timing, the same path
+    a_small = [a[:600] for a in a_list]
+    op(a_small, b_list)
+    world.synchronize()
+    assert op.last_plan.fused == plan.fused and len(op.fusion_times) == 1
+    for outs in [first, *again]:
+        for out, expected in zip(outs, reference):
+            assert cupy.array_equal(out.view(cupy.uint16), expected.view(cupy.uint16))
+    assert relative_error(first[0], gar.reference(a_list, b_list, b_layout="nk")) < REL_ERROR_BOUND
+    outs = [cupy.empty((640, 512), a_list[0].dtype) for _ in world.local]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        op(a_list, b_list, out=outs)
+        graph = stream.end_capture()
+        for out in outs:
+            out.fill(0)
+    graph.launch(stream)
+    stream.synchronize()
+    world.synchronize()
+    for out, expected in zip(outs, reference):
+        assert cupy.array_equal(out.view(cupy.uint16), expected.view(cupy.uint16))
+    op.close()
+    forced.close()
