@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from graph_checks import assert_same_bits, capture
 from mkrt.kernels import gemm_allreduce as gar
 
 pytestmark = pytest.mark.gpu     # every op below has a bounded wait (timeout_ms)
@@ -85,13 +86,8 @@ def test_adaptive_equals_static_bit_for_bit_eager_and_in_graphs(make_world, layo
     for _ in range(30):
         adaptive(a_list, b_list, out=outs)
     world.synchronize()
-    for out, w in zip(outs, want):
-        assert cupy.array_equal(out.view(cupy.uint16), w.view(cupy.uint16))
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        adaptive(a_list, b_list, out=outs)
-        graph = stream.end_capture()
+    assert_same_bits(outs, want)
+    graph, stream = capture(lambda: adaptive(a_list, b_list, out=outs))
     for out in outs:
         out.fill(0)
     for _ in range(10):
@@ -99,8 +95,7 @@ def test_adaptive_equals_static_bit_for_bit_eager_and_in_graphs(make_world, layo
     stream.synchronize()
     world.synchronize()
     assert all(s["launches"] == 40 for s in adaptive.controller_state())
-    for out, w in zip(outs, want):
-        assert cupy.array_equal(out.view(cupy.uint16), w.view(cupy.uint16))
+    assert_same_bits(outs, want)
     # the static board never moved a CTA
     for s in static.controller_state():
         assert s["last_switches"] == 0 and s["last_steps"] == 0 and s["static"]
