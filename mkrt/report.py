@@ -490,6 +490,24 @@ def _gemm_probe_text(run):
             f"({len(odd)} shapes); other offsets: {span(even, 'x')} ({len(even)} shapes)")
 
 
+def _fused_tile_text(run):
+    """The GEMM rule's narrower tile in the fused gemm_allreduce, against the 256 tile."""
+    narrower = [r for r in run if r.get("pick") != 256 and _number(r.get("vs_256"))]
+    if not narrower:
+        return "no shape where the rule picks a narrower tile"
+    fastest = [r["times_us"]["256"] / min(r["times_us"].values()) for r in narrower]
+    return (f"{run[0].get('layout', '?')} emulated, the rule's narrower tile: "
+            f"{span([r['vs_256'] for r in narrower], 'x')} of the 256 tile's speed; "
+            f"{len(narrower)} shapes, geomean {fmt(geomean([r['vs_256'] for r in narrower]))}x "
+            f"(the fastest width: {fmt(geomean(fastest))}x)")
+
+
+def _fused_tile_lines(rows):
+    return [Line(f"tile width {layout}", lambda r, layout=layout: r.get("layout") == layout,
+                 describe=_fused_tile_text)
+            for layout in sorted({r.get("layout") for r in rows if r.get("layout")})]
+
+
 def _described(label, text, *, same_commit=False, latest_per_case=False):
     return lambda rows: [Line(label, lambda r: True, describe=text, same_commit=same_commit,
                               latest_per_case=latest_per_case)]
@@ -524,6 +542,10 @@ PIECES = [
           "the planner falls back to the unfused path where it predicts fusion loses. "
           "Emulated worlds share one GPU: ratios measure overlap and protocol cost, not NVLink",
           "gemm_allreduce", _gemm_allreduce_lines),
+    Piece("fused tile width", "`GemmAllReduce(block_n=None)` takes the compute tile's width "
+          "from the GEMM rule (opt-in: 256 is the default); `experiments/fused_tile.py` times "
+          "every width on the shapes where the rule picks a narrower one", "fused_tile",
+          _fused_tile_lines),
     Piece("host path", "prepared calls: arguments packed once per signature, launched with one "
           "`cuLaunchKernel`; ops are graph-capturable", "runtime", _runtime_lines),
     Piece("controller", "gemm_allreduce / gemm_reducescatter on a role board: CTAs draw tiles and "
