@@ -9,7 +9,11 @@ def capture(call):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        call()
+        try:
+            call()
+        except BaseException:
+            stream.end_capture()         # the stream stays usable; the graph is dropped
+            raise
         graph = stream.end_capture()
     return graph, stream
 

@@ -95,3 +95,17 @@ def test_measure_is_an_accepted_option_and_others_are_not():
     assert mkrt.GemmAllReduce(world, fuse="measure").fuse == "measure"
     with pytest.raises(TypeError, match="fuse"):
         mkrt.GemmAllReduce(world, fuse="Measure")
+
+
+def test_capturing_a_shape_whose_buffers_must_be_remade_is_refused(monkeypatch):
+    """A graph cannot record the sync and the flag reset a new buffer layout needs: the op
+    says so before anything launches."""
+    monkeypatch.setattr(World, "sm_count", lambda self, rank: 66)
+    world = mkrt.init(emulate="1x2")
+    op = mkrt.GemmAllReduce(world, b_layout="nk")
+    p = op.plan_for(640, 512, 128, "bf16")
+    op._layout_key = ("another layout",)
+    monkeypatch.setattr(op, "capturing", lambda: True)
+    with pytest.raises(ValueError, match="before capturing"):
+        op._ensure_buffers(p)
+    world.close()

@@ -831,6 +831,13 @@ class GemmAllReduce(Op):
         key = (p.tiles, p.slots, p.kept_rows * p.n)
         if self._layout_key == key:
             return
+        if self.capturing():
+            # Re-making them synchronizes, and a new layout needs zeroed flags: neither can
+            # be recorded into a graph.
+            raise ValueError(f"mkrt.{self.name}: this shape ({p.m}x{p.n}x{p.k}) needs the op's "
+                             "buffers laid out anew (the last call had another shape), which "
+                             "cannot happen during CUDA graph capture: call the op once with "
+                             "this shape before capturing it")
         if self._buffers:
             self.world.synchronize()
             self.world.barrier()
