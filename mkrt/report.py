@@ -344,8 +344,22 @@ def _planner_lines(rows):
             return f"shapes whose fused call ended in CommTimeout (1 per shape), {row.get('layout')}"
         return f"planner's pick, {row.get('set', 'shapes')} shapes, {row.get('layout')}"
     lines = family_lines(rows, family, against="(faster path's time / the pick's)")
-    return [dataclasses.replace(line, at_least=0.97) if "pick" in line.label
-            else dataclasses.replace(line, show="value")
+    # fuse="measure", timed in the same rounds (rows from 03788a0 on)
+    def measured_text(run):
+        ratios = [r["measured_vs_best"] for r in run]
+        return (f"fuse=\"measure\" pick, {run[0].get('set')} shapes, {run[0].get('layout')}: "
+                f"{span(ratios, 'x')} (faster path's time / the pick's); {len(ratios)} cases, "
+                f"geomean {fmt(geomean(ratios))}x; {sum(x >= 0.97 for x in ratios)} of "
+                f"{len(ratios)} at or above 0.97x")
+    groups = dict.fromkeys((r.get("set"), r.get("layout")) for r in rows
+                           if _number(r.get("measured_vs_best")))
+    lines += [Line(f"fuse=\"measure\" pick, {group[0]} shapes, {group[1]}",
+                   lambda r, group=group: (_number(r.get("measured_vs_best")) is not None
+                                           and (r.get("set"), r.get("layout")) == group),
+                   describe=measured_text)
+              for group in groups]
+    return [dataclasses.replace(line, at_least=0.97) if line.label.startswith("planner's pick")
+            else line if line.describe else dataclasses.replace(line, show="value")
             for line in lines]
 
 
