@@ -109,3 +109,31 @@ def test_capturing_a_shape_whose_buffers_must_be_remade_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="before capturing"):
         op._ensure_buffers(p)
     world.close()
+
+
+def test_a_size_class_settled_fused_keeps_shapes_the_kernel_cannot_run_unfused(monkeypatch):
+    """GemmReduceScatter on 2x2: 1024 rows (512 per node, whole tiles) settle fused; 1000
+    rows, in the same size class, split a tile between the nodes and stay unfused."""
+    monkeypatch.setattr(World, "sm_count", lambda self, rank: 33)
+    clock = _Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    world = mkrt.init(emulate="2x2")
+    op = mkrt.GemmReduceScatter(world, fuse="measure", b_layout="nk")
+
+    def cost(seconds):
+        def run(*args, **kwargs):
+            clock.now += seconds
+        return run
+    monkeypatch.setattr(op, "_run", cost(1e-4))
+    monkeypatch.setattr(op, "_unfused", cost(2e-4))
+    plans = {}
+    for m in (1024, 1000):
+        p = op.plan_for(m, 1024, 512, "bf16")
+        call = gar._PreparedCall(p, np.dtype(np.float16), (m, 512), (1024, 512),
+                                 op.out_shape(m, 1024))
+        op._settle_fusion(call, [None] * 4, [None] * 4, [None] * 4)
+        assert call.settled
+        plans[m] = call.plan
+    assert plans[1024].fused and not plans[1000].fused
+    assert len(op.fusion_times) == 1
+    world.close()

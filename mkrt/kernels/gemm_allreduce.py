@@ -958,15 +958,16 @@ class GemmAllReduce(Op):
         p = call.plan
         size_class = (1 << (p.m - 1).bit_length(), p.n, p.k, str(call.dtype))
         fused = self._fusion_choices.get(size_class)
-        if fused is None:
-            if self.capturing():
-                return
+        if fused is None and self.capturing():
+            return
+        if fused is not False:
             try:
                 fused_plan = self.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
             except ValueError:                   # the fused kernel cannot run this shape
-                call.settled = True
+                call.settled = True              # (the model's plan says why: unfused)
                 return
             call.plan = fused_plan
+        if fused is None:
             fused_us, unfused_us = self._time_paths(call, a_list, b_list, outs)
             fused = fused_us <= unfused_us
             self._fusion_choices[size_class] = fused

@@ -162,10 +162,10 @@ def fused_tile_width(m: int, n: int, k: int, sms: int, widths: tuple[int, ...],
     fit = fitted_model()
     best = (math.inf, 0)
     for width in sorted(widths, reverse=True):
-        time = math.inf if fit is None else predicted_us(m, n, k, max(1, sms), (block_m, width),
-                                                         1, fit, "", b_layout)
-        if time < best[0] * (1 - 1e-9):
-            best = (time, width)
+        predicted = math.inf if fit is None else predicted_us(
+            m, n, k, max(1, sms), (block_m, width), 1, fit, "", b_layout)
+        if predicted < best[0] * (1 - 1e-9):
+            best = (predicted, width)
     return best[1] or max(widths)
 
 
