@@ -1,7 +1,8 @@
 """The tensor-parallel pair against its unfused baselines, in the same run.
 
 GEMM+ReduceScatter (mkrt.GemmReduceScatter): fused vs cuBLAS + mkrt's reduce-scatter over
-the same transports, and the planner's pick (fuse=None). Shapes: the reference's sweep
+the same transports, the planner's pick (fuse=None) and fuse="measure" (both paths timed
+on its first call of a size class, the faster kept; that call is not counted). Shapes: the reference's sweep
 (K = M / 16 per rank, N = M) and Llama-3 70B / Qwen2.5-72B row-parallel projections
 (attention output, MLP down) at the world's TP size, 1024 to 16384 tokens.
 
@@ -92,16 +93,19 @@ def run(args, op: str) -> None:
         op_class = getattr(mkrt, class_name)
         fused_op = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000)
         auto_op = op_class(world, b_layout="nk", timeout_ms=20000)
+        measure_op = op_class(world, fuse="measure", b_layout="nk", timeout_ms=20000)
         for m, n, k, family in shapes_of(world.size, world.nodes, args.quick):
             rng = cupy.random.default_rng(m + n + k)
             a = [rng.standard_normal((a_rows(m, world.size), k), dtype=np.float32).astype(bfloat16)
                  for _ in world.local]
             b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
             outs = {name: [cupy.empty((out_rows(m, world.size), n), bfloat16) for _ in world.local]
-                    for name in ("fused", "unfused", "auto")}
+                    for name in ("fused", "unfused", "auto", "measured")}
             paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),
                      "unfused": lambda: fused_op.unfused(a, b, out=outs["unfused"]),
-                     "auto": lambda: auto_op(a, b, out=outs["auto"])}
+                     "auto": lambda: auto_op(a, b, out=outs["auto"]),
+                     # fuse="measure": its first call times both paths (not counted here)
+                     "measured": lambda: measure_op(a, b, out=outs["measured"])}
             times = time_paths(world, paths, args.rounds, args.batch)
             expected = reference(a, b)
             error = float(cupy.linalg.norm(to_float32(outs["fused"][0]).astype(cupy.float64) - expected)
@@ -111,15 +115,20 @@ def run(args, op: str) -> None:
                          "us", higher_is_better=False, op=op, layout=layout, family=family, m=m,
                          n=n, k=k, fused_us=times["fused"], unfused_us=times["unfused"],
                          auto_us=times["auto"], auto_fused=auto_op.last_plan.fused,
+                         measured_us=times["measured"],
+                         measured_fused=measure_op.last_plan.fused,
                          rel_error_rank0=error,
                          fused_tflops_all_ranks=2.0 * m * n * k * world.size / times["fused"] / 1e6,
                          network_bytes_per_node=fused_op.last_plan.traffic()["network_per_node"])
             print(f"{case:26s} {family:22s} fused {times['fused']:9.1f} unfused {times['unfused']:9.1f}"
                   f" auto {times['auto']:9.1f} ({'F' if auto_op.last_plan.fused else 'U'}) "
+                  f"measured {times['measured']:9.1f} ({'F' if measure_op.last_plan.fused else 'U'}) "
                   f"unfused/fused {row['ratio']:.3f} err {error:.1e}", flush=True)
             append_jsonl(args.out, [row])
             del a, b, outs, paths
             cupy.get_default_memory_pool().free_all_blocks()
+        for each in (fused_op, auto_op, measure_op):
+            each.close()
         world.close()
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import mkrt
+from mkrt.controller import fusion
 from mkrt.kernels import gemm_allreduce as gar
 from mkrt.world import World
 
@@ -57,10 +58,10 @@ def measured(monkeypatch):
 def test_the_faster_path_is_kept_per_size_class(measured):
     op, cost, settle = measured
     call, calls = settle(1000)
-    per_path = 1 + gar.MEASURE_ROUNDS * gar.MEASURE_CALLS
+    per_path = 1 + fusion.ROUNDS * fusion.CALLS
     assert calls.count("fused") == calls.count("unfused") == per_path
     assert call.settled and call.plan.fused and call.plan.reason.startswith("measured")
-    assert op.fusion_times[(1024, 1024, 512, "float16")] == pytest.approx((100.0, 130.0))
+    assert op.measured.times[(1024, 1024, 512, "float16")] == pytest.approx((100.0, 130.0))
     # Another M of the same class (513 .. 1024): settled without timing anything.
     call, calls = settle(600)
     assert calls == [] and call.plan.fused and "size class" in call.plan.reason
@@ -87,7 +88,7 @@ def test_processes_settle_alike_on_the_slowest_figures(measured):
     op.world.comm = _Comm()
     call, _ = settle(2000)
     assert not call.plan.fused
-    assert op.fusion_times[(2048, 1024, 512, "float16")] == pytest.approx((150.0, 130.0))
+    assert op.measured.times[(2048, 1024, 512, "float16")] == pytest.approx((150.0, 130.0))
 
 
 def test_measure_is_an_accepted_option_and_others_are_not():
@@ -135,5 +136,37 @@ def test_a_size_class_settled_fused_keeps_shapes_the_kernel_cannot_run_unfused(m
         assert call.settled
         plans[m] = call.plan
     assert plans[1024].fused and not plans[1000].fused
-    assert len(op.fusion_times) == 1
+    assert len(op.measured.times) == 1
+    world.close()
+
+
+def test_allgather_gemm_settles_the_same_way(monkeypatch):
+    """AllGatherGemm(fuse="measure") on emulated 2x2: both paths timed once per size class
+    (its M is the gathered rows), the faster kept; the timed calls gather into the op's own
+    buffer, not the caller's gathered_out."""
+    monkeypatch.setattr(World, "sm_count", lambda self, rank: 33)
+    clock = _Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    world = mkrt.init(emulate="2x2")
+    op = mkrt.AllGatherGemm(world, fuse="measure", b_layout="nk")
+    gathered = []
+
+    def fused(call, *args):
+        assert call.plan.fused
+        clock.now += 3e-4
+
+    def unfused(call, a_list, b_list, outs, gathered_out):
+        gathered.append(gathered_out)
+        clock.now += 2e-4
+    monkeypatch.setattr(op, "_run", fused)
+    monkeypatch.setattr(op, "_unfused", unfused)
+    from mkrt.kernels import allgather_gemm as agg
+    for rows in (256, 200):                  # 1024 and 800 gathered rows: one size class
+        p = op.plan_for(rows * 4, 512, 256, "bf16")
+        call = agg._PreparedCall(p, np.dtype(np.float16), (rows, 256), (512, 256), (rows * 4, 512))
+        op._settle_fusion(call, [None] * 4, [None] * 4, [None] * 4)
+        assert call.settled and not call.plan.fused and "measured" in call.plan.reason
+    assert list(op.measured.times) == [(1024, 512, 256, "float16")]
+    assert op.measured.times[(1024, 512, 256, "float16")] == pytest.approx((300.0, 200.0))
+    assert gathered and all(g is None for g in gathered)
     world.close()

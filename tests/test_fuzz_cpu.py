@@ -547,7 +547,8 @@ def test_fixed_bug_allgather_plan_float():
 
 GOOD_AGG_OPTIONS = st.fixed_dictionaries({
     "b_layout": st.sampled_from(["kn", "nk"]), "ctas": st.one_of(st.none(), st.integers(2, 132)),
-    "comm_ctas": st.one_of(st.none(), st.integers(1, 8)), "fuse": st.sampled_from([None, True, False]),
+    "comm_ctas": st.one_of(st.none(), st.integers(1, 8)),
+    "fuse": st.sampled_from([None, True, False, "measure"]),
     "group_m": st.integers(1, 64), "timeout_ms": TIMEOUTS})
 BAD_AGG_OPTIONS = dict({k: v for k, v in BAD_GAR_OPTIONS.items()
                         if k not in ("roles", "trace", "block_n")},
@@ -563,7 +564,7 @@ def test_allgather_gemm_options_build_a_runnable_op_or_a_clean_error(layout, con
         if op is None:
             return
         event("an op")
-        assert op.b_layout in ("kn", "nk") and op.fuse in (None, True, False)
+        assert op.b_layout in ("kn", "nk") and op.fuse in (None, True, False, "measure")
         assert op.ctas is None or (isinstance(op.ctas, int) and 2 <= op.ctas <= MAX_GRID)
         assert op.comm_ctas is None or (isinstance(op.comm_ctas, int) and op.comm_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31

@@ -253,7 +253,7 @@ def test_measured_fusion_settles_and_every_output_comes_from_its_path(make_world
     first = op(a_list, b_list)
     world.synchronize()
     plan = op.last_plan
-    assert plan.reason.startswith("measured") and len(op.fusion_times) == 1
+    assert plan.reason.startswith("measured") and len(op.measured.times) == 1
     forced = gar.GemmAllReduce(world, b_layout="nk", fuse=plan.fused, timeout_ms=10000)
     reference = forced(a_list, b_list) if plan.fused else forced.unfused(a_list, b_list)
     again = [op(a_list, b_list) for _ in range(3)]
@@ -261,7 +261,7 @@ def test_measured_fusion_settles_and_every_output_comes_from_its_path(make_world
     a_small = [a[:600] for a in a_list]
     op(a_small, b_list)
     world.synchronize()
-    assert op.last_plan.fused == plan.fused and len(op.fusion_times) == 1
+    assert op.last_plan.fused == plan.fused and len(op.measured.times) == 1
     for outs in [first, *again]:
         assert_same_bits(outs, reference)
     assert relative_error(first[0], gar.reference(a_list, b_list, b_layout="nk")) < REL_ERROR_BOUND

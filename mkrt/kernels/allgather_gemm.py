@@ -34,6 +34,7 @@ import numpy as np
 
 from mkrt import checks
 from mkrt.arrays import like_input
+from mkrt.controller.fusion import MeasuredFusion, check_fuse, size_class
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
@@ -355,7 +356,9 @@ class AllGatherGemm(GatheringOp):
     b: per rank [K, N_r] (``b_layout="kn"``) or [N_r, K] (``"nk"``); out: per rank
     [W * R, N_r]. ``gathered_out=``: per rank [W * R, K] arrays that receive A as well.
     ``ctas`` (default: the rank's SM share) and ``comm_ctas`` (the communication role's
-    share) split the CTAs; ``fuse=None`` lets the plan choose (``op.last_plan.reason``).
+    share) split the CTAs; ``fuse=None`` lets the plan choose (``op.last_plan.reason``),
+    ``"measure"`` times both paths once per size class and keeps the faster
+    (mkrt/controller/fusion.py).
     ``roles="search"`` (not yet measured on a GPU) starts from that split and, after four
     launches, finds it by launch time, per shape, on the GPU
     (:class:`mkrt.controller.rule.LaunchSearch`; :meth:`controller_state` shows it);
@@ -374,19 +377,21 @@ class AllGatherGemm(GatheringOp):
         if b_layout not in gemm_module.B_LAYOUTS:
             raise ValueError(f"mkrt.allgather_gemm: b_layout={b_layout!r}; expected 'kn' or 'nk'")
         area = self.name
-        self.fuse = checks.flag(fuse, "fuse", area, optional=True)
+        self.fuse = check_fuse(fuse, area)
+        self.measured = MeasuredFusion()   # fuse="measure": the paths' times per size class
         self.group_m = checks.integer(group_m, "group_m", area, low=1, high=1 << 16)
         self.b_layout = b_layout
         self._gather_op = None
         self.last_plan: Plan | None = None
 
     # -- planning and buffers --
-    def plan_for(self, m: int, n: int, k: int, dtype: str) -> Plan:
+    def plan_for(self, m: int, n: int, k: int, dtype: str, mode_fuse=None) -> Plan:
         info = self.world.local[0]
         ctas = self.ctas or (self.world.sm_count(info.rank) if info.device is not None else 132)
+        fuse = self.fuse if mode_fuse is None else mode_fuse
         return plan(m, n, k, nodes=self.world.nodes, ranks_per_node=self.world.ranks_per_node,
                     ctas=ctas, dtype=dtype, b_layout=self.b_layout, comm_ctas=self.comm_ctas,
-                    fuse=self.fuse)
+                    fuse=None if fuse == "measure" else fuse)
 
     def _ensure_buffers(self, p: Plan) -> None:
         self._ensure_gathered(p.m * p.k * 2)
@@ -437,6 +442,8 @@ class AllGatherGemm(GatheringOp):
 
     def __call__(self, a, b, out=None, *, gathered_out=None):
         call, a_list, as_list, b_list, outs, gathered = self._begin(a, b, out, gathered_out)
+        if self.fuse == "measure" and not call.settled and self.world.size > 1:
+            self._settle_fusion(call, a_list, b_list, outs)
         p = self.last_plan = call.plan
         if self.world.size == 1:
             gemm_module.gemm(a_list[0], b_list[0], out=outs[0], b_layout=self.b_layout)
@@ -452,6 +459,24 @@ class AllGatherGemm(GatheringOp):
         if out is not None:
             return out
         return outs if as_list else like_input(outs[0], a)
+
+    def _settle_fusion(self, call: "_PreparedCall", a_list, b_list, outs) -> None:
+        """``fuse="measure"``: this call's path, timed once per size class
+        (mkrt/controller/fusion.py); the timed calls leave A's gathered copy alone."""
+        p = call.plan
+        key = size_class(p.m, p.n, p.k, call.dtype)
+        fused = self.measured.choice(key)
+        if fused is None and self.capturing():
+            return                               # the plan's pick until an eager call
+        first = fused is None
+        if first:
+            call.plan = self.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
+            fused = self.measured.measure(
+                key, self.world, lambda: self._run(call, a_list, b_list, outs),
+                lambda: self._unfused(call, a_list, b_list, outs, None))
+        call.plan = dataclasses.replace(call.plan, fused=fused,
+                                        reason=self.measured.reason(key, first))
+        call.settled = True
 
     def _launches(self, call) -> list:
         if call.launches is not None and call.generation == self._generation:
@@ -543,6 +568,7 @@ class _PreparedCall:
     words: list | None = None
     b_pointers: dict = dataclasses.field(default_factory=dict)
     boards: list | None = None      # roles="search": per rank, the role board
+    settled: bool = False           # fuse="measure": the path is chosen (plan.fused)
 
 
 def allgather_gemm(a, b, *, world=None, out=None, b_layout: str = "kn", **options):

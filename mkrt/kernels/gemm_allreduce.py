@@ -45,6 +45,7 @@ from mkrt import checks
 from mkrt.arrays import like_input
 from mkrt.checks import MAX_GRID
 from mkrt.controller.board import Board
+from mkrt.controller.fusion import MeasuredFusion, check_fuse, size_class
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.jit.spec import KernelSpec
@@ -620,8 +621,6 @@ gemm_allreduce(const __grid_constant__ TmaDescriptor tma_a,
 KERNEL_ID = kernel_id("gemm_allreduce")
 #: how the CTAs' split between compute and reduce is decided (see GemmAllReduce)
 ROLE_MODES = ("adaptive", "static", "search")
-#: fuse="measure": rounds of back-to-back calls per path, and calls per round
-MEASURE_ROUNDS, MEASURE_CALLS = 3, 2
 #: what the reduce role ends with: every rank all of C, or each rank its rows of C
 COLLECTIVES = ("allreduce", "reducescatter")
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
@@ -717,7 +716,7 @@ class GemmAllReduce(Op):
     ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
     the planner's cost model choose fused or unfused per shape (``op.last_plan`` says which
     and why); ``"measure"`` times both paths on the first call of each size class (M
-    rounded up to a power of two) and keeps the faster (:attr:`fusion_times`), so that
+    rounded up to a power of two) and keeps the faster (``op.measured.times``: mkrt/controller/fusion.py), so that
     call costs about 15 calls; True / False force a path.
     ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
     ``roles``: ``"adaptive"`` (default) lets the on-GPU controller move CTAs between the
@@ -756,8 +755,7 @@ class GemmAllReduce(Op):
         ctas = checks.integer(ctas, "ctas", area, low=1, high=MAX_GRID, optional=True)
         reduce_ctas = checks.integer(reduce_ctas, "reduce_ctas", area, low=1, high=MAX_GRID,
                                      optional=True)
-        if not (isinstance(fuse, str) and fuse == "measure"):
-            fuse = checks.flag(fuse, "fuse", area, optional=True)
+        fuse = check_fuse(fuse, area)
         group_m = checks.integer(group_m, "group_m", area, low=1, high=1 << 16)
         muted_rank = checks.integer(muted_rank, "muted_rank", area, low=0,
                                     high=self.world.size - 1, optional=True)
@@ -785,10 +783,7 @@ class GemmAllReduce(Op):
         self._layout_key = None
         self._generation = 0         # counts buffer allocations (a layout can come back)
         self._prepared: dict = {}
-        self._fusion_choices: dict = {}   # fuse="measure": size class -> fused?
-        #: fuse="measure": size class (M rounded up to a power of two, N, K, dtype) ->
-        #: (fused, unfused) microseconds per call as measured
-        self.fusion_times: dict = {}
+        self.measured = MeasuredFusion()   # fuse="measure": the paths' times per size class
 
     # -- planning and buffers --
     def plan_for(self, m: int, n: int, k: int, dtype: str, mode_fuse=None) -> Plan:
@@ -950,61 +945,27 @@ class GemmAllReduce(Op):
         return outs if as_list else like_input(outs[0], a)
 
     def _settle_fusion(self, call: "_PreparedCall", a_list, b_list, outs) -> None:
-        """``fuse="measure"``: the faster of the fused and unfused paths, timed on this
-        call's operands, once per size class (M rounded up to a power of two; N, K and dtype
-        exact), then kept. The timed calls write `outs`, which the chosen path then writes
-        again, so every output comes from the path the op settled on. Under CUDA graph
-        capture nothing is timed: the model's pick runs until an eager call settles."""
+        """``fuse="measure"``: this call's path, timed once per size class
+        (mkrt/controller/fusion.py)."""
         p = call.plan
-        size_class = (1 << (p.m - 1).bit_length(), p.n, p.k, str(call.dtype))
-        fused = self._fusion_choices.get(size_class)
+        key = size_class(p.m, p.n, p.k, call.dtype)
+        fused = self.measured.choice(key)
         if fused is None and self.capturing():
-            return
+            return                               # the model's pick until an eager call
         if fused is not False:
             try:
-                fused_plan = self.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
+                call.plan = self.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
             except ValueError:                   # the fused kernel cannot run this shape
                 call.settled = True              # (the model's plan says why: unfused)
                 return
-            call.plan = fused_plan
-        if fused is None:
-            fused_us, unfused_us = self._time_paths(call, a_list, b_list, outs)
-            fused = fused_us <= unfused_us
-            self._fusion_choices[size_class] = fused
-            self.fusion_times[size_class] = (fused_us, unfused_us)
-            reason = f"measured: fused {fused_us:.1f} us vs unfused {unfused_us:.1f} us per call"
-        else:
-            fused_us, unfused_us = self.fusion_times[size_class]
-            reason = (f"measured on M = {size_class[0]}'s size class: fused {fused_us:.1f} us vs "
-                      f"unfused {unfused_us:.1f} us per call")
-        call.plan = dataclasses.replace(call.plan, fused=fused, reason=reason)
+        first = fused is None
+        if first:
+            fused = self.measured.measure(
+                key, self.world, lambda: self._run(call, "gemm", a_list, b_list, outs),
+                lambda: self._unfused(call, a_list, b_list, outs))
+        call.plan = dataclasses.replace(call.plan, fused=fused,
+                                        reason=self.measured.reason(key, first))
         call.settled = True
-
-    def _time_paths(self, call, a_list, b_list, outs) -> tuple[float, float]:
-        """Microseconds per call of the fused and the unfused path: the best of a few rounds
-        of back-to-back calls (host time included), the slowest process's figure."""
-        import time
-        paths = {"unfused": lambda: self._unfused(call, a_list, b_list, outs),
-                 "fused": lambda: self._run(call, "gemm", a_list, b_list, outs)}
-        # First calls alone: compiles, and cuBLAS's first call of a shape, which may wait
-        # for the device, never while a fused kernel waits for the proxy's copies.
-        self.world.synchronize()
-        for run in paths.values():
-            run()
-            self.world.synchronize()
-        best = {name: float("inf") for name in paths}
-        for _ in range(MEASURE_ROUNDS):
-            for name, run in paths.items():
-                start = time.perf_counter()
-                for _ in range(MEASURE_CALLS):
-                    run()
-                self.world.synchronize()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e6 / MEASURE_CALLS)
-        times = (best["fused"], best["unfused"])
-        if self.world.comm is not None:          # every process settles alike
-            gathered = self.world.comm.allgather(times)
-            times = tuple(max(t[i] for t in gathered) for i in range(2))
-        return times
 
     def out_shape(self, m: int, n: int) -> tuple:
         """Each rank's C: all of it (subclasses keep a part)."""

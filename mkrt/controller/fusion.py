@@ -1,0 +1,83 @@
+"""Fused or unfused, by timing: what ``fuse="measure"`` does for the fused world ops.
+
+A cost model's pick loses where the margin between the two paths depends on what it does
+not see (the GEMM engine's speed on the shape against cuBLAS, the communication role's
+share of the SMs, the controller's split). ``fuse="measure"`` instead times both paths on
+the first call of each *size class* and keeps the faster:
+
+- size class: M rounded up to a power of two, with N, K and dtype exact, so serving with
+  varying token counts pays for the timing once per class, not once per M;
+- timing: each path's first call alone (compiles; cuBLAS's first call of a shape, which
+  may wait for the device, never while a fused kernel waits for another rank or the
+  proxy), then :data:`ROUNDS` rounds of :data:`CALLS` back-to-back calls per path, the best
+  round, host time included; under mpiexec every process takes the slowest process's
+  figures, so all settle alike;
+- the timed calls write the caller's output and the settled path then writes it again:
+  every output comes from the settled path, so calls stay bit-identical;
+- under CUDA graph capture nothing is timed (the op runs its model's pick until an eager
+  call of that class settles).
+
+An op keeps one :class:`MeasuredFusion` and asks it per prepared call.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mkrt import checks
+
+#: rounds of back-to-back calls per path, and calls per round
+ROUNDS, CALLS = 3, 2
+
+
+def check_fuse(value, area: str):
+    """None, True, False or "measure"; TypeError for anything else."""
+    if isinstance(value, str) and value == "measure":
+        return value
+    return checks.flag(value, "fuse", area, optional=True)
+
+
+def size_class(m: int, n: int, k: int, dtype) -> tuple:
+    """The key a measured choice is kept under: M up to a power of two; N, K, dtype."""
+    return (1 << (int(m) - 1).bit_length(), int(n), int(k), str(dtype))
+
+
+class MeasuredFusion:
+    """An op's measured choices: size class -> (fused?, fused us, unfused us)."""
+
+    def __init__(self):
+        #: size class -> (fused, unfused) microseconds per call as measured
+        self.times: dict = {}
+
+    def choice(self, key) -> bool | None:
+        """True (fused) or False for a measured class; None before it is measured."""
+        times = self.times.get(key)
+        return None if times is None else times[0] <= times[1]
+
+    def reason(self, key, first: bool) -> str:
+        fused_us, unfused_us = self.times[key]
+        where = "measured" if first else f"measured on M = {key[0]}'s size class"
+        return f"{where}: fused {fused_us:.1f} us vs unfused {unfused_us:.1f} us per call"
+
+    def measure(self, key, world, fused, unfused) -> bool:
+        """Time the two paths (callables that each run one call), keep and return the
+        choice (True: fused)."""
+        paths = {"unfused": unfused, "fused": fused}
+        world.synchronize()
+        for run in paths.values():
+            run()
+            world.synchronize()
+        best = {name: float("inf") for name in paths}
+        for _ in range(ROUNDS):
+            for name, run in paths.items():
+                start = time.perf_counter()
+                for _ in range(CALLS):
+                    run()
+                world.synchronize()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e6 / CALLS)
+        times = (best["fused"], best["unfused"])
+        if world.comm is not None:               # every process settles alike
+            gathered = world.comm.allgather(times)
+            times = tuple(max(t[i] for t in gathered) for i in range(2))
+        self.times[key] = times
+        return self.choice(key)
