@@ -123,3 +123,33 @@ def test_across_processes(ranks_per_node, layout):
     match = re.search(rf"MPI_ALLGATHER_GEMM ranks=2 layout={layout} worst_error=(\S+) "
                       r"gathered_exact=1", result.stdout)
     assert match and float(match.group(1)) < 1e-2, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_measured_fusion_settles_on_the_path_it_timed(make_world, layout):
+    """fuse="measure": the first call times both paths and settles; its output and the
+    gathered A it returns are the settled path's bits (a forced op of that path)."""
+    import cupy
+
+    from graph_checks import assert_same_bits
+    world = make_world(layout)
+    op = mkrt.AllGatherGemm(world, b_layout="nk", fuse="measure", timeout_ms=10000)
+    a, b = operands(world, 256, 384, 128, "nk", "bf16", seed=31)
+    m = 256 * world.size
+    gathered = [cupy.empty((m, 128), a[0].dtype) for _ in world.local]
+    first = op(a, b, gathered_out=gathered)
+    world.synchronize()
+    plan = op.last_plan
+    assert plan.reason.startswith("measured") and len(op.measured.times) == 1
+    forced = mkrt.AllGatherGemm(world, b_layout="nk", fuse=plan.fused, timeout_ms=10000)
+    reference = forced(a, b)
+    again = op(a, b)
+    world.synchronize()
+    assert_same_bits(first, reference)
+    assert_same_bits(again, reference)
+    full = cupy.concatenate(a, axis=0)
+    for g in gathered:
+        assert cupy.array_equal(g.view(cupy.uint16), full.view(cupy.uint16))
+    assert worst_error(first, a, b, "nk") < REL_ERROR_BOUND
+    op.close()
+    forced.close()
