@@ -3,7 +3,8 @@
 #   MKRT_BENCH_COMMIT=<commit> [START_1X4=<n>] bash experiments/pending_device_run_2.sh
 # 1. the planner's held-out set on 2x2 (fuse="measure" beside fuse=None, fused, unfused),
 #    and the rest of 1x4 if the first call did not finish it (START_1X4: shapes done);
-# 2. the three 2x2 sanitizer runs without a verdict (experiments/pending_sanitizers.sh).
+# 2. the three 2x2 sanitizer runs without a verdict (experiments/pending_sanitizers.sh),
+#    first as one process per rank under MPS (PROCESSES=1).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -15,5 +16,7 @@ fi
 echo "== planner, held-out, 2x2"
 timeout $(( 300 - SECONDS )) python3 experiments/planner.py --layouts 2x2 --sets held_out --rounds 3 \
     --out $OUT/planner.jsonl 2>&1 | tee -a $OUT/planner.log | grep -cE "best/auto"
+# one process per rank under MPS (new), then in one process as before if time is left
+PROCESSES=1 DEADLINE=$(( 440 - SECONDS )) bash experiments/pending_sanitizers.sh
 DEADLINE=$(( 570 - SECONDS )) bash experiments/pending_sanitizers.sh
 echo "done at $SECONDS s"

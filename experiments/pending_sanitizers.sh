@@ -6,6 +6,9 @@
 # six finished clean; the other three ended in their bounded waits because one rank's
 # kernel or the proxy's copies did not run while another rank's kernel waited under the
 # tool (experiments/notes/reliability.md). Each run now keeps the tool's first reports.
+# PROCESSES=1 runs each case as one process per rank under mpiexec and a private MPS
+# daemon (sanitize.py --processes): the ranks' kernels then run side by side whatever the
+# tool does within a process (never run yet; if the tool refuses MPS, the rows say so).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MKRT_SANITIZE_WAIT_MS=60000 MKRT_SANITIZE_CTAS=8    # 8 CTAs per rank: less to track
@@ -22,7 +25,7 @@ for job in $JOBS; do
   # room for the run without the tool first (about 15 s), so a tool run cut at its bound
   # is still written as a row
   timeout $(( bound + 45 )) python3 experiments/sanitize.py --tools $1 --cases $2 --parallel 1 \
-      --ce-copy-method each --timeout $bound --out $OUT/sanitize.jsonl 2>&1 \
+      --ce-copy-method each --timeout $bound ${PROCESSES:+--processes} --out $OUT/sanitize.jsonl 2>&1 \
       | grep -E "^$1 "
   # the tool's first reports of the run (what it found, in which kernel)
   tail -1 $OUT/sanitize.jsonl | python3 -c "import json,sys; [print('   ', l) for l in json.loads(sys.stdin.read()).get('first_reports', [])[:8]]"

@@ -28,6 +28,32 @@ TIMEOUT_MS = float(os.environ.get("MKRT_SANITIZE_WAIT_MS", 120_000))
 #: CTAs, the same code: under racecheck and initcheck every CTA's accesses are tracked,
 #: and the multi-node cases with a full SM share did not finish in minutes
 CTAS = int(os.environ["MKRT_SANITIZE_CTAS"]) if os.environ.get("MKRT_SANITIZE_CTAS") else None
+#: set in the processes of ``--processes``: the case's world is one process per rank
+PROCESSES = os.environ.get("MKRT_SANITIZE_PROCESSES") == "1"
+
+
+def _world(layout: str):
+    """The case's world: emulated in this process, or (``--processes``) this process's
+    rank of an mpiexec world split into nodes of the layout's size."""
+    import mkrt
+    if not PROCESSES:
+        return mkrt.init(emulate=layout)
+    world = mkrt.init()
+    if world.layout != layout:
+        raise RuntimeError(f"sanitize: this mpiexec world is {world.layout}, the case needs {layout}")
+    return world
+
+
+def _per_rank(world, seed: int, shape, scale: float = 1.0):
+    """Every rank's random bf16 array (drawn from seed + rank, so each process can make all
+    of them for the reference) and this process's ranks' ones."""
+    import cupy
+    import numpy as np
+
+    from mkrt.arrays import bfloat16
+    every = [cupy.asarray(np.random.default_rng(seed + rank).standard_normal(shape, dtype=np.float32)
+                          * scale).astype(bfloat16) for rank in range(world.size)]
+    return every, [every[info.rank] for info in world.local]
 
 
 def _gar(layout, fuse, m=192, n=256, k=128):
@@ -36,20 +62,16 @@ def _gar(layout, fuse, m=192, n=256, k=128):
         import numpy as np
 
         import mkrt
-        from mkrt.arrays import bfloat16
         from mkrt.kernels import gemm_allreduce as gar
         from mkrt.kernels.gemm import to_float32
-        world = mkrt.init(emulate=layout)
-        rng = np.random.default_rng(1)
-        a = [cupy.asarray(rng.standard_normal((m, k), dtype=np.float32)).astype(bfloat16)
-             for _ in world.local]
-        b = [cupy.asarray(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
-             for _ in world.local]
+        world = _world(layout)
+        every_a, a = _per_rank(world, 10, (m, k))
+        every_b, b = _per_rank(world, 100, (k, n), 1 / 8)
         op = mkrt.GemmAllReduce(world, fuse=fuse, ctas=CTAS, timeout_ms=TIMEOUT_MS)
         outs = op(a, b) if fuse else op.unfused(a, b)
         outs = op(a, b) if fuse else op.unfused(a, b)        # a second epoch
         world.synchronize()
-        ref = gar.reference(a, b, dtype=np.float32)
+        ref = gar.reference(every_a, every_b, dtype=np.float32)
         error = max(float(cupy.linalg.norm(to_float32(o) - ref) / cupy.linalg.norm(ref)) for o in outs)
         world.close()
         return error < 2e-2
@@ -62,7 +84,7 @@ def _allgather(layout, group="world"):
         import numpy as np
 
         import mkrt
-        world = mkrt.init(emulate=layout)
+        world = _world(layout)
         x = [cupy.full(3000, info.rank, np.int32) for info in world.local]
         op = mkrt.AllGather(world, group=group, ctas=CTAS, timeout_ms=TIMEOUT_MS)
         outs = op(x)
@@ -100,25 +122,20 @@ def _tp_pair(op_name, layout, m=256, n=384, k=128):
     """GEMM+ReduceScatter (A: [m, k] per rank) or AllGather+GEMM (A: [m / W, k] per rank)."""
     def case():
         import cupy
-        import numpy as np
 
         import mkrt
-        from mkrt.arrays import bfloat16
         from mkrt.kernels import allgather_gemm, gemm_reducescatter
         from mkrt.kernels.gemm import to_float32
-        world = mkrt.init(emulate=layout)
-        rng = np.random.default_rng(3)
+        world = _world(layout)
         rows = m if op_name == "gemm_reducescatter" else m // world.size
-        a = [cupy.asarray(rng.standard_normal((rows, k), dtype=np.float32)).astype(bfloat16)
-             for _ in world.local]
-        b = [cupy.asarray(rng.standard_normal((k, n), dtype=np.float32) / 8).astype(bfloat16)
-             for _ in world.local]
+        every_a, a = _per_rank(world, 30, (rows, k))
+        every_b, b = _per_rank(world, 300, (k, n), 1 / 8)
         if op_name == "gemm_reducescatter":
             op = mkrt.GemmReduceScatter(world, fuse=True, ctas=CTAS, timeout_ms=TIMEOUT_MS)
-            refs = [gemm_reducescatter.reference(a, b, info.rank) for info in world.local]
+            refs = [gemm_reducescatter.reference(every_a, every_b, info.rank) for info in world.local]
         else:
             op = mkrt.AllGatherGemm(world, fuse=True, ctas=CTAS, timeout_ms=TIMEOUT_MS)
-            refs = [allgather_gemm.reference(a, w) for w in b]
+            refs = [allgather_gemm.reference(every_a, w) for w in b]
         op(a, b)
         outs = op(a, b)                                       # a second epoch
         world.synchronize()
@@ -313,6 +330,31 @@ CASES = {
 }
 
 
+#: cases that also run as one process per rank (``--processes``)
+PROCESS_CASES = {name for name in CASES if name.startswith(
+    ("gemm_allreduce_", "gemm_reducescatter_", "allgather_gemm_", "allgather_")) and
+    re.search(r"_\d+x\d+$", name)}
+
+
+def process_command(name: str, tool: str | None, copy_method: str) -> tuple[list[str], dict]:
+    """(command, environment) that run case `name` as one process per rank under mpiexec,
+    each process under the tool when there is one (a tool then sees one rank's kernels)."""
+    from mkrt.launch import child_env, mpiexec_command
+    nodes, per_node = (int(x) for x in re.search(r"_(\d+)x(\d+)$", name).groups())
+    command = mpiexec_command(nodes * per_node, os.path.abspath(__file__), "--inner", name,
+                              "--ce-copy-method", copy_method)
+    if tool is not None:
+        at = command.index(sys.executable)
+        command[at:at] = tool_prefix(tool)
+    env = child_env(MKRT_WORLD_RANKS_PER_NODE=str(per_node), MKRT_SANITIZE_PROCESSES="1")
+    return command, env
+
+
+def tool_prefix(tool: str) -> list[str]:
+    return [shutil.which("compute-sanitizer") or "compute-sanitizer", "--tool", tool,
+            "--print-limit", "20", *(["--racecheck-report", "all"] if tool == "racecheck" else [])]
+
+
 def use_ce_copy_method(method: str) -> None:
     """Make every `ce` transport of this process copy with `method` ("kernel": mkrt's batch
     copy kernel, the default; "each": one cuMemcpyAsync per put). Under the sanitizer the
@@ -331,30 +373,40 @@ def inner(name: str, copy_method: str) -> None:
     sys.exit(0 if ok else 3)
 
 
-def one(tool: str | None, name: str, timeout_s: float, copy_method: str = "kernel") -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--inner", name,
-               "--ce-copy-method", copy_method]
-    if tool is not None:
-        command = [shutil.which("compute-sanitizer") or "compute-sanitizer", "--tool", tool,
-                   "--print-limit", "20", *(["--racecheck-report", "all"] if tool == "racecheck" else []),
-                   *command]
+def one(tool: str | None, name: str, timeout_s: float, copy_method: str = "kernel",
+        processes: dict | None = None) -> dict:
+    """One run of case `name` (under `tool`, or plain): in one process, or with `processes`
+    (the environment of a private MPS daemon, possibly empty) one process per rank."""
+    env, ranks = None, 1
+    if processes is not None and name in PROCESS_CASES:
+        command, env = process_command(name, tool, copy_method)
+        env.update(processes)
+        ranks = int(command[command.index("-n") + 1])
+    else:
+        command = [sys.executable, os.path.abspath(__file__), "--inner", name,
+                   "--ce-copy-method", copy_method]
+        if tool is not None:
+            command = [*tool_prefix(tool), *command]
     start = time.perf_counter()
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
         output, code, timed_out = result.stdout + result.stderr, result.returncode, False
     except subprocess.TimeoutExpired as expired:
         output = (expired.stdout or b"").decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
         code, timed_out = None, True
-    summary = re.search(r"ERROR SUMMARY: (\d+) error", output)
-    races = re.search(r"RACECHECK SUMMARY: (\d+) hazard", output)
-    return {"tool": tool or "none", "case": name, "ce_copy_method": copy_method,
-            "seconds": time.perf_counter() - start,
-            "returncode": code, "timed_out": timed_out,
-            "errors": int(summary.group(1)) if summary else None,
-            "hazards": int(races.group(1)) if races else None,
-            "case_ok": f"SANITIZE_CASE {name} ok=True" in output,
-            "first_reports": first_reports(output),
-            "tail": output[-3000:]}
+    return dict(parse_output(output, name, ranks), tool=tool or "none", case=name,
+                ce_copy_method=copy_method, processes=ranks if env is not None else 0,
+                seconds=time.perf_counter() - start, returncode=code, timed_out=timed_out,
+                first_reports=first_reports(output), tail=output[-3000:])
+
+
+def parse_output(output: str, name: str, ranks: int = 1) -> dict:
+    """The tool's counts (summed over the processes of a case run as several) and whether
+    every process's own check passed."""
+    errors = [int(x) for x in re.findall(r"ERROR SUMMARY: (\d+) error", output)]
+    races = [int(x) for x in re.findall(r"RACECHECK SUMMARY: (\d+) hazard", output)]
+    return {"errors": sum(errors) if errors else None, "hazards": sum(races) if races else None,
+            "case_ok": output.count(f"SANITIZE_CASE {name} ok=True") == ranks}
 
 
 def first_reports(output: str, count: int = 15) -> list[str]:
@@ -374,15 +426,28 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0)
     parser.add_argument("--ce-copy-method", choices=("kernel", "each"), default="kernel",
                         help="how the proxy's `ce` transport copies (multi-node cases)")
+    parser.add_argument("--processes", action="store_true",
+                        help="world cases as one process per rank under mpiexec (a private MPS "
+                             "daemon lets their kernels run side by side; each tool sees one rank)")
     parser.add_argument("--out", default="experiments/results/sanitize.jsonl")
     args = parser.parse_args()
     if args.inner:
         inner(args.inner, args.ce_copy_method)
         return
+    if args.processes:
+        from mkrt.launch import private_mps
+        with private_mps() as mps_env:
+            run_all(args, processes=mps_env or {})
+    else:
+        run_all(args)
+
+
+def run_all(args, processes: dict | None = None) -> None:
     from mkrt.bench import append_jsonl, record
     # Without the tool first, in parallel (also fills the JIT cache the tool runs read).
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        runs = {name: pool.submit(one, None, name, 300, args.ce_copy_method) for name in args.cases}
+        runs = {name: pool.submit(one, None, name, 300, args.ce_copy_method, processes)
+                for name in args.cases}
         plain = {name: run.result() for name, run in runs.items()}
     def write(row):
         print(f"{row['tool']:10s} {row['case']:28s} errors={row['errors']} hazards={row['hazards']} "
@@ -390,6 +455,7 @@ def main() -> None:
         if row["errors"]:
             print(row["tail"][-2500:], flush=True)
         suffix = "" if row["ce_copy_method"] == "kernel" else f"_ce_{row['ce_copy_method']}"
+        suffix += "_processes" if row["processes"] else ""
         append_jsonl(args.out, [record("sanitize", f"{row['tool']}_{row['case']}{suffix}", "errors",
                                        float(row["errors"]) if row["errors"] is not None else None,
                                        0.0, "count", higher_is_better=False, ctas=CTAS,
@@ -401,7 +467,7 @@ def main() -> None:
     # Rows are written as each run ends: a caller's time limit keeps what finished.
     jobs = [(tool, name) for tool in args.tools for name in args.cases if plain[name]["case_ok"]]
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        futures = [pool.submit(one, tool, name, args.timeout, args.ce_copy_method)
+        futures = [pool.submit(one, tool, name, args.timeout, args.ce_copy_method, processes)
                    for tool, name in jobs]
         for future in concurrent.futures.as_completed(futures):
             write(future.result())

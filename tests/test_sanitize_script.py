@@ -1,0 +1,47 @@
+"""experiments/sanitize.py's parts that run without a GPU: which cases run as one process
+per rank, the mpiexec command that does it, and reading the tool's counts back."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sanitize():
+    spec = importlib.util.spec_from_file_location("sanitize", ROOT / "experiments" / "sanitize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_world_cases_run_as_one_process_per_rank_under_the_tool(sanitize):
+    assert {"gemm_allreduce_fused_2x2", "gemm_allreduce_unfused_2x2",
+            "gemm_reducescatter_fused_2x2", "allgather_gemm_fused_1x2",
+            "allgather_2x2"} <= sanitize.PROCESS_CASES
+    assert not {"gemm_300x520x64_kn", "attention_d128", "ring_attention_2x2",
+                "moe_1x2"} & sanitize.PROCESS_CASES
+    command, env = sanitize.process_command("gemm_reducescatter_fused_2x2", "racecheck", "each")
+    assert command[command.index("-n") + 1] == "4"
+    tool = command.index("--tool")
+    # the tool wraps each rank's Python, inside mpiexec
+    assert command[tool + 1] == "racecheck" and tool < command.index(sys.executable)
+    assert command[-4:] == ["--inner", "gemm_reducescatter_fused_2x2", "--ce-copy-method", "each"]
+    assert env["MKRT_WORLD_RANKS_PER_NODE"] == "2" and env["MKRT_SANITIZE_PROCESSES"] == "1"
+    plain, _ = sanitize.process_command("allgather_gemm_fused_1x2", None, "kernel")
+    assert "--tool" not in plain and plain[plain.index("-n") + 1] == "2"
+
+
+def test_counts_are_summed_over_the_processes_and_every_check_must_pass(sanitize):
+    one = "========= ERROR SUMMARY: 3 errors\nSANITIZE_CASE c ok=True\n"
+    two = "========= ERROR SUMMARY: 4 errors\nSANITIZE_CASE c ok=True\n"
+    parsed = sanitize.parse_output(one + two, "c", ranks=2)
+    assert parsed == {"errors": 7, "hazards": None, "case_ok": True}
+    assert not sanitize.parse_output(one + two, "c", ranks=4)["case_ok"]
+    races = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert sanitize.parse_output(races * 2, "c", ranks=2)["hazards"] == 0
