@@ -17,11 +17,13 @@ the first call of each *size class* and keeps the faster:
 - under CUDA graph capture nothing is timed (the op runs its model's pick until an eager
   call of that class settles).
 
-An op keeps one :class:`MeasuredFusion` and asks it per prepared call.
+An op keeps one :class:`MeasuredFusion` and has it settle each prepared call
+(:meth:`MeasuredFusion.settle`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from mkrt import checks
@@ -81,3 +83,27 @@ class MeasuredFusion:
             times = tuple(max(t[i] for t in gathered) for i in range(2))
         self.times[key] = times
         return self.choice(key)
+
+    def settle(self, op, call, fused, unfused) -> None:
+        """Choose `call`'s path (``call.plan.fused``): the class's measured choice, or
+        measure it now with `fused` / `unfused` (callables that run one call of each path
+        on `call`). `op` gives the plans (``plan_for(..., mode_fuse=True)``: a ValueError
+        says the fused kernel cannot run the shape, which then keeps the model's unfused
+        plan) and whether the caller is capturing a graph (then nothing is timed and the
+        model's pick runs until an eager call)."""
+        p = call.plan
+        key = size_class(p.m, p.n, p.k, call.dtype)
+        chosen = self.choice(key)
+        if chosen is None and op.capturing():
+            return
+        if chosen is not False:
+            try:
+                call.plan = op.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
+            except ValueError:
+                call.settled = True
+                return
+        first = chosen is None
+        if first:
+            chosen = self.measure(key, op.world, fused, unfused)
+        call.plan = dataclasses.replace(call.plan, fused=chosen, reason=self.reason(key, first))
+        call.settled = True

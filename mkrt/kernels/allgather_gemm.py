@@ -34,7 +34,7 @@ import numpy as np
 
 from mkrt import checks
 from mkrt.arrays import like_input
-from mkrt.controller.fusion import MeasuredFusion, check_fuse, size_class
+from mkrt.controller.fusion import MeasuredFusion, check_fuse
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
@@ -461,22 +461,10 @@ class AllGatherGemm(GatheringOp):
         return outs if as_list else like_input(outs[0], a)
 
     def _settle_fusion(self, call: "_PreparedCall", a_list, b_list, outs) -> None:
-        """``fuse="measure"``: this call's path, timed once per size class
-        (mkrt/controller/fusion.py); the timed calls leave A's gathered copy alone."""
-        p = call.plan
-        key = size_class(p.m, p.n, p.k, call.dtype)
-        fused = self.measured.choice(key)
-        if fused is None and self.capturing():
-            return                               # the plan's pick until an eager call
-        first = fused is None
-        if first:
-            call.plan = self.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
-            fused = self.measured.measure(
-                key, self.world, lambda: self._run(call, a_list, b_list, outs),
-                lambda: self._unfused(call, a_list, b_list, outs, None))
-        call.plan = dataclasses.replace(call.plan, fused=fused,
-                                        reason=self.measured.reason(key, first))
-        call.settled = True
+        """``fuse="measure"``: this call's path, timed once per size class; the timed calls
+        leave the caller's gathered copy of A alone."""
+        self.measured.settle(self, call, lambda: self._run(call, a_list, b_list, outs),
+                             lambda: self._unfused(call, a_list, b_list, outs, None))
 
     def _launches(self, call) -> list:
         if call.launches is not None and call.generation == self._generation:

@@ -45,7 +45,7 @@ from mkrt import checks
 from mkrt.arrays import like_input
 from mkrt.checks import MAX_GRID
 from mkrt.controller.board import Board
-from mkrt.controller.fusion import MeasuredFusion, check_fuse, size_class
+from mkrt.controller.fusion import MeasuredFusion, check_fuse
 from mkrt.jit import cuda_source
 from mkrt.kernels import gemm as gemm_module
 from mkrt.jit.spec import KernelSpec
@@ -716,8 +716,9 @@ class GemmAllReduce(Op):
     ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
     the planner's cost model choose fused or unfused per shape (``op.last_plan`` says which
     and why); ``"measure"`` times both paths on the first call of each size class (M
-    rounded up to a power of two) and keeps the faster (``op.measured.times``: mkrt/controller/fusion.py), so that
-    call costs about 15 calls; True / False force a path.
+    rounded up to a power of two) and keeps the faster (``op.measured.times``;
+    mkrt/controller/fusion.py), so that call costs about 15 calls; True / False force a
+    path.
     ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
     ``roles``: ``"adaptive"`` (default) lets the on-GPU controller move CTAs between the
     compute and reduce queues during each launch, starting from ``reduce_ctas`` (or the
@@ -945,27 +946,9 @@ class GemmAllReduce(Op):
         return outs if as_list else like_input(outs[0], a)
 
     def _settle_fusion(self, call: "_PreparedCall", a_list, b_list, outs) -> None:
-        """``fuse="measure"``: this call's path, timed once per size class
-        (mkrt/controller/fusion.py)."""
-        p = call.plan
-        key = size_class(p.m, p.n, p.k, call.dtype)
-        fused = self.measured.choice(key)
-        if fused is None and self.capturing():
-            return                               # the model's pick until an eager call
-        if fused is not False:
-            try:
-                call.plan = self.plan_for(p.m, p.n, p.k, p.dtype, mode_fuse=True)
-            except ValueError:                   # the fused kernel cannot run this shape
-                call.settled = True              # (the model's plan says why: unfused)
-                return
-        first = fused is None
-        if first:
-            fused = self.measured.measure(
-                key, self.world, lambda: self._run(call, "gemm", a_list, b_list, outs),
-                lambda: self._unfused(call, a_list, b_list, outs))
-        call.plan = dataclasses.replace(call.plan, fused=fused,
-                                        reason=self.measured.reason(key, first))
-        call.settled = True
+        """``fuse="measure"``: this call's path, timed once per size class."""
+        self.measured.settle(self, call, lambda: self._run(call, "gemm", a_list, b_list, outs),
+                             lambda: self._unfused(call, a_list, b_list, outs))
 
     def out_shape(self, m: int, n: int) -> tuple:
         """Each rank's C: all of it (subclasses keep a part)."""
