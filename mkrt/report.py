@@ -630,9 +630,9 @@ PIECES = [
           lambda rows: family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated",
                                     against="of host splits + copies + torch._grouped_mm")),
     Piece("not yet", "MoE across nodes and fused into one kernel, the role queues and controller in the "
-          "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware, "
-          "a world over EFA on a GPU (written: flags written by the sender; CPU-tested over the "
-          "stand-in), a split-K that pays (it never won a shape)"),
+          "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware "
+          "(InfiniBand, RoCE or EFA: worlds have run over mkrt's loopback NIC only, as RC queue "
+          "pairs and as an EFA endpoint), a split-K that pays (it never won a shape)"),
 ]
 
 
