@@ -43,6 +43,13 @@ def rule_pick(layout: str, m: int, n: int, k: int) -> int:
     return p.block_n
 
 
+def _ops(world) -> dict:
+    """The fused op with each width (a bounded wait of 5 s, as the planner's runs)."""
+    import mkrt
+    return {w: mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000, block_n=w)
+            for w in WIDTHS}
+
+
 def shapes_for(layout: str, controls: int) -> list[tuple[int, int, int, str, str]]:
     import planner
     narrower, kept = [], []
@@ -70,29 +77,24 @@ def main() -> int:
         return 0
 
     import cupy
-    import numpy as np
 
     import mkrt
     from mkrt.arrays import bfloat16
     from mkrt.bench import append_jsonl, record
     from mkrt.kernels.gemm import to_float32
-    from planner import time_paths
+    from planner import operands, time_paths
     start = time.time()
     # Each layout gets its share of the deadline, so every world has rows.
     share = args.deadline / len(args.layouts)
     for index, layout in enumerate(args.layouts):
         world = mkrt.init(emulate=layout)
-        ops = {w: mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000, block_n=w)
-               for w in WIDTHS}
+        ops = _ops(world)
         for m, n, k, family, set_name in shapes_for(layout, args.controls):
             if time.time() - start > share * (index + 1):
                 print(f"{layout}: stopped at the deadline", flush=True)
                 break
             pick = rule_pick(layout, m, n, k)
-            rng = cupy.random.default_rng(m * 7 + n * 3 + k)
-            a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-            b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16)
-                 for _ in world.local]
+            a, b = operands(world, m, n, k)
             outs = {w: [cupy.empty((m, n), bfloat16) for _ in world.local] for w in WIDTHS}
             paths = {w: (lambda w=w: ops[w](a, b, out=outs[w])) for w in WIDTHS}
             case = f"{layout}_{m}x{n}x{k}"
@@ -104,8 +106,7 @@ def main() -> int:
                                                layout=layout, m=m, n=n, k=k, error=str(error))])
                 world.close()
                 world = mkrt.init(emulate=layout)
-                ops = {w: mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000,
-                                             block_n=w) for w in WIDTHS}
+                ops = _ops(world)
                 continue
             # The widths sum the same products in the same order per element: equal outputs.
             base = to_float32(outs[256][0])

@@ -136,9 +136,29 @@ def time_paths(world, paths: dict, rounds: int, batch: int) -> dict[str, float]:
     return {name: median(values) for name, values in samples.items()}
 
 
-def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
+def operands(world, m, n, k):
+    """Each local rank's A [m, k] and B [n, k] (bf16, B as nn.Linear's weight), drawn from
+    the shape, so every path and experiment of a shape gets the same numbers."""
     import cupy
     import numpy as np
+
+    from mkrt.arrays import bfloat16
+    rng = cupy.random.default_rng(m * 7 + n * 3 + k)
+    a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
+    b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
+    return a, b
+
+
+def _ops(world):
+    """(fused, planner's pick, measured) GemmAllReduce ops; B as [N, K] (every random N is
+    allowed); a bounded wait of 5 s: a shape that times out costs little and is recorded."""
+    import mkrt
+    return tuple(mkrt.GemmAllReduce(world, fuse=fuse, b_layout="nk", timeout_ms=5000)
+                 for fuse in (True, None, "measure"))
+
+
+def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
+    import cupy
 
     import mkrt
     from mkrt.arrays import bfloat16
@@ -146,17 +166,11 @@ def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
     from mkrt.kernels.gemm import to_float32
     for layout in layouts:
         world = mkrt.init(emulate=layout)
-        # B as [N, K] (nn.Linear's weight): every random N is allowed. A bounded wait of
-        # 5 s: a shape that times out costs little and is recorded.
-        fused_op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000)
-        auto_op = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=5000)
-        measure_op = mkrt.GemmAllReduce(world, fuse="measure", b_layout="nk", timeout_ms=5000)
+        fused_op, auto_op, measure_op = _ops(world)
         for set_name in sets:
             shapes = SETS[set_name]()[start:limit]
             for m, n, k, family in shapes:
-                rng = cupy.random.default_rng(m * 7 + n * 3 + k)
-                a = [rng.standard_normal((m, k), dtype=np.float32).astype(bfloat16) for _ in world.local]
-                b = [(rng.standard_normal((n, k), dtype=np.float32) / 8).astype(bfloat16) for _ in world.local]
+                a, b = operands(world, m, n, k)
                 outs = {name: [cupy.empty((m, n), bfloat16) for _ in world.local]
                         for name in ("fused", "unfused", "auto", "measured")}
                 paths = {"fused": lambda: fused_op(a, b, out=outs["fused"]),
@@ -178,10 +192,7 @@ def run(layouts, sets, rounds, batch, out_path, limit=None, start=0):
                     del a, b, outs, paths
                     world.close()
                     world = mkrt.init(emulate=layout)
-                    fused_op = mkrt.GemmAllReduce(world, fuse=True, b_layout="nk", timeout_ms=5000)
-                    auto_op = mkrt.GemmAllReduce(world, b_layout="nk", timeout_ms=5000)
-                    measure_op = mkrt.GemmAllReduce(world, fuse="measure", b_layout="nk",
-                                                    timeout_ms=5000)
+                    fused_op, auto_op, measure_op = _ops(world)
                     continue
                 fused_out = to_float32(outs["fused"][0])
                 unfused_out = to_float32(outs["unfused"][0])
