@@ -1,6 +1,6 @@
 #!/bin/bash
 # The second device call of the next session (about 9.5 min), after pending_device_run.sh:
-#   MKRT_BENCH_COMMIT=<commit> [START_1X4=<n>] bash experiments/pending_device_run_2.sh
+#   MKRT_BENCH_COMMIT=<commit> [START_1X4=<n>] [END=<s>] bash experiments/pending_device_run_2.sh
 # 1. the planner's held-out set on 2x2 (fuse="measure" beside fuse=None, fused, unfused),
 #    and the rest of 1x4 if the first call did not finish it (START_1X4: shapes done);
 # 2. the three 2x2 sanitizer runs without a verdict (experiments/pending_sanitizers.sh),
@@ -14,9 +14,10 @@ if [ -n "$START_1X4" ]; then
       --start $START_1X4 --out $OUT/planner.jsonl 2>&1 | tee -a $OUT/planner.log | grep -cE "best/auto"
 fi
 echo "== planner, held-out, 2x2"
-timeout $(( 300 - SECONDS )) python3 experiments/planner.py --layouts 2x2 --sets held_out --rounds 3 \
+END=${END:-570}
+timeout $(( END * 300 / 570 - SECONDS )) python3 experiments/planner.py --layouts 2x2 --sets held_out --rounds 3 \
     --out $OUT/planner.jsonl 2>&1 | tee -a $OUT/planner.log | grep -cE "best/auto"
 # one process per rank under MPS (new), then in one process as before if time is left
-PROCESSES=1 DEADLINE=$(( 440 - SECONDS )) bash experiments/pending_sanitizers.sh
-DEADLINE=$(( 570 - SECONDS )) bash experiments/pending_sanitizers.sh
+PROCESSES=1 DEADLINE=$(( END * 440 / 570 - SECONDS )) bash experiments/pending_sanitizers.sh
+DEADLINE=$(( END - SECONDS )) bash experiments/pending_sanitizers.sh
 echo "done at $SECONDS s"
