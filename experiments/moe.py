@@ -1,4 +1,4 @@
-"""mkrt.MoE on an emulated one-node world on one GPU, against an unfused pipeline, same run.
+"""mkrt.MoE on an emulated world (one node or several) on one GPU, against an unfused pipeline, same run.
 
 Baseline (what a careful PyTorch user writes, with the real per-destination splits): the
 routing's splits read on the host; each rank's rows sorted by expert and copied to the
@@ -7,7 +7,10 @@ emulated ranks); torch._grouped_mm with w1, SwiGLU, torch._grouped_mm with w2 (a
 per-expert cuBLAS loop where _grouped_mm does not run); the rows copied back; the weighted
 sum. Both paths are checked against each other, then timed over the whole world's call
 (CUDA events, median). On one GPU the ranks share the SMs and the copies are local: the
-ratios are the world's aggregate, not a real node's.
+ratios are the world's aggregate, not a real node's. On worlds of several nodes each row
+also gives the bytes of token rows that cross between nodes per rank: routed (mkrt: a
+token goes once to each other node holding one of its experts) against broadcast (every
+node's tokens to every other node, as the reference does), from mkrt/kernels/moe_plan.py.
 
     PYTHONPATH=$PWD python3 experiments/moe.py --out experiments/results/moe.jsonl
 """
@@ -45,6 +48,7 @@ def main():
     import torch
 
     import mkrt
+    from mkrt.kernels import moe_plan
     rng = np.random.default_rng(0)
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
@@ -100,6 +104,12 @@ def main():
                             y.index_add_(0, sel // k, rows * weights[s].reshape(-1)[sel, None])
                         outs.append(y.to(torch.bfloat16))
                     return outs
+                traffic = {}
+                if world.nodes > 1:
+                    plan = moe_plan.plan([i.cpu().numpy() for i in ids], experts=experts,
+                                         nodes=world.nodes, ranks_per_node=world.ranks_per_node)
+                    traffic = {f"internode_bytes_per_rank_{name}": value / W
+                               for name, value in plan.traffic(H).items() if name != "routed_minimum"}
                 expected = baseline()
                 error = max(((torch.from_dlpack(y).float() - e.float()).abs().max()
                              / e.float().abs().max()).item() for y, e in zip(ys, expected))
@@ -109,7 +119,7 @@ def main():
                 row = record("moe", case, "tflops", flops / ours / 1e9, flops / theirs / 1e9, "TFLOP/s",
                              ms=ours, baseline_ms=theirs, max_rel_error=error, correct=error < 3e-2,
                              layout=layout, baseline_name="host splits + copies + torch._grouped_mm",
-                             note="emulated ranks share one GPU: aggregate throughput")
+                             note="emulated ranks share one GPU: aggregate throughput", **traffic)
                 print(f"{case}: mkrt {ours:.3f} ms, baseline {theirs:.3f} ms, x {row['ratio']:.3f}, "
                       f"err {error:.4f}", flush=True)
                 if args.out:

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from mkrt.kernels import allgather as ag
-from mkrt.kernels.schedule import find_stall
+from mkrt.kernels.schedule import find_stall, happens_before, unordered_accesses
 
 WORLDS = [(n, g) for n in (1, 2, 3, 4) for g in (1, 2, 3, 4, 8) if n * g >= 2]
 
@@ -56,32 +56,6 @@ def test_schedule_has_no_wait_cycle(nodes, per_node, staged):
     assert find_stall(s.workers, s.depends_on) == []
 
 
-def _happens_before(s: ag.Schedule):
-    """task -> bit set of the tasks that finish before it starts (waits and worker order)."""
-    index = {task: i for i, task in enumerate(s.depends_on)}
-    preds = {task: set(deps) for task, deps in s.depends_on.items()}
-    for tasks in s.workers.values():
-        for before, after in zip(tasks, tasks[1:]):
-            preds[after].add(before)
-    reach: dict = {}
-    # iterative DFS, so deep chains do not hit the recursion limit
-    for root in s.depends_on:
-        stack = [(root, False)]
-        while stack:
-            task, expanded = stack.pop()
-            if task in reach:
-                continue
-            if expanded:
-                bits = 0
-                for p in preds[task]:
-                    bits |= reach[p] | (1 << index[p])
-                reach[task] = bits
-            else:
-                stack.append((task, True))
-                stack.extend((p, False) for p in preds[task] if p not in reach)
-    return index, reach
-
-
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("nodes,per_node", [(1, 2), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2),
                                             (2, 4), (4, 2), (4, 8)], ids=lambda v: str(v))
@@ -89,32 +63,8 @@ def test_no_buffer_is_overwritten_before_its_reader_is_done(nodes, per_node, sta
     """Every two accesses of one location, one a write, are ordered by waits: within a call
     the write comes first, across calls the earlier call's access comes first."""
     s = ag.schedule(nodes, per_node, epochs=2, staged=staged)
-    index, reach = _happens_before(s)
-    accesses: dict = {}
-    for task in s.depends_on:
-        epoch = task[-1]
-        for where in s.reads[task]:
-            accesses.setdefault(where, []).append((epoch, "read", task))
-        for where in s.writes[task]:
-            accesses.setdefault(where, []).append((epoch, "write", task))
-
-    def before(a, b):
-        return bool(reach[b] >> index[a] & 1)
-
-    checked = 0
-    for where, seen in accesses.items():
-        writes_per_epoch = Counter(e for e, kind, _ in seen if kind == "write")
-        assert set(writes_per_epoch.values()) == {1}, (where, seen)
-        for e1, k1, t1 in seen:
-            for e2, k2, t2 in seen:
-                if t1 == t2 or "write" not in (k1, k2):
-                    continue
-                if e1 < e2:
-                    assert before(t1, t2), f"{where}: {t1} ({k1}) not done before {t2} ({k2})"
-                    checked += 1
-                elif e1 == e2 and k1 == "write":
-                    assert before(t1, t2), f"{where}: {t2} reads before {t1} wrote"
-                    checked += 1
+    problems, checked = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes)
+    assert problems == []
     assert checked > 0
 
 
@@ -132,10 +82,12 @@ def test_hazard_check_catches_a_missing_arrival_wait():
     slot the previous call's put still reads."""
     s = ag.schedule(2, 1, epochs=2)
     s.depends_on[("send", 0, 2)] = []
-    index, reach = _happens_before(s)
+    index, reach = happens_before(s.workers, s.depends_on)
     put, send = ("put", 0, 1, 1), ("send", 0, 2)
     assert ("recv", 0, 0) in s.reads[put] and ("recv", 0, 0) in s.writes[send]
     assert not reach[send] >> index[put] & 1
+    problems, _ = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes)
+    assert any("('recv', 0, 0)" in p for p in problems), problems
 
 
 def test_flag_layout_matches_the_kernel_text():

@@ -1,6 +1,8 @@
-"""MoE inside a node: the dispatch kernel's landing order (Python mirror) against the plan,
-argument checks, compile; GPU tests against the float64 reference with uniform, skewed,
-hot-expert routing and ranks without tokens."""
+"""MoE: the dispatch kernel's landing order and its forwarding between nodes (Python
+mirrors) against the plan, the protocol's schedule (no wait cycle, no buffer reused before
+its reader is done), argument checks, compile; GPU tests against the float64 reference
+with uniform, skewed, hot-expert routing and ranks without tokens, on one node and on
+several."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from mkrt.arrays import bfloat16
 from mkrt.kernels import moe as M
 from mkrt.kernels import moe_plan as P
+from mkrt.kernels.schedule import find_stall, unordered_accesses
 
 BF = bfloat16
 
@@ -37,6 +40,72 @@ def test_landing_order_is_the_plans(W, experts, k, kind):
         assert received[rank] == want
 
 
+WORLDS = [(2, 1), (2, 2), (3, 1), (2, 3), (4, 2), (3, 2)]
+
+
+@pytest.mark.parametrize("nodes,G", WORLDS, ids=lambda v: str(v))
+@pytest.mark.parametrize("k,kind", [(2, "uniform"), (8, "zipf"), (4, "hot")])
+def test_forwarding_lands_every_row_where_the_plan_does(nodes, G, k, kind):
+    """Across nodes, rows placed by their source (own node) and by the forwarding ranks
+    (rows that crossed) fill each holder's rows exactly as the plan orders them, and the
+    tokens each rank packs for a node are the plan's crossings, in token order."""
+    W = nodes * G
+    experts = W * max(2, -(-k // G))
+    rng = np.random.default_rng(nodes * 100 + G * 10 + k)
+    tokens = [0] + [int(rng.integers(1, 40)) for _ in range(W - 1)]
+    ids = [routing(rng, t, k, experts, kind) for t in tokens]
+    plan = P.plan(ids, experts=experts, nodes=nodes, ranks_per_node=G)
+    assert plan.check(ids) == []
+    sent, written = M.forwarding(ids, experts, nodes, G)
+    landing = M.landing(ids, experts)
+    for h in range(W):
+        assert sorted(written[h]) == list(range(len(landing[h])))
+        assert [written[h][row] for row in range(len(landing[h]))] == landing[h]
+    crossings = sorted(plan.crossings)
+    assert sorted((s, t, m) for (s, m), ts in sent.items() for t in ts) == crossings
+    for ts in sent.values():
+        assert ts == sorted(ts)
+
+
+def test_flag_words_are_distinct():
+    for W, N in [(2, 1), (4, 2), (6, 3), (16, 4)]:
+        L = M.MoeFlags(W, N)
+        words = ([f(s) for f in (L.arrive, L.counts_ready, L.rows_ready, L.back_ready,
+                                 L.results_ready) for s in range(W)]
+                 + [f(n) for f in (L.landed, L.weights_landed, L.partial_landed) for n in range(N)]
+                 + [L.slots_ready()] + [L.slots_ready() + 1 + i for i in range(3 + N)]
+                 + [L.launch_words(kernel) + i for kernel in (0, 1) for i in range(3)])
+        assert sorted(words) == list(range(L.words))
+    text = M.MOE.text
+    for field in ("results_ready(int s) const { return 4 * W + s; }",
+                  "slots_ready() const { return 5 * W + 3 * N; }",
+                  "launch_words(int kernel) const { return slots_ready() + 4 + N + 3 * kernel; }"):
+        assert field in text
+
+
+@pytest.mark.parametrize("nodes,G", [(1, 2), (1, 4), (2, 1), (2, 2), (2, 3), (3, 2), (4, 2)],
+                         ids=lambda v: str(v))
+def test_protocol_has_no_wait_cycle_and_no_early_reuse(nodes, G):
+    s = P.schedule(nodes, G, epochs=3)
+    assert find_stall(s.workers, s.depends_on) == []
+    problems, checked = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes)
+    assert problems == [] and checked > 0
+
+
+def test_protocol_checks_catch_a_missing_wait():
+    """Sending counts before every rank began the call would overwrite a row that a rank
+    of the other node still reads for its previous call's forwarding; summing before the
+    weights land reads stale weights."""
+    s = P.schedule(2, 2, epochs=2)
+    s.depends_on[("wait_arrive", 0, 2)] = []
+    problems, _ = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes)
+    assert any("('counts', 3, 0)" in p for p in problems), problems
+    s = P.schedule(2, 2, epochs=2)
+    s.depends_on[("sums", 2, 0, 1)] = [("results_ready", p, 1) for p in (2, 3)]
+    problems, _ = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes)
+    assert any("('weights_in', 2, 0)" in p for p in problems), problems
+
+
 SHAPES = dict(x=((10, 64), BF), ids=((10, 2), np.int32), weights=((10, 2), np.float32),
               w1=((2, 64, 64), BF), w2=((2, 64, 32), BF))
 
@@ -59,8 +128,8 @@ def test_op_checks_its_world_and_options():
     import mkrt
     world = mkrt.init(emulate="2x2", gpus=0)
     try:
-        with pytest.raises(ValueError, match="one node"):
-            M.MoE(world, experts=8, capacity=16)
+        op = M.MoE(world, experts=8, capacity=16)
+        assert op.layout == M.MoeFlags(4, 2) and op.experts_per_rank == 2
     finally:
         world.close()
     world = mkrt.init(emulate="1x3", gpus=0)
@@ -130,18 +199,25 @@ def test_over_capacity_and_bad_ids_raise(make_world):
 
 
 @pytest.mark.gpu
-def test_dispatch_and_combine_alone(make_world):
-    """Rows land where the plan says; experts run outside mkrt; combine gives the MoE."""
+@pytest.mark.parametrize("layout", ["1x4", "2x2"])
+def test_dispatch_and_combine_alone(make_world, layout):
+    """Rows land where the plan says (across nodes too: forwarded by the node's rank with
+    the source's local index); experts run outside mkrt; combine gives the MoE."""
     import cupy
 
     import mkrt
     from mkrt.kernels.gemm import from_float32, to_float32
-    world = make_world("1x4")
+    world = make_world(layout)
     tokens, k, H, I, experts = [40, 0, 77, 13], 2, 128, 64, 8
     dev, expected = _problem(cupy, world, tokens, k, H, I, experts, "zipf", seed=5)
     op = mkrt.MoE(world, experts=experts, capacity=80, timeout_ms=10000)
     dispatched = op.dispatch(dev["x"], dev["ids"])
     world.synchronize()
+    # the dispatch waits for its combine: another call now is refused before launching
+    with pytest.raises(ValueError, match="awaits its combine"):
+        op.dispatch(dev["x"], dev["ids"])
+    with pytest.raises(ValueError, match="awaits its combine"):
+        op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
     landing = M.landing([i.get() for i in dev["ids"]], experts)
     results = []
     for rank, (received, offsets, sources) in enumerate(dispatched):
@@ -161,8 +237,12 @@ def test_dispatch_and_combine_alone(make_world):
                 act = g[:, :I] / (1 + cupy.exp(-g[:, :I])) * g[:, I:]
                 out[a:b] = act @ to_float32(dev["w2"][rank][j]).T
         results.append(from_float32(out, BF))
+    with pytest.raises(ValueError, match="tokens per rank"):
+        op.combine(results, [w[:1] for w in dev["weights"]])
     ys = op.combine(results, dev["weights"])
     world.synchronize()
+    with pytest.raises(ValueError, match="needs a dispatch"):
+        op.combine(results, dev["weights"])
     for y, want in zip(ys, expected):
         if want.size:
             assert np.abs(to_float32(y).get() - want).max() / np.abs(want).max() < 2e-2

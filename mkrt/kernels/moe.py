@@ -1,4 +1,4 @@
-"""MoE expert parallelism inside a node: routed dispatch, grouped GEMMs, combine.
+"""MoE expert parallelism: routed dispatch, grouped GEMMs, combine, on one node or several.
 
     y = mkrt.MoE(world, experts=E, capacity=T_max)(x, topk_ids, topk_weights, w1, w2)
 
@@ -10,25 +10,35 @@ weight * w2_e (SiLU(gate) * up), [gate; up] = w1_e x. T may differ between ranks
 Each call runs five launches per rank on the rank's stream, none waiting for the host:
 
 1. ``moe_dispatch`` (a few CTAs): one warp ranks the rank's (token, choice) entries per
-   expert in token order and counts them; the counts go to every rank (peer stores);
-   every CTA then computes where each expert's rows land at every rank -- expert-major,
-   inside an expert by (source rank, token): the order mkrt/kernels/moe_plan.py plans --
-   and copies each routed row once to the rank holding its expert, with (source, entry)
-   beside it; the launch ends once every rank's rows for this rank are in.
+   expert in token order and counts them; the counts go to every rank (peer stores inside
+   the node, proxy puts to the other nodes); rows land at their expert's holder
+   expert-major, inside an expert by (source rank, token): the order
+   mkrt/kernels/moe_plan.py plans. A row for an expert on the rank's own node is copied
+   there directly. On worlds of several nodes a token goes **once to each other node**
+   that holds one of its experts: the rank packs those tokens' rows per node (token
+   order) and puts them, with its routes (each entry's expert and place), to the rank of
+   that node with its own local index, which places each row at the holders of its node
+   that need it. The launch ends once every node peer's rows (its own and those it
+   forwarded) are in.
 2. ``mkrt.grouped_gemm`` of the received rows with w1 (group offsets from step 1, on the
    device), 3. SwiGLU, 4. ``mkrt.grouped_gemm`` with w2,
-5. ``moe_combine``: each result row goes back to its source's slot (token, choice); once
-   every rank has sent its rows back, each rank adds its tokens' k rows weighted in fp32
-   in choice order (bit-identical between calls) and rounds once.
+5. ``moe_combine``: each result row of a source on the node goes back to its slot
+   (token, choice). For the rows that crossed, the forwarding rank reads the node's
+   results where they were computed and sums each token's rows weighted, in fp32 and
+   choice order, after the source's weights arrived; one fp32 sum per (token, node) goes
+   back. The source then adds, node by node in order, its own node's rows weighted and
+   each other node's sum, in fp32, rounded once: bit-identical between calls.
 
 Buffers live in symmetric memory sized by ``capacity`` (tokens per rank) and
 ``receive_rows`` (rows a rank may receive; default 2 x capacity x 8, the average load of
-top-8 routing twice over): a call whose routing sends a rank more rows fails on the device with a
-CommTimeout record naming the overflow (flag -5), before any row is written past the end.
+top-8 routing twice over): a call whose routing sends a rank more rows fails on the device
+with a CommTimeout record naming the overflow (flag -5), before any row is written past
+the end. Worlds of several nodes add, per rank, N sections of capacity rows each way
+(bf16 rows out and in, fp32 sums out and in: 12 x N x capacity x H bytes) and the routes.
 Every wait is bounded; flags are epochs (graph-capturable for a fixed routing capacity).
-
-Worlds of one node (1xG, emulated or under mpiexec on one host). Across nodes (each token
-crossing to a node once, through the proxy) is not built yet: such worlds are refused.
+mkrt/kernels/moe_plan.py's ``schedule`` is this protocol as tasks and waits (CPU tests:
+no wait cycle, no buffer reused before its reader is done); ``landing`` and
+``forwarding`` below mirror the kernels' index arithmetic.
 """
 
 from __future__ import annotations
@@ -49,25 +59,34 @@ from mkrt.memory import SymmetricBuffer, flags as flag_buffer
 from mkrt.status import kernel_id
 
 MAX_EXPERTS = 1024
-MAX_RANKS = 32
+MAX_RANKS = 256
+MAX_NODES = 32          # a token's nodes are bits of a 32-bit mask
 
 MOE = cuda_source("moe", r"""
 using namespace mkrt;
 typedef __nv_bfloat16 T;
 constexpr int MAX_EXPERTS = $MAX_EXPERTS;
-constexpr int MAX_RANKS = $MAX_RANKS;
+constexpr int MAX_NODES = $MAX_NODES;
 constexpr int BAD_EXPERT = -4, OVER_CAPACITY = -5;      // mkrt.errors.SPECIAL_FLAGS
 
-// A rank's flag words (mirror: MoeFlags in Python).
+// A rank's flag words (mirror: MoeFlags in Python). W ranks, N nodes; s a world rank,
+// n a node. Node peers set theirs by stores, ranks of other nodes through the proxy.
 struct Flags {
-    int W;
+    int W, N;
     __device__ int arrive(int s) const { return s; }               // rank s's call began
     __device__ int counts_ready(int s) const { return W + s; }     // rank s's counts are here
-    __device__ int rows_ready(int s) const { return 2 * W + s; }   // rank s's rows are here
-    __device__ int back_ready(int s) const { return 3 * W + s; }   // rank s sent our rows back
-    __device__ int dispatched() const { return 4 * W; }            // CTA counters
-    __device__ int combined() const { return 4 * W + 1; }
-    __device__ int launch_words(int kernel) const { return 4 * W + 2 + 3 * kernel; }  // finished, ctas_before, launches
+    __device__ int rows_ready(int s) const { return 2 * W + s; }   // node peer s's rows (own and forwarded) are here
+    __device__ int back_ready(int s) const { return 3 * W + s; }   // node peer s sent our rows back
+    __device__ int results_ready(int s) const { return 4 * W + s; } // node peer s's expert results may be read
+    __device__ int landed(int n) const { return 5 * W + n; }       // rows and routes of rank (n, local) are in
+    __device__ int weights_landed(int n) const { return 5 * W + N + n; }  // its weights are in
+    __device__ int partial_landed(int n) const { return 5 * W + 2 * N + n; }  // node n's partial sums are in
+    __device__ int slots_ready() const { return 5 * W + 3 * N; }   // CTA 0 wrote this launch's slots and routes
+    __device__ int packed() const { return slots_ready() + 1; }    // CTA counters
+    __device__ int dispatched() const { return slots_ready() + 2; }
+    __device__ int combined() const { return slots_ready() + 3; }
+    __device__ int summed(int n) const { return slots_ready() + 4 + n; }
+    __device__ int launch_words(int kernel) const { return slots_ready() + 4 + N + 3 * kernel; }  // finished, ctas_before, launches
 };
 
 struct Args {
@@ -77,24 +96,47 @@ struct Args {
     T* y;                       // [tokens, H]
     int* entry_rank;            // [capacity * k]: an entry's place among this rank's entries of its expert
     int* offsets;               // [experts_per_rank + 1]: this rank's received rows per local expert
+    int* pack_slot;             // [N][capacity]: a token's row in the rows sent to node m, or -1
     const T* results;           // [receive_rows, H]: the w2 GEMM's rows (combine)
     int* counts;                // symmetric [W][E]: counts[s][e] = rank s's entries for expert e
     T* received;                // symmetric [receive_rows, H]
     int* sources;               // symmetric [receive_rows, 2]: (source rank, entry)
-    T* back;                    // symmetric [capacity * k, H]: results of this rank's entries
+    T* back;                    // symmetric [capacity * k, H]: results of this rank's node-local entries
     u64* flags;
-    const u64* peer_flags;      // [W] tables of the node's ranks' pointers
+    // several nodes (symmetric; section m of an out buffer goes to rank (m, local), which
+    // keeps it as section `node` of its in buffer)
+    T* outbox;                  // [N][capacity, H]: our token rows for node m, packed
+    T* inbox;                   // [N][capacity, H]: rows of rank (m, local)
+    int* routes_out;            // [N][route_ints]: R, T, -, -, tokens [R], (expert, entry_rank) [T * k]
+    int* routes_in;
+    float* weights_out;         // [capacity * k]
+    float* weights_in;          // [N][capacity * k]
+    float* partial_out;         // [N][capacity, H]: sums for rank (m, local)'s rows, fp32
+    float* partial_in;          // [N][capacity, H]: node m's sums of our tokens' rows
+    const Queue* queue;
+    const u64* peer_flags;      // [G] tables of the node's ranks' pointers
     const u64* peer_counts;
     const u64* peer_received;
     const u64* peer_sources;
     const u64* peer_back;
+    const u64* peer_results;
     int tokens, k, hidden, experts, per_rank, me, W, receive_rows;
+    int local, node, G, N, capacity, route_ints;
+    int counts_region, flags_region, outbox_region, inbox_region, routes_out_region,
+        routes_in_region, weights_out_region, weights_in_region, partial_out_region,
+        partial_in_region;
 };
 $ARGS_CHECKS
 
-// The CTA waits until flags[word0 + s] >= epoch for every rank s (thread s polls word s).
-__device__ bool wait_all(const Args& a, int word0, u64 epoch, const Context& ctx, int role) {
-    return cta_wait_words(a.flags, word0, 1, a.W, -1, epoch, ctx, role, 0, 1, nullptr);
+__device__ __forceinline__ int node_of_expert(const Args& a, int e) { return e / a.per_rank / a.G; }
+__device__ __forceinline__ int route_tokens_at() { return 4; }
+__device__ __forceinline__ int routes_at(const Args& a) { return 4 + ((a.capacity + 3) & ~3); }
+
+// The CTA waits until flags[word0 + s] >= epoch for s in [0, count) (thread s polls word s),
+// through the proxy's error word on worlds of several nodes.
+__device__ bool wait_words(const Args& a, int word0, int count, u64 epoch, const Context& ctx, int role) {
+    return cta_wait_words(a.flags, word0, 1, count, -1, epoch, ctx, role, 0, 1,
+                          a.N > 1 ? a.queue : nullptr);
 }
 
 // Launch bookkeeping of kernel `kernel` (0 dispatch, 1 combine): this launch's epoch.
@@ -115,6 +157,9 @@ __device__ void end_launch(const Args& a, const Flags& L, int kernel, u64 epoch)
         finish_launch(words, words + 1, words + 2, epoch, all);
     }
 }
+__device__ __forceinline__ u64 launch_ctas(const Args& a, const Flags& L, int kernel) {
+    return ld_acquire_gpu(a.flags + L.launch_words(kernel) + 1) + gridDim.x;
+}
 
 // Copy `bytes` (a multiple of 16) with the 32 lanes of a warp.
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes) {
@@ -123,21 +168,122 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes)
         reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
 }
 
+// place[e] = where source s's rows for expert e start at the expert's holder: the rows of
+// the holder's experts before e (from every source), then those of sources before s.
+// Experts e in [first, last); the CTA's threads share the work.
+__device__ void landing_bases(const Args& a, int s, int first, int last, int* place) {
+    for (int e = first + threadIdx.x; e < last; e += blockDim.x) {
+        const int own_first = (e / a.per_rank) * a.per_rank;
+        int at = 0;
+        for (int src = 0; src < a.W; ++src) {
+            const int* row = a.counts + src * a.experts;
+            for (int f = own_first; f < e; ++f) at += row[f];
+            if (src < s) at += row[e];
+        }
+        place[e] = at;
+    }
+}
+
+// The posts of one thread (several nodes), kept out of line: the kernels' own registers
+// stay free of the queue's.
+// (a) our call began, to every rank of the other nodes
+__device__ __noinline__ void post_arrivals(const Args& a, const Context& ctx, const Flags& L, u64 epoch) {
+    const Queue q = *a.queue;
+    for (int s = 0; s < a.W; ++s) {
+        if (s / a.G == a.node) continue;
+        if (post_signal(q, ctx, (unsigned)s, (unsigned)a.flags_region, (u64)L.arrive(a.me) * 8,
+                        epoch, ROLE_INTER, s) == POST_FAILED) return;
+    }
+}
+// (b) our row of counts, to every rank of the other nodes (each has begun this call)
+__device__ __noinline__ void post_counts(const Args& a, const Context& ctx, const Flags& L, u64 epoch) {
+    const Queue q = *a.queue;
+    const u64 row = (u64)a.me * a.experts * 4;
+    for (int s = 0; s < a.W; ++s) {
+        if (s / a.G == a.node) continue;
+        if (post_put_signal(q, ctx, (unsigned)s, (unsigned)a.counts_region, row,
+                            (unsigned)a.counts_region, row, (u64)a.experts * 4,
+                            (unsigned)a.flags_region, (u64)L.counts_ready(a.me) * 8, epoch,
+                            ROLE_INTER, s) == POST_FAILED) return;
+    }
+}
+// (c) the rows and routes packed for each other node, to its rank with our local index,
+// once that rank has begun this call (its previous call has read its inbox)
+__device__ __noinline__ void post_rows(const Args& a, const Context& ctx, const Flags& L, u64 epoch) {
+    const Queue q = *a.queue;
+    const u64 row_bytes = (u64)a.hidden * sizeof(T);
+    const u64 route_bytes = 4ull * (routes_at(a) + 2ull * a.tokens * a.k);
+    for (int m = 0; m < a.N; ++m) {
+        if (m == a.node) continue;
+        const int dst = m * a.G + a.local;
+        if (!proxy_wait_at_least(a.flags + L.arrive(dst), epoch, ctx, q, ROLE_INTER, dst, L.arrive(dst)))
+            return;
+        const int rows = a.routes_out[(long long)m * a.route_ints];
+        if (rows > 0 && post_put(q, ctx, (unsigned)dst, (unsigned)a.inbox_region,
+                                 (u64)a.node * a.capacity * row_bytes, (unsigned)a.outbox_region,
+                                 (u64)m * a.capacity * row_bytes, (u64)rows * row_bytes,
+                                 ROLE_INTER, dst) == POST_FAILED) return;
+        if (post_put_signal(q, ctx, (unsigned)dst, (unsigned)a.routes_in_region,
+                            (u64)a.node * a.route_ints * 4, (unsigned)a.routes_out_region,
+                            (u64)m * a.route_ints * 4, route_bytes, (unsigned)a.flags_region,
+                            (u64)L.landed(a.node) * 8, epoch, ROLE_INTER, dst) == POST_FAILED) return;
+    }
+}
+// (d) combine: our router weights to the rank with our local index on every other node
+__device__ __noinline__ void post_weights(const Args& a, const Context& ctx, const Flags& L, u64 epoch) {
+    const Queue q = *a.queue;
+    const int entries = a.tokens * a.k;
+    for (int m = 0; m < a.N; ++m) {
+        if (m == a.node) continue;
+        const int dst = m * a.G + a.local;
+        const u64 at = (u64)a.node * a.capacity * a.k * 4;
+        const u64 ok = entries > 0
+            ? post_put_signal(q, ctx, (unsigned)dst, (unsigned)a.weights_in_region, at,
+                              (unsigned)a.weights_out_region, 0, (u64)entries * 4,
+                              (unsigned)a.flags_region, (u64)L.weights_landed(a.node) * 8,
+                              epoch, ROLE_INTER, dst)
+            : post_signal(q, ctx, (unsigned)dst, (unsigned)a.flags_region,
+                          (u64)L.weights_landed(a.node) * 8, epoch, ROLE_INTER, dst);
+        if (ok == POST_FAILED) return;
+    }
+}
+// (e) combine: the `sums` fp32 rows summed for rank (m, local), back to it
+__device__ __noinline__ void post_sums(const Args& a, const Context& ctx, const Flags& L, u64 epoch,
+                                       int m, int sums) {
+    const Queue q = *a.queue;
+    const int dst = m * a.G + a.local;
+    const u64 row_bytes = (u64)a.hidden * 4;
+    if (sums > 0)
+        post_put_signal(q, ctx, (unsigned)dst, (unsigned)a.partial_in_region,
+                        (u64)a.node * a.capacity * row_bytes, (unsigned)a.partial_out_region,
+                        (u64)m * a.capacity * row_bytes, (u64)sums * row_bytes,
+                        (unsigned)a.flags_region, (u64)L.partial_landed(a.node) * 8, epoch,
+                        ROLE_INTER, dst);
+    else
+        post_signal(q, ctx, (unsigned)dst, (unsigned)a.flags_region,
+                    (u64)L.partial_landed(a.node) * 8, epoch, ROLE_INTER, dst);
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int slot, int rank,
              u64 timeout_ns) {
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
-    const Flags L{a.W};
-    __shared__ int counts[MAX_EXPERTS];      // CTA 0: this rank's; then: where rows land
+    const Flags L{a.W, a.N};
+    __shared__ int place[MAX_EXPERTS];       // CTA 0: this rank's counts; then: where rows land
+    __shared__ int sent[MAX_NODES];          // CTA 0: tokens sent to each node
     const u64 epoch = begin_launch(a, L, 0);
     const int entries = a.tokens * a.k;
+    const int first_rank = a.node * a.G;     // world rank of the node's local rank 0
 
     if (blockIdx.x == 0) {
         // 1. our call began: ranks may write into our buffers (our last combine is done)
-        if (threadIdx.x < a.W) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
-        for (int e = threadIdx.x; e < a.experts; e += blockDim.x) counts[e] = 0;
+        if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
+        if (a.N > 1 && threadIdx.x == blockDim.x - 1) post_arrivals(a, ctx, L, epoch);
+        for (int e = threadIdx.x; e < a.experts; e += blockDim.x) place[e] = 0;
+        for (int m = threadIdx.x; m < a.N; m += blockDim.x) sent[m] = 0;
         __syncthreads();
-        // 2. one warp ranks the entries per expert, in entry (token) order
+        // 2. one warp ranks the entries per expert, in entry (token) order, and (several
+        // nodes) gives each token its row among the rows sent to each other node
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
             const unsigned below = (1u << lane) - 1;
@@ -151,42 +297,96 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
                 const unsigned same = __match_any_sync(0xffffffffu, e);
                 if (e >= 0) {
                     const int leader = __ffs(same) - 1;
-                    const int place = counts[e] + __popc(same & below);
-                    a.entry_rank[entry] = place;
+                    const int at = place[e] + __popc(same & below);
+                    a.entry_rank[entry] = at;
                     __syncwarp(same);
-                    if (lane == leader) counts[e] += __popc(same);
+                    if (lane == leader) place[e] += __popc(same);
                 }
                 __syncwarp();
             }
+            for (int base = 0; a.N > 1 && base < a.tokens; base += 32) {
+                const int t = base + lane;
+                unsigned nodes = 0;
+                for (int j = 0; t < a.tokens && j < a.k; ++j) {
+                    const int e = a.ids[t * a.k + j];
+                    if (e >= 0 && e < a.experts) nodes |= 1u << node_of_expert(a, e);
+                }
+                nodes &= ~(1u << a.node);
+                for (int m = 0; m < a.N; ++m) {
+                    if (m == a.node) continue;
+                    const bool goes = (nodes >> m) & 1;
+                    const unsigned vote = __ballot_sync(0xffffffffu, goes);
+                    const int row = sent[m] + __popc(vote & below);
+                    if (t < a.tokens) {
+                        a.pack_slot[m * a.capacity + t] = goes ? row : -1;
+                        if (goes) a.routes_out[(long long)m * a.route_ints + route_tokens_at() + row] = t;
+                    }
+                    __syncwarp();
+                    if (lane == 0) sent[m] += __popc(vote);
+                    __syncwarp();
+                }
+            }
         }
         __syncthreads();
-        // 3. the counts to every rank once it has begun this call
-        if (!wait_all(a, L.arrive(0), epoch, ctx, ROLE_INTRA)) return;
-        for (int s = 0; s < a.W; ++s) {
-            int* target = (int*)a.peer_counts[s] + a.me * a.experts;
-            for (int e = threadIdx.x; e < a.experts; e += blockDim.x) target[e] = counts[e];
+        // (several nodes) each section's header and the routes the forwarding rank reads
+        for (int m = 0; m < a.N; ++m) {
+            if (m == a.node) continue;
+            int* section = a.routes_out + (long long)m * a.route_ints;
+            if (threadIdx.x == 0) { section[0] = sent[m]; section[1] = a.tokens; }
+            for (int entry = threadIdx.x; entry < entries; entry += blockDim.x) {
+                const int e = a.ids[entry];
+                const bool good = e >= 0 && e < a.experts;
+                section[routes_at(a) + 2 * entry] = good ? e : -1;
+                section[routes_at(a) + 2 * entry + 1] = good ? a.entry_rank[entry] : 0;
+            }
         }
         __threadfence_system();
         __syncthreads();
-        if (threadIdx.x < a.W) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.counts_ready(a.me), epoch);
+        if (a.N > 1 && threadIdx.x == 0) st_release_gpu(a.flags + L.slots_ready(), epoch);
+        // 3. the counts to every rank once it has begun this call: node peers by stores,
+        // other nodes' ranks by puts from our own row
+        if (!wait_words(a, L.arrive(0), a.W, epoch, ctx, ROLE_INTRA)) return;
+        for (int p = 0; p < a.G; ++p) {
+            int* target = (int*)a.peer_counts[p] + a.me * a.experts;
+            for (int e = threadIdx.x; e < a.experts; e += blockDim.x) target[e] = place[e];
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.counts_ready(a.me), epoch);
+        if (a.N > 1 && threadIdx.x == blockDim.x - 1) post_counts(a, ctx, L, epoch);
         // (an entry with a bad id was reported and is skipped below; going on keeps the
         // CTA counters and the ranks' flags in step, so only this rank's record fails)
     }
 
-    // 4. every rank's counts in: where each expert's rows land at its rank (expert-major,
-    // then source rank, then token), and this rank's group offsets
-    if (!wait_all(a, L.counts_ready(0), epoch, ctx, ROLE_INTRA)) return;
-    __syncthreads();
-    for (int e = threadIdx.x; e < a.experts; e += blockDim.x) {
-        const int first = (e / a.per_rank) * a.per_rank;
-        int place = 0;
-        for (int s = 0; s < a.W; ++s) {
-            const int* row = a.counts + s * a.experts;
-            for (int f = first; f < e; ++f) place += row[f];
-            if (s < a.me) place += row[e];
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int warps = (gridDim.x * blockDim.x) >> 5;
+    const int row_bytes = a.hidden * (int)sizeof(T);
+
+    // 4. (several nodes) each token's row, once per other node that holds one of its
+    // experts, packed in token order; then one put of the rows and one of the routes to
+    // the rank with our local index there
+    if (a.N > 1) {
+        if (!cta_wait_words(a.flags, L.slots_ready(), 1, 1, -1, epoch, ctx, ROLE_INTER, 0, 1, nullptr))
+            return;
+        for (int t = warp; t < a.tokens; t += warps) {
+            for (int m = 0; m < a.N; ++m) {
+                if (m == a.node) continue;
+                const int row = a.pack_slot[m * a.capacity + t];
+                if (row >= 0)
+                    warp_copy(a.outbox + ((long long)m * a.capacity + row) * a.hidden,
+                              a.x + (long long)t * a.hidden, row_bytes);
+            }
         }
-        counts[e] = place;
+        if (last_cta_done(a.flags + L.packed(), launch_ctas(a, L, 0))) post_rows(a, ctx, L, epoch);
     }
+
+    // 5. every rank's counts in: where each expert's rows from us land (expert-major, then
+    // source rank, then token), and this rank's group offsets
+    if (!wait_words(a, L.counts_ready(0), a.W, epoch, ctx, ROLE_INTRA)) return;
+    __syncthreads();
+    const int node_experts = a.G * a.per_rank;
+    const int node_first = a.node * node_experts;
+    landing_bases(a, a.me, node_first, node_first + node_experts, place);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         int total = 0;
         a.offsets[0] = 0;
@@ -198,16 +398,13 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
     }
     __syncthreads();
 
-    // 5. each routed row, once, to the rank holding its expert (a warp per row)
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int warps = (gridDim.x * blockDim.x) >> 5;
-    const int row_bytes = a.hidden * (int)sizeof(T);
+    // 6. each routed row whose expert is on our node, once, to the rank holding it (a warp per row)
     for (int entry = warp; entry < entries; entry += warps) {
         const int e = a.ids[entry];
-        if (e < 0 || e >= a.experts) continue;
-        const int holder = e / a.per_rank;
-        const int row = counts[e] + a.entry_rank[entry];
-        if (row >= a.receive_rows) continue;          // reported by the holder (step 4)
+        if (e < 0 || e >= a.experts || node_of_expert(a, e) != a.node) continue;
+        const int holder = e / a.per_rank - first_rank;
+        const int row = place[e] + a.entry_rank[entry];
+        if (row >= a.receive_rows) continue;          // reported by the holder (step 5)
         warp_copy((T*)a.peer_received[holder] + (long long)row * a.hidden,
                   a.x + (long long)(entry / a.k) * a.hidden, row_bytes);
         if ((threadIdx.x & 31) == 0) {
@@ -216,11 +413,42 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
             source[1] = entry;
         }
     }
-    if (last_cta_done(a.flags + L.dispatched(), ld_acquire_gpu(a.flags + L.launch_words(0) + 1) + gridDim.x)) {
-        for (int s = 0; s < a.W; ++s) st_release_sys((u64*)a.peer_flags[s] + L.rows_ready(a.me), epoch);
+
+    // 7. (several nodes) forward the rows rank (m, local) sent us to the node's ranks that
+    // hold their experts, at the places its counts give
+    for (int step = 1; step < a.N; ++step) {
+        const int m = (a.node + a.N - step) % a.N;
+        const int s = m * a.G + a.local;
+        if (!wait_words(a, L.landed(m), 1, epoch, ctx, ROLE_INTER)) return;
+        __syncthreads();                       // place[] is rewritten below
+        landing_bases(a, s, node_first, node_first + node_experts, place);
+        __syncthreads();
+        const int* section = a.routes_in + (long long)m * a.route_ints;
+        const int rows = section[0];
+        for (int i = warp; i < rows; i += warps) {
+            const int t = section[route_tokens_at() + i];
+            const T* from = a.inbox + ((long long)m * a.capacity + i) * a.hidden;
+            for (int j = 0; j < a.k; ++j) {
+                const int e = section[routes_at(a) + 2 * (t * a.k + j)];
+                if (e < 0 || node_of_expert(a, e) != a.node) continue;
+                const int holder = e / a.per_rank - first_rank;
+                const int row = place[e] + section[routes_at(a) + 2 * (t * a.k + j) + 1];
+                if (row >= a.receive_rows) continue;  // reported by the holder
+                warp_copy((T*)a.peer_received[holder] + (long long)row * a.hidden, from, row_bytes);
+                if ((threadIdx.x & 31) == 0) {
+                    int* source = (int*)a.peer_sources[holder] + 2 * row;
+                    source[0] = s;
+                    source[1] = t * a.k + j;
+                }
+            }
+        }
     }
-    // 6. every rank's rows for us are in before the GEMMs read them
-    if (wait_all(a, L.rows_ready(0), epoch, ctx, ROLE_INTRA)) end_launch(a, L, 0, epoch);
+    if (last_cta_done(a.flags + L.dispatched(), launch_ctas(a, L, 0))) {
+        for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.rows_ready(a.me), epoch);
+    }
+    // 8. every node peer's rows for us (its own and those it forwarded) are in before the
+    // GEMMs read them
+    if (wait_words(a, L.rows_ready(first_rank), a.G, epoch, ctx, ROLE_INTRA)) end_launch(a, L, 0, epoch);
 }
 
 // SwiGLU of the rows the w1 GEMM wrote: act[r, c] = silu(h[r, c]) * h[r, inter + c], for
@@ -242,34 +470,111 @@ extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slot, int rank,
             u64 timeout_ns) {
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
-    const Flags L{a.W};
+    const Flags L{a.W, a.N};
+    __shared__ int place[MAX_EXPERTS];
     const u64 epoch = begin_launch(a, L, 1);
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int warps = (gridDim.x * blockDim.x) >> 5;
     const int row_bytes = a.hidden * (int)sizeof(T);
-    // 1. each result row back to its source's slot (token, choice)
+    const int first_rank = a.node * a.G;
+    const int pairs = a.hidden / 2;
+    const int entries = a.tokens * a.k;
+    if (blockIdx.x == 0) {
+        // 1. our expert results are in (the GEMM ran before us on our stream): the node's
+        // forwarding ranks may read them
+        if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.results_ready(a.me), epoch);
+        // (several nodes) our router weights to the rank with our local index on every
+        // other node, which sums our tokens' rows there
+        if (a.N > 1) {
+            for (int i = threadIdx.x; i < entries; i += blockDim.x) a.weights_out[i] = a.weights[i];
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x == 0) post_weights(a, ctx, L, epoch);
+        }
+    }
+    // 2. each result row whose source is on our node back to its slot (token, choice)
     const int rows = a.offsets[a.per_rank];
     for (int r = warp; r < rows; r += warps) {
         const int* source = a.sources + 2 * r;
-        warp_copy((T*)a.peer_back[source[0]] + (long long)source[1] * a.hidden,
+        if (source[0] / a.G != a.node) continue;       // summed here, sent by the forwarding rank
+        warp_copy((T*)a.peer_back[source[0] - first_rank] + (long long)source[1] * a.hidden,
                   a.results + (long long)r * a.hidden, row_bytes);
     }
-    if (last_cta_done(a.flags + L.combined(), ld_acquire_gpu(a.flags + L.launch_words(1) + 1) + gridDim.x)) {
-        for (int s = 0; s < a.W; ++s) st_release_sys((u64*)a.peer_flags[s] + L.back_ready(a.me), epoch);
+    if (last_cta_done(a.flags + L.combined(), launch_ctas(a, L, 1))) {
+        for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.back_ready(a.me), epoch);
     }
-    // 2. every rank sent its rows back: y[t] = sum_i w[t, i] * back[t, i] in fp32, i in order
-    if (!wait_all(a, L.back_ready(0), epoch, ctx, ROLE_REDUCE)) return;
-    const int pairs = a.hidden / 2;
+
+    // 3. (several nodes) for the rows rank (m, local) sent us: the weighted sum, in fp32 and
+    // choice order, of each token's rows from our node's experts, read where they were
+    // computed; one put of the sums back
+    const int node_experts = a.G * a.per_rank;
+    const int node_first = a.node * node_experts;
+    for (int step = 1; step < a.N; ++step) {
+        const int m = (a.node + step) % a.N;
+        const int s = m * a.G + a.local;
+        if (!wait_words(a, L.results_ready(first_rank), a.G, epoch, ctx, ROLE_REDUCE)) return;
+        if (!wait_words(a, L.weights_landed(m), 1, epoch, ctx, ROLE_INTER)) return;
+        __syncthreads();
+        landing_bases(a, s, node_first, node_first + node_experts, place);
+        __syncthreads();
+        const int* section = a.routes_in + (long long)m * a.route_ints;
+        const float* w = a.weights_in + (long long)m * a.capacity * a.k;
+        const int sums = section[0];
+        float* out = a.partial_out + (long long)m * a.capacity * a.hidden;
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)sums * pairs;
+             i += (long long)gridDim.x * blockDim.x) {
+            const int r = (int)(i / pairs), c = 2 * (int)(i - (long long)r * pairs);
+            const int t = section[route_tokens_at() + r];
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < a.k; ++j) {
+                const int e = section[routes_at(a) + 2 * (t * a.k + j)];
+                if (e < 0 || node_of_expert(a, e) != a.node) continue;
+                const int row = place[e] + section[routes_at(a) + 2 * (t * a.k + j) + 1];
+                if (row >= a.receive_rows) continue;
+                const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(
+                    (const T*)a.peer_results[e / a.per_rank - first_rank] + (long long)row * a.hidden + c);
+                const float weight = w[t * a.k + j];
+                s0 = fmaf(weight, __bfloat162float(v.x), s0);
+                s1 = fmaf(weight, __bfloat162float(v.y), s1);
+            }
+            *reinterpret_cast<float2*>(out + (long long)r * a.hidden + c) = make_float2(s0, s1);
+        }
+        if (last_cta_done(a.flags + L.summed(m), launch_ctas(a, L, 1))) post_sums(a, ctx, L, epoch, m, sums);
+    }
+
+    // 4. every node peer sent its rows back, every other node its sums: y[t] = over nodes
+    // in order, our node's rows weighted in choice order, another node's fp32 sum; in
+    // fp32, rounded once (bit-identical between calls)
+    if (!wait_words(a, L.back_ready(first_rank), a.G, epoch, ctx, ROLE_REDUCE)) return;
+    if (a.N > 1 && !wait_words(a, L.partial_landed(0), a.N, epoch, ctx, ROLE_INTER)) return;
+    // (several nodes) our own routes: section (node + 1) of what the dispatch sent
+    const int* routes = a.N > 1 ? a.routes_out + (long long)((a.node + 1) % a.N) * a.route_ints + routes_at(a)
+                                : nullptr;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)a.tokens * pairs;
          i += (long long)gridDim.x * blockDim.x) {
         const int t = (int)(i / pairs), c = 2 * (int)(i - (long long)t * pairs);
         float s0 = 0.f, s1 = 0.f;
-        for (int j = 0; j < a.k; ++j) {
-            const float w = a.weights[t * a.k + j];
-            const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(
-                a.back + ((long long)t * a.k + j) * a.hidden + c);
-            s0 = fmaf(w, __bfloat162float(v.x), s0);
-            s1 = fmaf(w, __bfloat162float(v.y), s1);
+        for (int m = 0; m < a.N; ++m) {
+            if (m == a.node) {
+                for (int j = 0; j < a.k; ++j) {
+                    if (routes != nullptr) {
+                        const int e = routes[2 * (t * a.k + j)];
+                        if (e < 0 || node_of_expert(a, e) != a.node) continue;
+                    }
+                    const float w = a.weights[t * a.k + j];
+                    const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(
+                        a.back + ((long long)t * a.k + j) * a.hidden + c);
+                    s0 = fmaf(w, __bfloat162float(v.x), s0);
+                    s1 = fmaf(w, __bfloat162float(v.y), s1);
+                }
+            } else {
+                const int row = a.pack_slot[m * a.capacity + t];
+                if (row < 0) continue;
+                const float2 v = *reinterpret_cast<const float2*>(
+                    a.partial_in + ((long long)m * a.capacity + row) * a.hidden + c);
+                s0 += v.x;
+                s1 += v.y;
+            }
         }
         *reinterpret_cast<__nv_bfloat162*>(a.y + (long long)t * a.hidden + c) = __floats2bfloat162_rn(s0, s1);
     }
@@ -279,33 +584,51 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
 
 KERNEL_ID = kernel_id("moe")
 
-ARGS_DTYPE = np.dtype([
-    ("x", "<u8"), ("ids", "<u8"), ("weights", "<u8"), ("y", "<u8"), ("entry_rank", "<u8"),
-    ("offsets", "<u8"), ("results", "<u8"), ("counts", "<u8"), ("received", "<u8"),
-    ("sources", "<u8"), ("back", "<u8"), ("flags", "<u8"), ("peer_flags", "<u8"),
-    ("peer_counts", "<u8"), ("peer_received", "<u8"), ("peer_sources", "<u8"),
-    ("peer_back", "<u8"),
-    ("tokens", "<i4"), ("k", "<i4"), ("hidden", "<i4"), ("experts", "<i4"),
-    ("per_rank", "<i4"), ("me", "<i4"), ("W", "<i4"), ("receive_rows", "<i4"),
-], align=True)
+POINTER_FIELDS = (
+    "x", "ids", "weights", "y", "entry_rank", "offsets", "pack_slot", "results", "counts",
+    "received", "sources", "back", "flags", "outbox", "inbox", "routes_out", "routes_in",
+    "weights_out", "weights_in", "partial_out", "partial_in", "queue", "peer_flags",
+    "peer_counts", "peer_received", "peer_sources", "peer_back", "peer_results")
+INT_FIELDS = (
+    "tokens", "k", "hidden", "experts", "per_rank", "me", "W", "receive_rows", "local", "node",
+    "G", "N", "capacity", "route_ints")
+#: symmetric buffers the proxy addresses (each field ``<name>_region``)
+REGIONS = ("counts", "flags", "outbox", "inbox", "routes_out", "routes_in", "weights_out",
+           "weights_in", "partial_out", "partial_in")
+ARGS_DTYPE = np.dtype([(f, "<u8") for f in POINTER_FIELDS] + [(f, "<i4") for f in INT_FIELDS]
+                      + [(f"{r}_region", "<i4") for r in REGIONS], align=True)
 
 LAUNCH_PARAMETERS = [("args", ARGS_DTYPE, 8), *CONTEXT_PARAMETERS]
 
 
 @dataclasses.dataclass(frozen=True)
 class MoeFlags:
-    """Index of every flag word of a rank (mirrors the template's struct Flags)."""
+    """Index of every flag word of a rank (mirrors the template's struct Flags): W ranks,
+    N nodes."""
 
     W: int
+    N: int = 1
 
     def arrive(self, s): return s
     def counts_ready(self, s): return self.W + s
     def rows_ready(self, s): return 2 * self.W + s
     def back_ready(self, s): return 3 * self.W + s
+    def results_ready(self, s): return 4 * self.W + s
+    def landed(self, n): return 5 * self.W + n
+    def weights_landed(self, n): return 5 * self.W + self.N + n
+    def partial_landed(self, n): return 5 * self.W + 2 * self.N + n
+    def slots_ready(self): return 5 * self.W + 3 * self.N
+    def launch_words(self, kernel): return self.slots_ready() + 4 + self.N + 3 * kernel
 
     @property
     def words(self) -> int:
-        return 4 * self.W + 2 + 6
+        return self.launch_words(2)
+
+
+def route_ints(capacity: int, k: int) -> int:
+    """Ints of one node's section of the routes a rank sends: R, T and two spare words,
+    the tokens sent (capacity, rounded up to 4), (expert, entry place) per entry."""
+    return 4 + -(-capacity // 4) * 4 + 2 * capacity * k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +642,7 @@ class MoeSpec(KernelSpec):
         return MOE
 
     def params(self):
-        return {"MAX_EXPERTS": MAX_EXPERTS, "MAX_RANKS": MAX_RANKS, "KERNEL_ID": f"{KERNEL_ID}ull",
+        return {"MAX_EXPERTS": MAX_EXPERTS, "MAX_NODES": MAX_NODES, "KERNEL_ID": f"{KERNEL_ID}ull",
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
 
@@ -410,10 +733,72 @@ def landing(topk_ids: list, experts: int) -> list[list[tuple[int, int]]]:
     return received
 
 
+def forwarding(topk_ids: list, experts: int, nodes: int, per_node: int):
+    """What the dispatch kernel does on a world of several nodes, step for step in Python:
+    (sent, written). ``sent[(s, m)]``: the tokens rank s packs for node m, in their slot
+    order (a token goes once to each other node holding one of its experts); ``written[h]``:
+    {row: (source rank, entry)} of every row placed at holder h, by the source itself (its
+    own node) or by the rank of h's node with the source's local index (the rows that
+    crossed), each at the landing bases of its source plus the entry's place."""
+    W, G = nodes * per_node, per_node
+    per_rank = experts // W
+    ids = [np.asarray(x) for x in topk_ids]          # [T, k] each
+    counts = np.zeros((W, experts), np.int64)
+    entry_rank = []
+    for s, x in enumerate(ids):
+        flat = x.reshape(-1)
+        places = np.zeros(flat.size, np.int64)
+        for entry, e in enumerate(flat):          # the ranking warp: entry order
+            places[entry] = counts[s, e]
+            counts[s, e] += 1
+        entry_rank.append(places)
+
+    def bases(source):                          # landing_bases()
+        out = np.zeros(experts, np.int64)
+        for e in range(experts):
+            first = (e // per_rank) * per_rank
+            out[e] = counts[:, first:e].sum() + counts[:source, e].sum()
+        return out
+
+    node_of = lambda e: e // per_rank // G      # noqa: E731
+    sent = {}
+    for s, x in enumerate(ids):
+        for m in range(nodes):
+            if m != s // G:
+                sent[(s, m)] = [t for t in range(x.shape[0]) if any(node_of(int(e)) == m for e in x[t])]
+    written: list[dict] = [{} for _ in range(W)]
+
+    def place(holder, row, source, entry):
+        if row in written[holder]:
+            raise AssertionError(f"row {row} of rank {holder} written twice")
+        written[holder][row] = (source, entry)
+
+    for s, x in enumerate(ids):                 # step 6: rows for the source's own node
+        base = bases(s)
+        for entry, e in enumerate(x.reshape(-1)):
+            if node_of(int(e)) == s // G:
+                place(int(e) // per_rank, int(base[e] + entry_rank[s][entry]), s, entry)
+    for g in range(W):                          # step 7: the forwarding rank g = (n, l)
+        n, l = divmod(g, G)
+        for m in range(nodes):
+            if m == n:
+                continue
+            s = m * G + l
+            base = bases(s)
+            k = ids[s].shape[1]
+            for t in sent[(s, n)]:              # routes_in: tokens, (expert, place) per entry
+                for j in range(k):
+                    e = int(ids[s][t, j])
+                    if node_of(e) == n:
+                        place(e // per_rank, int(base[e] + entry_rank[s][t * k + j]), s, t * k + j)
+    return sent, written
+
+
 # ---- the op --------------------------------------------------------------------------------
 
 class MoE(Op):
-    """``y = op(x, topk_ids, topk_weights, w1, w2)``: routed experts over a one-node world.
+    """``y = op(x, topk_ids, topk_weights, w1, w2)``: routed experts over the world (nodes of
+    equal size).
 
     ``experts``: E in the world (a multiple of the world size, at most 1024); ``capacity``:
     most tokens a rank passes per call; ``receive_rows``: most rows a rank may receive
@@ -427,12 +812,12 @@ class MoE(Op):
         super().__init__(world, timeout_ms=timeout_ms)
         area = self.name
         W = self.world.size
-        if self.world.nodes != 1:
-            raise ValueError(f"mkrt.moe: worlds of one node for now; this world is "
-                             f"{self.world.layout} (across nodes, routed through the proxy, is "
-                             "not built yet)")
-        if W > MAX_RANKS:
-            raise ValueError(f"mkrt.moe: at most {MAX_RANKS} ranks; this world has {W}")
+        if W > MAX_RANKS or self.world.nodes > MAX_NODES:
+            raise ValueError(f"mkrt.moe: at most {MAX_RANKS} ranks on {MAX_NODES} nodes; this "
+                             f"world is {self.world.layout}")
+        if len({len(self.world.node_ranks(n)) for n in range(self.world.nodes)}) != 1:
+            raise ValueError(f"mkrt.moe: nodes of different sizes ({self.world.layout}) are not "
+                             "supported")
         self.experts = checks.integer(experts, "experts", area, low=1, high=MAX_EXPERTS)
         if self.experts % W:
             raise ValueError(f"mkrt.moe: {self.experts} experts do not split over {W} ranks")
@@ -443,10 +828,11 @@ class MoE(Op):
         self.ctas = checks.integer(ctas, "ctas", area, low=1, high=64)
         self.validate = checks.flag(validate, "validate", area)
         self.experts_per_rank = self.experts // W
-        self.layout = MoeFlags(W)
+        self.layout = MoeFlags(W, self.world.nodes)
         self._buffers: dict = {}
         self._prepared: dict = {}
         self._streams: dict = {}
+        self._dispatched = None        # tokens per rank of a dispatch() awaiting its combine()
 
     # -- buffers --
     def _ensure_buffers(self, shape: MoeShape) -> None:
@@ -455,23 +841,38 @@ class MoE(Op):
             return
         self.world.synchronize()       # allocations wait for the device (DESIGN.md)
         self.close()
-        W, rows, H = self.world.size, self.receive_rows, shape.hidden
+        W, N, rows, H = self.world.size, self.world.nodes, self.receive_rows, shape.hidden
+        cap, k = self.capacity, shape.k
+        sizes = {"counts": W * self.experts * 4, "received": rows * H * 2, "sources": rows * 8,
+                 "back": cap * k * H * 2, "results": rows * H * 2}
+        if N > 1:
+            # what crosses between nodes: token rows and routes out, weights out, fp32 sums
+            # back; one section per node (a rank's own node's stays unused)
+            sizes.update(outbox=N * cap * H * 2, inbox=N * cap * H * 2,
+                         routes_out=N * route_ints(cap, k) * 4, routes_in=N * route_ints(cap, k) * 4,
+                         weights_out=cap * k * 4, weights_in=N * cap * k * 4,
+                         partial_out=N * cap * H * 4, partial_in=N * cap * H * 4)
         b = self._buffers
         b["flags"] = flag_buffer(self.world, self.layout.words, name="moe.flags")
-        b["counts"] = SymmetricBuffer(self.world, W * self.experts * 4, name="moe.counts")
-        b["received"] = SymmetricBuffer(self.world, rows * H * 2, name="moe.received", zero=False)
-        b["sources"] = SymmetricBuffer(self.world, rows * 8, name="moe.sources", zero=False)
-        b["back"] = SymmetricBuffer(self.world, self.capacity * shape.k * H * 2, name="moe.back",
-                                    zero=False)
+        for name, nbytes in sizes.items():
+            b[name] = SymmetricBuffer(self.world, max(nbytes, 16), name=f"moe.{name}",
+                                      zero=name == "counts")
         b["key"] = key
         self._prepared.clear()
+        if N > 1:
+            self.world.proxy()         # registers the buffers as regions
 
     def _routing_buffers(self, shape: MoeShape) -> list:
-        """Per rank: entry places, group offsets, the expert results combine reads."""
-        return [self.kept_buffers(name, shp, dtype) for name, shp, dtype in (
-            ("entry_rank", (self.capacity * shape.k,), np.int32),
-            ("offsets", (self.experts_per_rank + 1,), np.int32),
-            ("results", (self.receive_rows, shape.hidden), bfloat16))]
+        """Per rank: entry places, group offsets, each token's row among those sent to
+        each other node."""
+        return [self.kept_buffers(name, shp, np.int32) for name, shp in (
+            ("entry_rank", (self.capacity * shape.k,)), ("offsets", (self.experts_per_rank + 1,)),
+            ("pack_slot", (self.world.nodes * self.capacity,)))]
+
+    def _results(self, rank: int, hidden: int):
+        """Rank's expert results (the w2 GEMM's rows; symmetric: on worlds of several
+        nodes the forwarding ranks of its node read them)."""
+        return self._buffers["results"].view(rank, bfloat16, (self.receive_rows, hidden))
 
     def _expert_buffers(self, shape: MoeShape) -> list:
         """Per rank: the w1 GEMM's rows and SwiGLU's."""
@@ -538,7 +939,13 @@ class MoE(Op):
         return outs
 
     # -- the call --
+    def _no_pending_dispatch(self) -> None:
+        if self._dispatched is not None:
+            raise ValueError("mkrt.moe: a dispatch() of this op awaits its combine(); call "
+                             "combine() first (the combine reads what the dispatch left)")
+
     def __call__(self, x, topk_ids, topk_weights, w1, w2, out=None):
+        self._no_pending_dispatch()
         xs, ids, as_list, dims = self._routing(x, topk_ids)
         weights, _ = self.per_rank(topk_weights, "topk_weights")
         outs = self._weights_and_out(weights, out, dims)
@@ -564,7 +971,8 @@ class MoE(Op):
         this call's --, offsets [E_local + 1] int32 on the device, sources
         [receive_rows, 2] int32: (source rank, token * k + choice) of each row). The views
         are the op's buffers: valid until its next call. Run experts on the rows, then
-        :meth:`combine` (every rank calls both, in the same order)."""
+        :meth:`combine` (every rank calls both, in the same order, before the next call)."""
+        self._no_pending_dispatch()
         xs, ids, as_list, dims = self._routing(x, topk_ids)
         tokens, k, hidden = dims[0]
         shape = MoeShape(tokens, k, hidden, 0, self.experts_per_rank)
@@ -572,6 +980,7 @@ class MoE(Op):
         self._ensure_buffers(shape)
         self._run(shape, dims, xs, ids, None, None, stages=("dispatch",))
         self.after_launch()
+        self._dispatched = [d[0] for d in dims]
         offsets = self._routing_buffers(shape)[1]
         out = []
         for i, info in enumerate(self.world.local):
@@ -595,13 +1004,18 @@ class MoE(Op):
                                  f"{(self.receive_rows, hidden)} bf16, 16-byte aligned")
         weights_list, _ = self.per_rank(topk_weights, "topk_weights")
         dims = [(w.shape[0], k, hidden) for w in weights_list]
-        self._check_capacity(dims)
+        if self._dispatched is None:
+            raise ValueError("mkrt.moe: combine() needs a dispatch() of this op first")
+        if [d[0] for d in dims] != self._dispatched:
+            raise ValueError(f"mkrt.moe: topk_weights give {[d[0] for d in dims]} tokens per rank; "
+                             f"the dispatch had {self._dispatched}")
         weights, outs = weights_list, self._weights_and_out(weights_list, out, dims)
         self.before_launch()
         outs = outs if outs is not None else self._new_outs(dims)
         shape = MoeShape(dims[0][0], k, hidden, 0, self.experts_per_rank)
         self._run(shape, dims, None, None, weights, outs, stages=("combine",), results=results_list)
         self.after_launch()
+        self._dispatched = None
         if out is not None:
             return out
         return outs if as_list else like_input(outs[0], results)
@@ -609,14 +1023,23 @@ class MoE(Op):
     def _args(self, info, shape: MoeShape, scratch) -> np.ndarray:
         b, rank = self._buffers, info.rank
         args = np.zeros((), ARGS_DTYPE)
-        entry_rank, offsets = (s[self.world.local.index(info)] for s in scratch[:2])  # routing buffers
-        args["entry_rank"], args["offsets"] = entry_rank.data.ptr, offsets.data.ptr
-        for name in ("counts", "received", "sources", "back", "flags"):
+        i = self.world.local.index(info)
+        for name, per_rank in zip(("entry_rank", "offsets", "pack_slot"), scratch):
+            args[name] = per_rank[i].data.ptr
+        for name in ("counts", "received", "sources", "back", "flags", "results"):
             args[name] = b[name].local_ptr(rank)
             args[f"peer_{name}"] = b[name].peer_table(rank).data.ptr
+        if self.world.nodes > 1:
+            for name in REGIONS:
+                args[name] = b[name].local_ptr(rank)
+                args[f"{name}_region"] = b[name].region
+            args["queue"] = self.world.proxy().queue_pointer(rank)
         args["k"], args["hidden"], args["experts"] = shape.k, shape.hidden, self.experts
         args["per_rank"], args["me"], args["W"] = self.experts_per_rank, rank, self.world.size
         args["receive_rows"] = self.receive_rows
+        args["local"], args["node"] = info.local_rank, info.node
+        args["G"], args["N"] = self.world.ranks_per_node, self.world.nodes
+        args["capacity"], args["route_ints"] = self.capacity, route_ints(self.capacity, shape.k)
         return args
 
     def _prepared_launches(self, i, info, shape, scratch):
@@ -655,11 +1078,20 @@ class MoE(Op):
         streams = self._launch_streams()
         for i, (info, stream_ptr) in enumerate(zip(self.world.local, streams)):
             launches, words, swiglu = prepared[i]
-            entry_rank, offsets, own_results = (s[i] for s in scratch)
+            offsets = scratch[1][i]
+            own_results = self._results(info.rank, shape.hidden)
+            if results is not None and self.world.nodes > 1:
+                # the node's forwarding ranks read results where they are: in the op's
+                # symmetric buffer
+                with self.on_device(info.device), cupy.cuda.ExternalStream(stream_ptr):
+                    own_results[...] = results[i]
+                results_i = own_results
+            else:
+                results_i = results[i] if results is not None else own_results
             pointers = (xs[i].data.ptr if xs is not None else 0, ids[i].data.ptr if ids is not None else 0,
                         weights[i].data.ptr if weights is not None else 0,
                         outs[i].data.ptr if outs is not None else 0, dims[i][0],
-                        (results[i] if results is not None else own_results).data.ptr)
+                        results_i.data.ptr)
             for word in words:
                 for field, value in zip(word, pointers):
                     field[()] = value
@@ -718,7 +1150,11 @@ def test_cases():
     """(layout, tokens per rank, k, H, I, experts, routing) the GPU tests run."""
     return [("1x2", [64, 64], 2, 256, 128, 4, "uniform"), ("1x2", [0, 100], 2, 128, 64, 8, "uniform"),
             ("1x4", [50, 7, 128, 1], 4, 256, 128, 16, "zipf"), ("1x4", [96] * 4, 2, 128, 128, 8, "hot"),
-            ("1x3", [40, 40, 40], 8, 64, 64, 12, "uniform")]
+            ("1x3", [40, 40, 40], 8, 64, 64, 12, "uniform"),
+            # several nodes: rows cross once per node through the proxy, sums come back
+            ("2x1", [64, 33], 2, 128, 64, 4, "uniform"), ("2x2", [40, 0, 96, 17], 4, 256, 128, 16, "zipf"),
+            ("2x2", [64] * 4, 8, 128, 64, 16, "uniform"), ("3x1", [30, 30, 30], 2, 64, 64, 6, "hot"),
+            ("2x3", [24] * 6, 4, 64, 64, 12, "uniform")]
 
 
 def random_routing(rng, tokens: int, k: int, experts: int, kind: str = "uniform"):

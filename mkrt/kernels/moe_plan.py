@@ -235,3 +235,123 @@ def reference(x: list, topk_ids: list, topk_weights: list, w1: list, w2: list) -
                 y[t] += float(weight) * (np.asarray(w2[holder][local], np.float64) @ h)
         out.append(y)
     return out
+
+
+@dataclasses.dataclass
+class Schedule:
+    """The MoE kernels' steps over back-to-back calls (dispatch, the expert GEMMs,
+    combine) as tasks and waits, with the buffer locations each reads and writes: the
+    input of :func:`mkrt.kernels.schedule.find_stall` and
+    :func:`mkrt.kernels.schedule.unordered_accesses`. Workers per rank r: ``("cta0", r)``
+    (CTA 0's own steps), ``("ctas", r)`` (the steps every CTA runs; CTA 0 joins them after
+    its own) and ``("queue", r)`` (the proxy serves r's commands in order)."""
+
+    workers: dict
+    depends_on: dict
+    reads: dict
+    writes: dict
+
+
+def schedule(nodes: int, per_node: int, *, epochs: int = 2) -> Schedule:
+    """mkrt/kernels/moe.py's protocol (moe_dispatch, the GEMMs, moe_combine) as a schedule.
+    Every rank may hold experts every other rank routes to, so every exchange is present.
+
+    Locations: ("counts", r, s) (rank s's counts row at r), ("routes_out", r),
+    ("pack_slot", r), ("outbox", r), ("inbox", r, m) and ("routes_in", r, m) (what rank
+    (m, local) sent r), ("received", h, w) (rows that rank w wrote at holder h, sources
+    included), ("results", h), ("back", s, h) (rows h sent back to s), ("weights_out", r),
+    ("weights_in", g, m), ("partial_out", g, m), ("partial_in", s, m)."""
+    G, N = per_node, nodes
+    W = N * G
+    workers: dict = {}
+    depends: dict = {}
+    reads: dict = {}
+    writes: dict = {}
+
+    def task(worker, name, deps=(), read=(), write=()):
+        workers.setdefault(worker, []).append(name)
+        depends[name] = list(deps)
+        reads[name], writes[name] = list(read), list(write)
+        return name
+
+    def node_ranks(n):
+        return [n * G + p for p in range(G)]
+
+    def arrival(s, r, e):
+        """The task after which rank r knows rank s began call e."""
+        return ("arrive", s, e) if s // G == r // G else ("arrive_signal", s, r, e)
+
+    def counts_in(s, r, e):
+        return ("counts", s, e) if s // G == r // G else ("counts_put", s, r, e)
+
+    for e in range(1, epochs + 1):
+        for r in range(W):
+            n, l = divmod(r, G)
+            others = [m for m in range(N) if m != n]
+            cta0, ctas, queue = ("cta0", r), ("ctas", r), ("queue", r)
+            # -- dispatch, CTA 0: arrive, rank entries, counts
+            after_last = [("final", r, e - 1)] if e > 1 else []
+            task(cta0, ("arrive", r, e), after_last)
+            for s in range(W):
+                if s // G != n:
+                    task(queue, ("arrive_signal", r, s, e), [("arrive", r, e)])
+            task(cta0, ("rank_entries", r, e), write=[("routes_out", r), ("pack_slot", r)])
+            task(cta0, ("wait_arrive", r, e), [arrival(s, r, e) for s in range(W)])
+            task(cta0, ("counts", r, e), write=[("counts", p, r) for p in node_ranks(n)])
+            for s in range(W):
+                if s // G != n:
+                    task(queue, ("counts_put", r, s, e), [("counts", r, e)],
+                         read=[("counts", r, r)], write=[("counts", s, r)])
+            # -- dispatch, every CTA: pack and send rows, place them, forward arrivals
+            if N > 1:
+                task(ctas, ("pack", r, e), after_last + [("rank_entries", r, e)],
+                     read=[("pack_slot", r)], write=[("outbox", r)])
+                dsts = [m * G + l for m in others]
+                # the last CTA to finish packing (CTA 0 among them, after its counts) posts
+                task(ctas, ("post_rows", r, e), [("counts", r, e)] + [arrival(d, r, e) for d in dsts])
+                for d in dsts:
+                    task(queue, ("rows_put", r, d, e), [("post_rows", r, e)],
+                         read=[("outbox", r), ("routes_out", r)],
+                         write=[("inbox", d, n), ("routes_in", d, n)])
+            task(ctas, ("wait_counts", r, e), after_last + [counts_in(s, r, e) for s in range(W)])
+            counts_row = [("counts", r, s) for s in range(W)]
+            task(ctas, ("place_own", r, e), read=counts_row,
+                 write=[("received", h, r) for h in node_ranks(n)])
+            for m in others:
+                src = m * G + l
+                task(ctas, ("forward", r, m, e), [("rows_put", src, r, e)],
+                     read=counts_row + [("inbox", r, m), ("routes_in", r, m)],
+                     write=[("received", h, (r, m)) for h in node_ranks(n)])
+            task(ctas, ("rows_ready", r, e))
+            task(ctas, ("wait_rows", r, e), [("rows_ready", p, e) for p in node_ranks(n)])
+            # -- the expert GEMMs on the rank's stream
+            rows_here = [("received", r, w) for w in node_ranks(n)] + \
+                        [("received", r, (w, m)) for w in node_ranks(n) for m in range(N) if m != n]
+            task(ctas, ("gemm", r, e), read=rows_here, write=[("results", r)])
+            # -- combine, CTA 0: results readable, weights out
+            task(cta0, ("results_ready", r, e), [("gemm", r, e)])
+            if N > 1:
+                task(cta0, ("weights", r, e), write=[("weights_out", r)])
+                for m in others:
+                    d = m * G + l
+                    task(queue, ("weights_put", r, d, e), [("weights", r, e)],
+                         read=[("weights_out", r)], write=[("weights_in", d, n)])
+            # -- combine, every CTA
+            task(ctas, ("push_back", r, e), read=[("results", r)] + rows_here,
+                 write=[("back", s, r) for s in node_ranks(n)])
+            task(ctas, ("back_ready", r, e))
+            for m in others:
+                src = m * G + l
+                task(ctas, ("sums", r, m, e),
+                     [("results_ready", p, e) for p in node_ranks(n)] + [("weights_put", src, r, e)],
+                     read=counts_row + [("routes_in", r, m), ("weights_in", r, m)]
+                     + [("results", p) for p in node_ranks(n)],
+                     write=[("partial_out", r, m)])
+                task(queue, ("sums_put", r, src, e), [("sums", r, m, e)],
+                     read=[("partial_out", r, m)], write=[("partial_in", src, n)])
+            task(ctas, ("final", r, e),
+                 [("back_ready", p, e) for p in node_ranks(n)]
+                 + [("sums_put", m * G + l, r, e) for m in others],
+                 read=[("back", r, p) for p in node_ranks(n)] + [("partial_in", r, m) for m in others]
+                 + [("pack_slot", r), ("routes_out", r)])
+    return Schedule(workers, depends, reads, writes)

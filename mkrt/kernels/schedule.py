@@ -46,3 +46,70 @@ def find_stall(workers: dict[Hashable, list[Task]],
             position[worker] += 1
             ready.extend(waiting_on.pop(task, ()))
     return [(w, workers[w][position[w]]) for w in workers if position[w] < len(workers[w])]
+
+
+def happens_before(workers: dict, depends_on: dict) -> tuple[dict, dict]:
+    """(index, reach): ``reach[task] >> index[other] & 1`` when `other` finishes before
+    `task` starts, through waits and the order of each worker's tasks."""
+    index = {task: i for i, task in enumerate(depends_on)}
+    preds = {task: set(deps) for task, deps in depends_on.items()}
+    for tasks in workers.values():
+        for before, after in zip(tasks, tasks[1:]):
+            preds[after].add(before)
+    reach: dict = {}
+    # iterative DFS, so deep chains do not hit the recursion limit
+    for root in depends_on:
+        stack = [(root, False)]
+        while stack:
+            task, expanded = stack.pop()
+            if task in reach:
+                continue
+            if expanded:
+                bits = 0
+                for p in preds[task]:
+                    bits |= reach[p] | (1 << index[p])
+                reach[task] = bits
+            else:
+                stack.append((task, True))
+                stack.extend((p, False) for p in preds[task] if p not in reach)
+    return index, reach
+
+
+def unordered_accesses(workers: dict, depends_on: dict, reads: dict, writes: dict,
+                       epoch_of=lambda task: task[-1]) -> tuple[list[str], int]:
+    """Races between calls and inside one: every two accesses of a location, one a write,
+    must be ordered -- inside a call the write first, across calls the earlier call's
+    access first -- and each location is written once per call. Returns (problems, pairs
+    checked). Locations are any hashable names; a task's call is ``epoch_of(task)``."""
+    index, reach = happens_before(workers, depends_on)
+    accesses: dict = {}
+    for task in depends_on:
+        epoch = epoch_of(task)
+        for where in reads.get(task, ()):
+            accesses.setdefault(where, []).append((epoch, "read", task))
+        for where in writes.get(task, ()):
+            accesses.setdefault(where, []).append((epoch, "write", task))
+
+    def before(a, b):
+        return bool(reach[b] >> index[a] & 1)
+
+    problems, checked = [], 0
+    for where, seen in accesses.items():
+        per_epoch: dict = defaultdict(int)
+        for e, kind, _ in seen:
+            per_epoch[e] += kind == "write"
+        if any(count != 1 for count in per_epoch.values()):
+            problems.append(f"{where}: written {dict(per_epoch)} times per call")
+        for e1, k1, t1 in seen:
+            for e2, k2, t2 in seen:
+                if t1 == t2 or "write" not in (k1, k2):
+                    continue
+                if e1 < e2:
+                    checked += 1
+                    if not before(t1, t2):
+                        problems.append(f"{where}: {t1} ({k1}) not done before {t2} ({k2})")
+                elif e1 == e2 and k1 == "write":
+                    checked += 1
+                    if not before(t1, t2):
+                        problems.append(f"{where}: {t2} reads before {t1} wrote")
+    return problems, checked
