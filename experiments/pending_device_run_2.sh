@@ -8,6 +8,10 @@
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+echo "== MoE GPU tests (across nodes: first run)"
+timeout 150 python3 -m pytest -q -m gpu tests/test_moe.py -p no:cacheprovider -p timeout --timeout=60 \
+    > $OUT/pytest_moe.log 2>&1
+echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest_moe.log | tail -12
 if [ -n "$START_1X4" ]; then
   echo "== planner, held-out, 1x4 from shape $START_1X4"
   timeout 120 python3 experiments/planner.py --layouts 1x4 --sets held_out --rounds 3 \
