@@ -546,7 +546,9 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
     // in order, our node's rows weighted in choice order, another node's fp32 sum; in
     // fp32, rounded once (bit-identical between calls)
     if (!wait_words(a, L.back_ready(first_rank), a.G, epoch, ctx, ROLE_REDUCE)) return;
-    if (a.N > 1 && !wait_words(a, L.partial_landed(0), a.N, epoch, ctx, ROLE_INTER)) return;
+    if (a.N > 1 && !cta_wait_words(a.flags, L.partial_landed(0), 1, a.N, a.node, epoch, ctx,
+                                   ROLE_INTER, 0, 1, a.queue))       // every node but ours
+        return;
     // (several nodes) our own routes: section (node + 1) of what the dispatch sent
     const int* routes = a.N > 1 ? a.routes_out + (long long)((a.node + 1) % a.N) * a.route_ints + routes_at(a)
                                 : nullptr;
