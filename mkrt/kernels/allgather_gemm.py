@@ -71,7 +71,9 @@ struct Args {
 $ARGS_CHECKS
 
 // The compute role's work: C's tiles in grouped raster order, tile rows rotated so the
-// rows of this rank's block come first; the producer waits for a tile's blocks of A.
+// rows of this rank's block come first. A tile row inside this rank's block reads A from
+// the rank's input (run_tiles' second map) and waits for nothing; any other waits for
+// its blocks of A in the gathered buffer.
 struct GatheredWork {
     gemm::RasterWork raster;
     int shift;                  // first tile row of this rank's block
@@ -81,13 +83,21 @@ struct GatheredWork {
     u64 epoch;
     Context ctx;
 
+    int own_first;              // this rank's block: rows own_first .. own_first + rows - 1
+
     __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
         if (!raster.get(i, tile)) return false;
         tile.m = (tile.m + shift) % raster.tiles_m;
         tile.index = tile.m * raster.tiles_n + tile.n;
+        const int row0 = tile.m * BM;
+        if (row0 >= own_first && min(row0 + BM, m) <= own_first + rows) {
+            tile.a_map = 1;
+            tile.a_row = row0 - own_first;
+        }
         return true;
     }
     __device__ __forceinline__ bool wait(const gemm::Tile& tile) const {
+        if (tile.a_map) return true;     // the rank's own input, written before the launch
         const int row0 = tile.m * BM, row1 = min(row0 + BM, m) - 1;
         for (int b = row0 / rows; b <= row1 / rows; ++b)
             if (!wait_gathered(flags, L, b, epoch, ctx, tile.index)) return false;
@@ -99,6 +109,7 @@ struct GatheredWork {
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
                const __grid_constant__ TmaDescriptor tma_b,
+               const __grid_constant__ TmaDescriptor tma_own,
                const __grid_constant__ Args args, int muted_rank,
                u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
     extern __shared__ char dynamic_smem[];
@@ -116,9 +127,10 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     if ((int)blockIdx.x < compute_ctas) {
         const int mine = a.node * a.G + a.me;
         const GatheredWork work{{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, compute_ctas},
-                                (mine * a.rows) / BM, a.rows, a.m, a.flags, L, epoch, ctx};
+                                (mine * a.rows) / BM, a.rows, a.m, a.flags, L, epoch, ctx,
+                                mine * a.rows};
         const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
-        gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem);
+        gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem, &tma_own);
     } else {
         const GatherArgs gather = gather_args(a, a.input, (u64)a.rows * a.k * sizeof(T), nullptr, 0);
         gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
@@ -143,7 +155,7 @@ ARGS_DTYPE = np.dtype([
 ], align=True)
 
 #: kernel parameters, in order (tensor maps 64-byte aligned)
-LAUNCH_PARAMETERS = [("tma_a", 128, 64), ("tma_b", 128, 64), ("args", ARGS_DTYPE, 8),
+LAUNCH_PARAMETERS = [("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_own", 128, 64), ("args", ARGS_DTYPE, 8),
                      ("muted_rank", np.int32, 4), *CONTEXT_PARAMETERS]
 
 
@@ -483,7 +495,7 @@ class AllGatherGemm(GatheringOp):
         call.launches, call.generation = launches, self._generation
         call.words = [(launch.params.field_view("args", "input"),
                        launch.params.field_view("args", "out")) for launch in launches]
-        call.b_pointers = {}
+        call.b_pointers, call.own_pointers = {}, {}
         return launches
 
     def _call_shape(self, call) -> tuple:
@@ -502,6 +514,13 @@ class AllGatherGemm(GatheringOp):
                 ctypes.memmove(launch.params.address("tma_a"), tma_a.address, 128)
                 ctypes.memmove(launch.params.address("tma_b"), tma_b.address, 128)
                 call.b_pointers[i] = pointer
+            own = a_list[i].data.ptr
+            if call.own_pointers.get(i) != own:
+                # the tile rows of the rank's own block read its input: no wait for the copy
+                tma_own = gemm_module.tma_descriptor_2d(own, spec.dtype, p.k, p.rows, p.k * 2, 64,
+                                                        spec.block_m)
+                ctypes.memmove(launch.params.address("tma_own"), tma_own.address, 128)
+                call.own_pointers[i] = own
             call.words[i][0][()] = a_list[i].data.ptr
             call.words[i][1][()] = outs[i].data.ptr
         self.launch(launches)
@@ -555,6 +574,7 @@ class _PreparedCall:
     generation: int = -1
     words: list | None = None
     b_pointers: dict = dataclasses.field(default_factory=dict)
+    own_pointers: dict = dataclasses.field(default_factory=dict)   # A_r of each rank's own-rows map
     boards: list | None = None      # roles="search": per rank, the role board
     settled: bool = False           # fuse="measure": the path is chosen (plan.fused)
 

@@ -103,6 +103,7 @@ struct Tile {
     int kb_begin = 0, kb_end = -1, split = 0;
     int a_row = -1, b_row = -1;
     int group = -1;                                  // a grouped GEMM's group
+    int a_map = 0;                                   // 1: A from run_tiles' second map (tma_a2)
     __device__ __forceinline__ int k_first() const { return kb_begin; }
     __device__ __forceinline__ int k_last(int k_blocks) const { return kb_end < 0 ? k_blocks : kb_end; }
     __device__ __forceinline__ int a_first(int bm) const { return a_row >= 0 ? a_row : m * bm; }
@@ -434,7 +435,7 @@ struct Pipeline {
 template <class Cfg, class Work>
 __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_a,
                                         const TmaDescriptor* tma_b, int k_blocks,
-                                        const Work& work) {
+                                        const Work& work, const TmaDescriptor* tma_a2) {
     int stage = 0;
     u32 phase = 0;
     Tile tile;
@@ -450,7 +451,8 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
             } else {
                 mbarrier_arrive_expect_tx(&pipe.full[stage], Cfg::STAGE_BYTES);
                 const int k = kb * Cfg::BK;
-                tma_load_2d(pipe.a_stage(stage), tma_a, k, tile.a_first(Cfg::BM), &pipe.full[stage]);
+                tma_load_2d(pipe.a_stage(stage), tile.a_map ? tma_a2 : tma_a, k, tile.a_first(Cfg::BM),
+                            &pipe.full[stage]);
                 if (Cfg::CLUSTER_M == 2) {
                     // This CTA's half of the shared B tile, to both CTAs of the pair (the
                     // stage is free in both: every consumer warp of the pair released it).
@@ -542,11 +544,13 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int grou
 
 // The whole engine for one CTA. Every thread of the CTA calls it (Cfg::THREADS of them).
 // tma_a: A [M, K] as a 2-D map (inner K, box 64 x BM); tma_b: B [N, K] (inner K, box
-// 64 x BN) or B [K, N] (inner N, box 64 x 64); both 128B-swizzled, zero fill.
+// 64 x BN) or B [K, N] (inner N, box 64 x 64); both 128B-swizzled, zero fill. tma_a2: a
+// second map of A like tma_a, for tiles whose work item sets a_map (AllGather+GEMM reads
+// a rank's own rows from its input there, not from the gathered buffer).
 template <class Cfg, class Work, class Epilogue>
 __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaDescriptor* tma_b,
                                           int k, const Work& work, const Epilogue& epilogue,
-                                          char* dynamic_smem) {
+                                          char* dynamic_smem, const TmaDescriptor* tma_a2 = nullptr) {
     const Pipeline<Cfg> pipe(dynamic_smem);
     const int warpgroup = threadIdx.x / 128;
     const int k_blocks = (k + Cfg::BK - 1) / Cfg::BK;
@@ -558,6 +562,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
         mbarrier_init_fence();
         tma_prefetch_descriptor(tma_a);
         tma_prefetch_descriptor(tma_b);
+        if (tma_a2 != nullptr) tma_prefetch_descriptor(tma_a2);
     }
     // With clusters, the partner's barriers must be initialised before this CTA's first
     // multicast or remote arrival reaches them.
@@ -565,7 +570,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
 
     if (warpgroup == 0) {
         warpgroup_registers_decrease<Cfg::PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) produce<Cfg>(pipe, tma_a, tma_b, k_blocks, work);
+        if (threadIdx.x == 0) produce<Cfg>(pipe, tma_a, tma_b, k_blocks, work, tma_a2);
     } else {
         warpgroup_registers_increase<Cfg::CONSUMER_REGISTERS>();
         ConsumerThread<Cfg::CONSUMERS> who;
