@@ -903,6 +903,12 @@ class MoE(Op):
                 raise ValueError("mkrt.moe: processes pass different k or H")
             self._signatures.add(signature)
         if self.validate and not cupy.cuda.get_current_stream().is_capturing():
+            if self.world.nodes > 1:
+                # The host waits for the ids below: never while this op's earlier call may
+                # wait for the proxy's copies (mkrt/DESIGN.md, "Runtime hazards"); finish
+                # it first. (validate=False skips the check; the kernel still reports a
+                # bad id, flag -4.)
+                self.world.synchronize()
             for i, arr in enumerate(ids):
                 if arr.size:
                     low, high = (int(v) for v in cupy.stack([arr.min(), arr.max()]).get())  # waits
