@@ -92,7 +92,7 @@ def run(args, op: str) -> None:
         world = mkrt.init(emulate=layout)
         op_class = getattr(mkrt, class_name)
         fused_op = op_class(world, fuse=True, b_layout="nk", timeout_ms=20000)
-        auto_op = op_class(world, b_layout="nk", timeout_ms=20000)
+        auto_op = op_class(world, fuse="model", b_layout="nk", timeout_ms=20000)
         measure_op = op_class(world, fuse="measure", b_layout="nk", timeout_ms=20000)
         for m, n, k, family in shapes_of(world.size, world.nodes, args.quick):
             rng = cupy.random.default_rng(m + n + k)

@@ -94,6 +94,11 @@ def test_processes_settle_alike_on_the_slowest_figures(measured):
 def test_measure_is_an_accepted_option_and_others_are_not():
     world = mkrt.init(emulate="1x2")
     assert mkrt.GemmAllReduce(world, fuse="measure").fuse == "measure"
+    # the default measures; "model" is the cost model's pick without timing
+    assert mkrt.GemmAllReduce(world).fuse == "measure"
+    assert mkrt.AllGatherGemm(world).fuse == "measure"
+    assert mkrt.GemmAllReduce(world, fuse="model").fuse == "model"
+    assert mkrt.GemmAllReduce(world, fuse=True).fuse is True
     with pytest.raises(TypeError, match="fuse"):
         mkrt.GemmAllReduce(world, fuse="Measure")
 

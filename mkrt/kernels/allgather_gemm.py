@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 
 import numpy as np
 
@@ -314,6 +315,38 @@ class Plan:
                 "intra_per_rank": block * self.nodes * (self.G - 1)}
 
 
+#: what the split rule assumes (emulated 1x2 on the H200, experiments/results/agg_split.jsonl,
+#: ad56a4d): bytes a gathering CTA moves per second, GEMM FLOP/s per compute CTA
+GATHER_BYTES_PER_S_PER_CTA = 50e9
+GEMM_FLOPS_PER_S_PER_CTA = 5.0e12
+
+
+def gather_split(m: int, n: int, k: int, *, ctas: int, nodes: int, ranks_per_node: int) -> int:
+    """Communication CTAs of the fused kernel: enough that the gathering role's copies take
+    about as long as the GEMM of the rank's own rows (which read the rank's input and wait
+    for nothing), so the other blocks are in when their tile rows come up; 30% over the
+    balance (copies slow down beside the GEMM), at least 2, at most 40% of the CTAs.
+
+    Copied by SMs per rank: its block to every rank of its node, and with several nodes
+    its block into its own buffer (for the put) and each other node's block it receives
+    to the node's other ranks. Fitted on the 10 shapes of experiments/agg_split.py (1x2,
+    2x2), where the best static split ran 0.73-1.10x the unfused path against 0.31-1.03x
+    for the fixed split before; not judged on other shapes yet."""
+    G, N = ranks_per_node, nodes
+    block = (m // (N * G)) * k * 2
+    copied = block * (G + (N - 1) * (G - 1) + (N > 1))
+    own_flops = 2.0 * (m // (N * G)) * n * k
+    high = max(1, int(0.4 * ctas))
+    best = high
+    for c in range(1, high + 1):
+        copy_s = copied / (c * GATHER_BYTES_PER_S_PER_CTA)
+        gemm_s = own_flops / ((ctas - c) * GEMM_FLOPS_PER_S_PER_CTA)
+        if copy_s <= gemm_s:
+            best = c
+            break
+    return max(min(2, ctas - 1), min(high, math.ceil(1.3 * best)))
+
+
 def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
          dtype: str = "bf16", b_layout: str = "kn", comm_ctas: int | None = None,
          fuse: bool | None = None) -> Plan:
@@ -335,7 +368,7 @@ def plan(m: int, n: int, k: int, *, nodes: int, ranks_per_node: int, ctas: int,
         raise ValueError(f"mkrt.{area}: b_layout='kn' needs n % 8 == 0 (TMA rows of 16 bytes); "
                          f"got n={n}: pass B as [N, K] (b_layout='nk')")
     if comm_ctas is None:
-        comm_ctas = default_comm_ctas(ctas, nodes, ranks_per_node)
+        comm_ctas = gather_split(m, n, k, ctas=ctas, nodes=nodes, ranks_per_node=ranks_per_node)
     comm_ctas = checks.integer(comm_ctas, "comm_ctas", area, low=1, high=ctas - 1)
     if fuse is None:
         # Without measurements of this op yet, fuse when the GEMM has more tile rows than
@@ -368,9 +401,10 @@ class AllGatherGemm(GatheringOp):
     b: per rank [K, N_r] (``b_layout="kn"``) or [N_r, K] (``"nk"``); out: per rank
     [W * R, N_r]. ``gathered_out=``: per rank [W * R, K] arrays that receive A as well.
     ``ctas`` (default: the rank's SM share) and ``comm_ctas`` (the communication role's
-    share) split the CTAs; ``fuse=None`` lets the plan choose (``op.last_plan.reason``),
-    ``"measure"`` times both paths once per size class and keeps the faster
-    (mkrt/controller/fusion.py).
+    share; default :func:`gather_split`) split the CTAs; ``fuse=None`` or ``"measure"``
+    (the default) times both paths once per size class and keeps the faster
+    (mkrt/controller/fusion.py), ``"model"`` takes the plan's rule without timing
+    (``op.last_plan.reason``).
     ``roles="search"`` (not yet measured on a GPU) starts from that split and, after four
     launches, finds it by launch time, per shape, on the GPU
     (:class:`mkrt.controller.rule.LaunchSearch`; :meth:`controller_state` shows it);
@@ -403,7 +437,7 @@ class AllGatherGemm(GatheringOp):
         fuse = self.fuse if mode_fuse is None else mode_fuse
         return plan(m, n, k, nodes=self.world.nodes, ranks_per_node=self.world.ranks_per_node,
                     ctas=ctas, dtype=dtype, b_layout=self.b_layout, comm_ctas=self.comm_ctas,
-                    fuse=None if fuse == "measure" else fuse)
+                    fuse=None if fuse in ("measure", "model") else fuse)
 
     def _ensure_buffers(self, p: Plan) -> None:
         self._ensure_gathered(p.m * p.k * 2)

@@ -713,12 +713,12 @@ class GemmAllReduce(Op):
     a: per rank [M, K_r] (bf16/f16, row-major; K_r the rank's shard of K, equal on every
     rank); b: [K_r, N] (``b_layout="kn"``) or [N, K_r] (``"nk"``, nn.Linear's weight).
     ``reduce_ctas``: CTAs per rank in the reduce role (default: :func:`default_reduce_ctas`);
-    ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None lets
-    the planner's cost model choose fused or unfused per shape (``op.last_plan`` says which
-    and why); ``"measure"`` times both paths on the first call of each size class (M
+    ``ctas``: CTAs per rank in all (default: the rank's SM share); ``fuse``: None or
+    ``"measure"`` (the default) times both paths on the first call of each size class (M
     rounded up to a power of two) and keeps the faster (``op.measured.times``;
-    mkrt/controller/fusion.py), so that call costs about 15 calls; True / False force a
-    path.
+    mkrt/controller/fusion.py), so that call costs about 15 calls; ``"model"`` lets the
+    planner's cost model choose per shape without timing (``op.last_plan`` says which and
+    why); True / False force a path.
     ``muted_rank``: a rank that never computes or signals (tests of the bounded waits).
     ``roles``: ``"adaptive"`` (default) lets the on-GPU controller move CTAs between the
     compute and reduce queues during each launch, starting from ``reduce_ctas`` (or the
@@ -797,8 +797,8 @@ class GemmAllReduce(Op):
         ceilings = Ceilings(network_gbps=35.0) if same_host else Ceilings()
         send_bytes = 1 << 20
         fuse = self.fuse if mode_fuse is None else mode_fuse
-        if fuse == "measure":
-            fuse = None              # the model's pick until the paths are measured
+        if fuse in ("measure", "model"):
+            fuse = None              # the model's pick (until the paths are measured)
         fusable = not (self.b_layout == "kn" and n % 8)
         if fuse and not fusable:
             raise ValueError(f"mkrt.gemm_allreduce: the fused kernel with b_layout='kn' needs "
@@ -810,7 +810,7 @@ class GemmAllReduce(Op):
                  sms_per_gpu=self.world.sm_count(info.rank) * ranks_per_gpu,
                  ranks_per_gpu=ranks_per_gpu, send_bytes=send_bytes, ceilings=ceilings,
                  collective=self.collective, block_n=self.block_n)
-        if not fusable and mode_fuse is None and self.fuse in (None, "measure"):
+        if not fusable and mode_fuse is None and self.fuse in ("model", "measure"):
             p = dataclasses.replace(p, reason="b_layout='kn' with n % 8 != 0: the fused kernel's "
                                               "TMA needs 16-byte rows of B; unfused path")
         return p

@@ -19,8 +19,9 @@ Shapes: any M that the world size divides (rank r keeps rows r*M/W .. (r+1)*M/W:
 same rule as ``torch.distributed.reduce_scatter_tensor``), any N, K a multiple of 8 per
 rank; bf16 / f16; B as [K, N] or [N, K]. The unfused baseline (cuBLAS, then mkrt's
 reduce-scatter over the same transports, or NCCL's when the world is one process per GPU
-with torch.distributed initialised) is ``op.unfused``; ``fuse=None`` picks one per shape
-(the all-reduce's fitted cost model for now, see ``op.last_plan.reason``).
+with torch.distributed initialised) is ``op.unfused``; ``fuse=None`` (as ``"measure"``)
+times both paths once per size class and keeps the faster; ``fuse="model"`` takes the
+all-reduce's fitted cost model's pick (``op.last_plan.reason``).
 """
 
 from __future__ import annotations
