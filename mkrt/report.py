@@ -373,6 +373,28 @@ def _tp_pair_lines(op: str, name: str, baseline: str):
     return lines
 
 
+def _agg_split_lines(rows):
+    """experiments/agg_split.py: per layout, the best static split, the split then fixed,
+    and roles="search", each against the unfused path of the same run."""
+    def text(run):
+        shapes: dict = {}
+        for r in run:
+            ratio = _number(r.get("ratio"))
+            if ratio is not None:
+                shapes.setdefault((r.get("m"), r.get("n"), r.get("k")), {})[str(r.get("path"))] = ratio
+        best = [max(v for p, v in paths.items() if p.startswith("c")) for paths in shapes.values()]
+        parts = [f"{run[0].get('layout')} emulated, {len(shapes)} shapes: best static split {span(best, 'x')} of allgather + cuBLAS "
+                 f"(unfused time / fused time; geomean {fmt(geomean(best))}x)"]
+        for path, name in (("default", "the default split of that commit"), ("search", 'roles="search"')):
+            got = [paths[path] for paths in shapes.values() if path in paths]
+            if got:
+                parts.append(f"{name} {span(got, 'x')} (geomean {fmt(geomean(got))}x)")
+        return "; ".join(parts)
+    layouts = dict.fromkeys(r.get("layout") for r in rows)
+    return [Line(f"gathering split, {layout} emulated", lambda r, layout=layout: r.get("layout") == layout,
+                 describe=text) for layout in layouts]
+
+
 def _multi_gpu_lines(rows):
     def family(row):
         kind = "allgather" if "_allgather_" in _case(row) else "gemm_allreduce"
@@ -573,16 +595,23 @@ PIECES = [
                                                       "search_vs_best")],
               lambda r: f"{r['metric'].replace('_', ' ')}, {r.get('layout', '?')} emulated",
               against="time ratio (>1: the controller is faster)")]),
-    Piece("planner", "`fuse=None` picks fused or unfused per shape (`mkrt/controller/cost.py`); "
-          "`experiments/planner.py` times its picks against both paths", "planner", _planner_lines),
+    Piece("planner", "`fuse=None` (the default) times fused and unfused on the first call of "
+          "each size class and keeps the faster (`mkrt/controller/fusion.py`); `fuse=\"model\"` "
+          "is the cost model's pick (`mkrt/controller/cost.py`; the \"planner's pick\" lines); "
+          "`experiments/planner.py` times both against both paths", "planner", _planner_lines),
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
           "`verbs` (RC, EFA SRD): the compiled loop posts through the provider's function pointers; "
           "run over mkrt's loopback NIC with GPU kernels, never on RDMA hardware",
           "proxy", _proxy_lines),
-    Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in a few "
-          "communication CTAs, the GEMM engine in the rest, each tile row loaded once its blocks "
-          "of A are in; GPU tests and 10,000-call determinism on emulated worlds, **not yet benchmarked**",
+    Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in "
+          "communication CTAs (split by `gather_split`), the GEMM engine in the rest; tile rows "
+          "of the rank's own block read its input, the others wait for their block; GPU tests "
+          "and 10,000-call determinism on emulated worlds. The tp_pair rows at `46aa52f` predate "
+          "the split rule and the own-rows map (both since `cd99f60`, not benchmarked there)",
           "tp_pair", _tp_pair_lines("allgather_gemm", "AllGather+GEMM", "allgather + cuBLAS")),
+    Piece("AllGather+GEMM split", "the fused op at static splits of 2 to 24 communication CTAs, "
+          "with `roles=\"search\"` and the unfused path, same run (`experiments/agg_split.py`); "
+          "the split rule is fitted on these rows", "agg_split", _agg_split_lines),
     Piece("`mkrt.gemm_reducescatter`", "fused (the gemm_allreduce kernel, reduce-scatter build): "
           "true W-way, final rows to their keeper only, node sums only to the node that keeps them; "
           "the planner falls back to unfused where it predicts fusion loses "
@@ -592,7 +621,7 @@ PIECES = [
           "stalled proxy, commands the transport refuses, NaN/Inf inputs, a timeout shorter than a "
           "tile (`experiments/faults.py`, also `tests/test_faults_gpu.py` with a rank process that "
           "exits under mpiexec)", "faults", _described("fault matrix", _faults_text)),
-    Piece("reliability: determinism", "every world op on 2x2 (MoE, which runs inside one node, on 1x4), 10,000 back-to-back calls and "
+    Piece("reliability: determinism", "every world op on 2x2 (MoE on 1x4: these runs predate MoE across nodes), 10,000 back-to-back calls and "
           "2,000 graph replays, hashed on the GPU every 100 (`experiments/determinism.py`)",
           "determinism", _described("determinism", _determinism_text, latest_per_case=True)),
     Piece("reliability: sanitizers", "compute-sanitizer memcheck, racecheck, synccheck, initcheck "
@@ -624,12 +653,15 @@ PIECES = [
           "(`experiments/grouped_gemm.py`; GPU tests pass)", "grouped_gemm",
           lambda rows: family_lines(rows, lambda r: "expert GEMMs",
                                     against="of the best of torch._grouped_mm and a cuBLAS loop")),
-    Piece("`mkrt.MoE`", "one node: dispatch in the planned order, grouped GEMMs, SwiGLU, "
-          "combine with a fixed-order fp32 sum, as five launches (`experiments/moe.py`; GPU tests "
-          "pass)", "moe",
+    Piece("`mkrt.MoE`", "dispatch in the planned order (across nodes, each token once to each "
+          "other node holding one of its experts, placed there by the rank with its local index), "
+          "grouped GEMMs, SwiGLU, combine (rows that crossed are summed per token on their node in "
+          "fp32, one sum crosses back; a fixed-order fp32 sum at the source), as five launches "
+          "(`experiments/moe.py`; GPU tests pass on 1x2, 1x3, 1x4, 2x1, 2x2, 3x1, 2x3; not "
+          "benchmarked across nodes)", "moe",
           lambda rows: family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated",
                                     against="of host splits + copies + torch._grouped_mm")),
-    Piece("not yet", "MoE across nodes and fused into one kernel, the role queues and controller in the "
+    Piece("not yet", "MoE fused into one kernel and benchmarked across nodes, the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware "
           "(InfiniBand, RoCE or EFA: worlds have run over mkrt's loopback NIC only, as RC queue "
           "pairs and as an EFA endpoint), a split-K that pays (it never won a shape)"),
