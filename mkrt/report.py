@@ -606,8 +606,8 @@ PIECES = [
     Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in "
           "communication CTAs (split by `gather_split`), the GEMM engine in the rest; tile rows "
           "of the rank's own block read its input, the others wait for their block; GPU tests "
-          "and 10,000-call determinism on emulated worlds. The tp_pair rows at `46aa52f` predate "
-          "the split rule and the own-rows map (both since `cd99f60`, not benchmarked there)",
+          "and 10,000-call determinism on emulated worlds (rows from `3a53e20` on have the split "
+          "rule and the own-rows map; at `46aa52f`, before them: 0.23-0.87x on 1x2)",
           "tp_pair", _tp_pair_lines("allgather_gemm", "AllGather+GEMM", "allgather + cuBLAS")),
     Piece("AllGather+GEMM split", "the fused op at static splits of 2 to 24 communication CTAs, "
           "with `roles=\"search\"` and the unfused path, same run (`experiments/agg_split.py`); "
@@ -657,11 +657,10 @@ PIECES = [
           "other node holding one of its experts, placed there by the rank with its local index), "
           "grouped GEMMs, SwiGLU, combine (rows that crossed are summed per token on their node in "
           "fp32, one sum crosses back; a fixed-order fp32 sum at the source), as five launches "
-          "(`experiments/moe.py`; GPU tests pass on 1x2, 1x3, 1x4, 2x1, 2x2, 3x1, 2x3; not "
-          "benchmarked across nodes)", "moe",
+          "(`experiments/moe.py`; GPU tests pass on 1x2, 1x3, 1x4, 2x1, 2x2, 3x1, 2x3)", "moe",
           lambda rows: family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated",
                                     against="of host splits + copies + torch._grouped_mm")),
-    Piece("not yet", "MoE fused into one kernel and benchmarked across nodes, the role queues and controller in the "
+    Piece("not yet", "MoE fused into one kernel, the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware "
           "(InfiniBand, RoCE or EFA: worlds have run over mkrt's loopback NIC only, as RC queue "
           "pairs and as an EFA endpoint), a split-K that pays (it never won a shape)"),
