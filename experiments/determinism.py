@@ -105,12 +105,10 @@ def ops(world, args):
     ring_full, _ = attention_module.reference(q_full, k_full, v_full, causal=True)
     ring_references = [ra.shard(ring_full, info.rank, world.size, causal=True) for info in world.local]
 
-    # MoE (one node only): 48 tokens per rank, top-2 of 2 experts per rank, H 256, I 128
-    moe_dev = moe_expected = None
-    if world.nodes == 1:
-        from mkrt.kernels import moe as moe_module
-        moe_dev, moe_expected = moe_module.random_problem(
-            world.size, [48] * world.size, 2, 256, 128, 2 * world.size, seed=12)
+    # MoE: 48 tokens per rank, top-2 of 2 experts per rank, H 256, I 128
+    from mkrt.kernels import moe as moe_module
+    moe_dev, moe_expected = moe_module.random_problem(
+        world.size, [48] * world.size, 2, 256, 128, 2 * world.size, seed=12)
 
     def moe_check(outs):
         return all(np.abs(to_float32(o).get() - want).max() <= 3e-2 * np.abs(want).max()
@@ -123,8 +121,7 @@ def ops(world, args):
     scatter = mkrt.GemmReduceScatter(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     gather_gemm = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     ring = mkrt.RingAttention(world, timeout_ms=args.timeout_ms)
-    moe = mkrt.MoE(world, experts=2 * world.size, capacity=48, timeout_ms=args.timeout_ms) \
-        if moe_dev is not None else None
+    moe = mkrt.MoE(world, experts=2 * world.size, capacity=48, timeout_ms=args.timeout_ms)
     gar_outs = lambda: [cupy.empty((m, n), bfloat16) for _ in world.local]          # noqa: E731
     table = {
         "gemm_allreduce_fused": (lambda out: fused(a, b, out=out), gar_outs(), gar_check),
@@ -160,8 +157,6 @@ def ops(world, args):
                            [cupy.empty((world.ranks_per_node, args.gather_elems), np.float32)
                             for _ in world.local], node_check),
     }
-    if moe is None:
-        del table["moe"]                # MoE runs inside one node
     return table, {"gemm_allreduce": fused, "gemm_reducescatter": scatter}
 
 
