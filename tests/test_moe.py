@@ -199,6 +199,34 @@ def test_over_capacity_and_bad_ids_raise(make_world):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_a_muted_rank_ends_in_comm_timeout(make_world, layout):
+    """A rank that never sends its counts: the call ends in CommTimeout within its bound
+    (no hang), naming a rank that waited; a new op on the world then runs right."""
+    import time
+
+    import cupy
+
+    import mkrt
+    from mkrt.kernels.gemm import to_float32
+    world = make_world(layout)
+    tokens = [32] * world.size
+    dev, expected = _problem(cupy, world, tokens, 2, 128, 64, 2 * world.size, "uniform", seed=9)
+    muted = mkrt.MoE(world, experts=2 * world.size, capacity=32, timeout_ms=500,
+                     muted_rank=world.size - 1)
+    start = time.perf_counter()
+    with pytest.raises(mkrt.CommTimeout):
+        muted(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
+        world.synchronize()
+    assert time.perf_counter() - start < 20
+    op = mkrt.MoE(world, experts=2 * world.size, capacity=32, timeout_ms=10000)
+    ys = op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
+    world.synchronize()
+    for y, want in zip(ys, expected):
+        assert np.abs(to_float32(y).get() - want).max() / np.abs(want).max() < 2e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["1x4", "2x2"])
 def test_dispatch_and_combine_alone(make_world, layout):
     """Rows land where the plan says (across nodes too: forwarded by the node's rank with

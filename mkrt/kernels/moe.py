@@ -122,6 +122,7 @@ struct Args {
     const u64* peer_results;
     int tokens, k, hidden, experts, per_rank, me, W, receive_rows;
     int local, node, G, N, capacity, route_ints;
+    int muted;                  // tests of the bounded waits: this rank never sends its counts
     int counts_region, flags_region, outbox_region, inbox_region, routes_out_region,
         routes_in_region, weights_out_region, weights_in_region, partial_out_region,
         partial_in_region;
@@ -352,8 +353,9 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
         }
         __threadfence_system();
         __syncthreads();
-        if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.counts_ready(a.me), epoch);
-        if (a.N > 1 && threadIdx.x == blockDim.x - 1) post_counts(a, ctx, L, epoch);
+        if (!a.muted && threadIdx.x < a.G)
+            st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.counts_ready(a.me), epoch);
+        if (!a.muted && a.N > 1 && threadIdx.x == blockDim.x - 1) post_counts(a, ctx, L, epoch);
         // (an entry with a bad id was reported and is skipped below; going on keeps the
         // CTA counters and the ranks' flags in step, so only this rank's record fails)
     }
@@ -593,7 +595,7 @@ POINTER_FIELDS = (
     "peer_counts", "peer_received", "peer_sources", "peer_back", "peer_results")
 INT_FIELDS = (
     "tokens", "k", "hidden", "experts", "per_rank", "me", "W", "receive_rows", "local", "node",
-    "G", "N", "capacity", "route_ints")
+    "G", "N", "capacity", "route_ints", "muted")
 #: symmetric buffers the proxy addresses (each field ``<name>_region``)
 REGIONS = ("counts", "flags", "outbox", "inbox", "routes_out", "routes_in", "weights_out",
            "weights_in", "partial_out", "partial_in")
@@ -805,12 +807,15 @@ class MoE(Op):
     ``experts``: E in the world (a multiple of the world size, at most 1024); ``capacity``:
     most tokens a rank passes per call; ``receive_rows``: most rows a rank may receive
     (default 2 x capacity x k_max with k_max = 8, or as given). ``ctas``: CTAs of the
-    dispatch and combine kernels (default 16)."""
+    dispatch and combine kernels (default 16). ``muted_rank``: a world rank that never
+    sends its counts (tests of the bounded waits: every rank's call ends in CommTimeout);
+    leave it None."""
 
     name = "moe"
 
     def __init__(self, world=None, *, experts: int, capacity: int, receive_rows: int | None = None,
-                 ctas: int = 16, timeout_ms: float | None = None, validate: bool = True):
+                 ctas: int = 16, timeout_ms: float | None = None, validate: bool = True,
+                 muted_rank: int | None = None):
         super().__init__(world, timeout_ms=timeout_ms)
         area = self.name
         W = self.world.size
@@ -829,6 +834,8 @@ class MoE(Op):
                                            "receive_rows", area, low=1, high=1 << 26)
         self.ctas = checks.integer(ctas, "ctas", area, low=1, high=64)
         self.validate = checks.flag(validate, "validate", area)
+        muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=W - 1, optional=True)
+        self.muted_rank = -1 if muted is None else muted
         self.experts_per_rank = self.experts // W
         self.layout = MoeFlags(W, self.world.nodes)
         self._buffers: dict = {}
@@ -1048,6 +1055,7 @@ class MoE(Op):
         args["local"], args["node"] = info.local_rank, info.node
         args["G"], args["N"] = self.world.ranks_per_node, self.world.nodes
         args["capacity"], args["route_ints"] = self.capacity, route_ints(self.capacity, shape.k)
+        args["muted"] = int(rank == self.muted_rank)
         return args
 
     def _prepared_launches(self, i, info, shape, scratch):
