@@ -1,27 +1,30 @@
 #!/bin/bash
 # The first device call of the next session (about 9.5 min), rows and logs under $OUT:
-#   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 1. fuse="measure" on the GPU (written 03788a0, never run): its GPU test, with the
-#    gemm_allreduce and controller tests it shares helpers with;
-# 2. the planner's held-out set with fuse="measure" timed beside fuse=None, fused and
-#    unfused (experiments/planner.py; rows per shape, so a cut run keeps what it did):
-#    1x2, then 1x4. The target: the pick never more than 3% slower than the
-#    faster path, on every held-out shape of 1x2, 1x4 and 2x2.
-# Then experiments/pending_device_run_2.sh: 2x2 and the sanitizer runs.
+#   MKRT_BENCH_COMMIT=<commit> [DEADLINE=<s>] bash experiments/pending_device_run.sh
+# 1. GPU tests never run: MoE's muted rank (1x2, 2x2), then the MoE, AllGather+GEMM and
+#    fuse-measure files again (fuse=None now measures; gather_split is the default split);
+# 2. experiments/tp_pair.py, both ops, full shape set on 1x2 and 2x2: AllGather+GEMM with
+#    the split rule and own-rows map has run on the quick set only (3a53e20), and the rule
+#    was fitted on agg_split's 10 shapes: the full set is its first judgement on others;
+# 3. experiments/moe.py on 2x2 and 1x4 side by side, three models, 1024 and 4096 tokens.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-DEADLINE=${DEADLINE:-570}
+DEADLINE=${DEADLINE:-560}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 echo "== GPU tests"
-timeout 150 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py tests/test_controller_gpu.py \
-    -p no:cacheprovider -p timeout --timeout=100 > $OUT/pytest.log 2>&1
+timeout 170 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_allgather_gemm_gpu.py \
+    tests/test_fusion_measure.py -p no:cacheprovider -p timeout --timeout=60 > $OUT/pytest.log 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest.log | tail -10
-for layout in 1x2 1x4; do
-  left=$(( DEADLINE - SECONDS ))
-  [ $left -lt 60 ] && { echo "left for the next call: $layout"; continue; }
-  [ "$layout" = "1x2" ] && budget=$(( left / 2 )) || budget=$left
-  echo "== planner, held-out, $layout ($budget s)"
-  timeout $budget python3 experiments/planner.py --layouts $layout --sets held_out --rounds 3 \
-      --out $OUT/planner.jsonl 2>&1 | tee -a $OUT/planner.log | grep -cE "best/auto"
+for op in allgather_gemm gemm_reducescatter; do
+  left=$(( DEADLINE - 120 - SECONDS ))
+  [ "$op" = allgather_gemm ] && left=$(( left * 6 / 10 ))
+  [ $left -lt 40 ] && { echo "no time for tp_pair $op"; continue; }
+  echo "== tp_pair $op ($left s)"
+  timeout $left python3 experiments/tp_pair.py --ops $op --layouts 1x2 2x2 --rounds 3 \
+      --out $OUT/tp_pair.jsonl 2>&1 | tail -4
 done
+left=$(( DEADLINE - SECONDS ))
+echo "== moe ($left s)"
+timeout $left python3 experiments/moe.py --layouts 2x2 1x4 --tokens 1024 4096 \
+    --out $OUT/moe.jsonl 2>&1 | tail -14
 echo "done at $SECONDS s"

@@ -1,27 +1,20 @@
 #!/bin/bash
 # The second device call of the next session (about 9.5 min), after pending_device_run.sh:
-#   MKRT_BENCH_COMMIT=<commit> [START_1X4=<n>] [END=<s>] bash experiments/pending_device_run_2.sh
-# 1. the planner's held-out set on 2x2 (fuse="measure" beside fuse=None, fused, unfused),
-#    and the rest of 1x4 if the first call did not finish it (START_1X4: shapes done);
-# 2. the three 2x2 sanitizer runs without a verdict (experiments/pending_sanitizers.sh),
-#    first as one process per rank under MPS (PROCESSES=1).
+#   MKRT_BENCH_COMMIT=<commit> [END=<s>] bash experiments/pending_device_run_2.sh
+# 1. determinism: MoE on 2x2 (10,000 calls and 2,000 graph replays; MoE across nodes has
+#    never run that long) and AllGather+GEMM with the new split;
+# 2. the two 2x2 racecheck runs without a finished verdict, as one process per rank under
+#    MPS (sanitize.py --processes; four processes failed at context creation at 7aca30c,
+#    now with 8 hardware queues each), then in one process with the time left.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+END=${END:-560}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-echo "== MoE GPU tests (across nodes: first run)"
-timeout 150 python3 -m pytest -q -m gpu tests/test_moe.py -p no:cacheprovider -p timeout --timeout=60 \
-    > $OUT/pytest_moe.log 2>&1
-echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest_moe.log | tail -12
-if [ -n "$START_1X4" ]; then
-  echo "== planner, held-out, 1x4 from shape $START_1X4"
-  timeout 120 python3 experiments/planner.py --layouts 1x4 --sets held_out --rounds 3 \
-      --start $START_1X4 --out $OUT/planner.jsonl 2>&1 | tee -a $OUT/planner.log | grep -cE "best/auto"
-fi
-echo "== planner, held-out, 2x2"
-END=${END:-570}
-timeout $(( END * 300 / 570 - SECONDS )) python3 experiments/planner.py --layouts 2x2 --sets held_out --rounds 3 \
-    --out $OUT/planner.jsonl 2>&1 | tee -a $OUT/planner.log | grep -cE "best/auto"
-# one process per rank under MPS (new), then in one process as before if time is left
-PROCESSES=1 DEADLINE=$(( END * 440 / 570 - SECONDS )) bash experiments/pending_sanitizers.sh
-DEADLINE=$(( END - SECONDS )) bash experiments/pending_sanitizers.sh
+echo "== determinism, 2x2: moe and allgather_gemm"
+timeout 200 python3 experiments/determinism.py --layout 2x2 --only moe allgather_gemm_fused \
+    --out $OUT/determinism.jsonl 2>&1 | tail -8
+JOBS="racecheck:gemm_reducescatter_fused_2x2 racecheck:gemm_allreduce_unfused_2x2" \
+    PROCESSES=1 DEADLINE=$(( END - 120 - SECONDS )) bash experiments/pending_sanitizers.sh
+JOBS="racecheck:gemm_reducescatter_fused_2x2" DEADLINE=$(( END - SECONDS )) \
+    bash experiments/pending_sanitizers.sh
 echo "done at $SECONDS s"
