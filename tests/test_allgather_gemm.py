@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mkrt.kernels import allgather_gemm as agg
+from mkrt.kernels.gathering import GATHER_MAX_CHUNKS
 
 WORLDS = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 3), (2, 4), (3, 1), (3, 2), (4, 2), (4, 8)]
 
@@ -57,8 +58,42 @@ def test_flag_layout_words_do_not_overlap():
         words = ([L.arrive(p) for p in range(G)] + [L.node_arrive(n) for n in range(N)]
                  + [L.landed(n) for n in range(N)] + [L.ready(b) for b in range(N * G)]
                  + [L.sent(), L.pushed()] + [L.forwarded(n) for n in range(N)]
-                 + [L.comm_before(), L.finished(), L.finished() + 1, L.finished() + 2])
+                 + [L.comm_before(), L.finished(), L.finished() + 1, L.finished() + 2]
+                 + [L.chunk(b, c) for b in range(N * G) for c in range(GATHER_MAX_CHUNKS)])
         assert sorted(words) == list(range(L.words))
+    # the device's layout and chunk count are the mirror's
+    text = agg.AllGatherGemmSpec().render()
+    assert f"constexpr int GATHER_MAX_CHUNKS = {GATHER_MAX_CHUNKS};" in text
+    assert "int chunk(int b, int c) const { return finished() + 3 + b * GATHER_MAX_CHUNKS + c; }" in text
+
+
+def _chunk_begin(nbytes, c, chunks):
+    """The device's chunk_begin."""
+    return nbytes if c >= chunks else (nbytes * c // chunks) & ~15
+
+
+def _gather_chunks(comm_ctas):
+    return min(comm_ctas * -(-16 // comm_ctas), GATHER_MAX_CHUNKS)
+
+
+@pytest.mark.parametrize("rows,k,comm_ctas", [(4096, 8192, 2), (1000, 72, 7), (3, 8, 25),
+                                              (129, 4104, 64), (1, 8, 1)])
+def test_chunks_tile_each_block_and_every_cta_gets_as_many(rows, k, comm_ctas):
+    """Chunks of a block are contiguous, 16-byte aligned, cover it exactly once, and split
+    evenly over the communication CTAs; the rows a tile waits for lie in the chunks it
+    waits on (the device's wait_gathered_rows)."""
+    chunks = _gather_chunks(comm_ctas)
+    nbytes = rows * k * 2
+    bounds = [_chunk_begin(nbytes, c, chunks) for c in range(chunks + 1)]
+    assert bounds[0] == 0 and bounds[-1] == nbytes and bounds == sorted(bounds)
+    assert all(b % 16 == 0 for b in bounds[:-1])
+    assert chunks % comm_ctas == 0 or chunks == GATHER_MAX_CHUNKS
+    for row0 in range(0, rows, max(1, rows // 7)):
+        row1 = min(row0 + 127, rows - 1)
+        x0, x1 = row0 * k * 2, (row1 + 1) * k * 2
+        waited = [c for c in range(chunks) if bounds[c] < x1 and bounds[c + 1] > x0]
+        assert bounds[waited[0]] <= x0 and bounds[waited[-1] + 1] >= x1
+        assert waited == list(range(waited[0], waited[-1] + 1))
 
 
 def test_args_mirror_matches_the_c_struct_size_assert():

@@ -74,7 +74,8 @@ $ARGS_CHECKS
 // The compute role's work: C's tiles in grouped raster order, tile rows rotated so the
 // rows of this rank's block come first. A tile row inside this rank's block reads A from
 // the rank's input (run_tiles' second map) and waits for nothing; any other waits for
-// its blocks of A in the gathered buffer.
+// the chunks of other ranks' blocks that hold its rows (and, for rows of this rank's
+// block, for the whole block) in the gathered buffer.
 struct GatheredWork {
     gemm::RasterWork raster;
     int shift;                  // first tile row of this rank's block
@@ -85,6 +86,8 @@ struct GatheredWork {
     Context ctx;
 
     int own_first;              // this rank's block: rows own_first .. own_first + rows - 1
+    int chunks;                 // chunks per block this launch (gather_chunks of its comm CTAs)
+    u64 row_bytes;
 
     __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
         if (!raster.get(i, tile)) return false;
@@ -100,8 +103,13 @@ struct GatheredWork {
     __device__ __forceinline__ bool wait(const gemm::Tile& tile) const {
         if (tile.a_map) return true;     // the rank's own input, written before the launch
         const int row0 = tile.m * BM, row1 = min(row0 + BM, m) - 1;
-        for (int b = row0 / rows; b <= row1 / rows; ++b)
-            if (!wait_gathered(flags, L, b, epoch, ctx, tile.index)) return false;
+        for (int b = row0 / rows; b <= row1 / rows; ++b) {
+            const bool ok = b * rows == own_first
+                ? wait_gathered(flags, L, b, epoch, ctx, tile.index)
+                : wait_gathered_rows(flags, L, b, max(row0 - b * rows, 0), min(row1 - b * rows, rows - 1),
+                                     row_bytes, rows, chunks, epoch, ctx, tile.index);
+            if (!ok) return false;
+        }
         fence_proxy_async_global();      // peers wrote the blocks with generic stores; TMA reads them
         return true;
     }
@@ -129,7 +137,7 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
         const int mine = a.node * a.G + a.me;
         const GatheredWork work{{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, compute_ctas},
                                 (mine * a.rows) / BM, a.rows, a.m, a.flags, L, epoch, ctx,
-                                mine * a.rows};
+                                mine * a.rows, gather_chunks(comm_ctas), (u64)a.k * sizeof(T)};
         const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
         gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem, &tma_own);
     } else {

@@ -14,6 +14,9 @@ from mkrt.memory import SymmetricBuffer, flags as flag_buffer
 
 #: most ranks per node (the role keeps peer targets in shared memory)
 MAX_NODE_RANKS = 32
+#: chunk flags per block (the device's GATHER_MAX_CHUNKS): blocks are spread in chunks so
+#: the compute role can start on a block's first rows before its last have arrived
+GATHER_MAX_CHUNKS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +35,11 @@ class FlagLayout:
     def forwarded(self, n): return self.sent() + 2 + n
     def comm_before(self): return self.sent() + 2 + self.N
     def finished(self): return self.comm_before() + 1
+    def chunk(self, b, c): return self.finished() + 3 + b * GATHER_MAX_CHUNKS + c
 
     @property
     def words(self) -> int:
-        return self.finished() + 3
+        return self.chunk(self.N * self.G, 0)
 
 
 def default_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:

@@ -25,11 +25,12 @@ __device__ bool cta_wait_words(const u64* flags, int word0, int step, int count,
 }
 
 // Thread `worker` of `workers` copies its share of [src, src + nbytes) to each non-null
-// dst[i], reading src once; destinations in rotated order from `first` so concurrent
-// senders spread over the node's links.
+// dst[i], at dst[i] + offset, reading src once; destinations in rotated order from
+// `first` so concurrent senders spread over the node's links.
 __device__ void scatter_span(unsigned char* const* dst, int count, int first,
-                             const unsigned char* src, u64 nbytes, u64 worker, u64 workers) {
-    u64 bits = (u64)src | nbytes;
+                             const unsigned char* src, u64 nbytes, u64 worker, u64 workers,
+                             u64 offset = 0) {
+    u64 bits = (u64)src | nbytes | offset;
     for (int i = 0; i < count; ++i) bits |= (u64)dst[i];
     if ((bits & 15) == 0) {
         const uint4* s = (const uint4*)src;
@@ -38,22 +39,23 @@ __device__ void scatter_span(unsigned char* const* dst, int count, int first,
         for (; v + 3 * workers < vectors; v += 4 * workers) {
             const uint4 a = s[v], b = s[v + workers], c = s[v + 2 * workers], e = s[v + 3 * workers];
             for (int i = 0; i < count; ++i) {
-                uint4* d = (uint4*)dst[(first + i) % count];
-                if (d == nullptr) continue;
+                unsigned char* base = dst[(first + i) % count];
+                if (base == nullptr) continue;
+                uint4* d = (uint4*)(base + offset);
                 d[v] = a; d[v + workers] = b; d[v + 2 * workers] = c; d[v + 3 * workers] = e;
             }
         }
         for (; v < vectors; v += workers) {
             const uint4 a = s[v];
             for (int i = 0; i < count; ++i) {
-                uint4* d = (uint4*)dst[(first + i) % count];
-                if (d != nullptr) d[v] = a;
+                unsigned char* base = dst[(first + i) % count];
+                if (base != nullptr) ((uint4*)(base + offset))[v] = a;
             }
         }
     } else {
         for (u64 k = worker; k < nbytes; k += workers) {
             const unsigned char a = src[k];
-            for (int i = 0; i < count; ++i) if (dst[i] != nullptr) dst[i][k] = a;
+            for (int i = 0; i < count; ++i) if (dst[i] != nullptr) dst[i][offset + k] = a;
         }
     }
 }
@@ -72,6 +74,7 @@ __device__ __forceinline__ bool last_cta_done(u64* counter, u64 all_ctas) {
 
 GATHER_ROLE = cuda_source("gather_role", r"""
 namespace mkrt {
+constexpr int GATHER_MAX_CHUNKS = 64;      // chunk flags per block (mirror: mkrt.kernels.gathering)
 // The flag words of a kernel that gathers one block per rank into every rank's symmetric
 // `gathered` buffer (mirror: mkrt.kernels.allgather_gemm.FlagLayout). G ranks per node,
 // N nodes.
@@ -88,7 +91,22 @@ struct GatheredFlags {
     __device__ int finished() const { return comm_before() + 1; }    // every CTA, all launches
     __device__ int ctas_before() const { return finished() + 1; }
     __device__ int launches() const { return finished() + 2; }
+    // chunk c of block b is in our buffer (blocks are spread in gather_chunks() chunks)
+    __device__ int chunk(int b, int c) const { return finished() + 3 + b * GATHER_MAX_CHUNKS + c; }
 };
+
+// Blocks are spread chunk by chunk, a CTA copying whole chunks, so the compute role can
+// start on a block's first rows before its last have arrived. A launch with comm_ctas
+// communication CTAs cuts each block in gather_chunks(comm_ctas) chunks (a multiple of
+// comm_ctas, so every CTA copies as many; at least 16 where that fits). Chunk c of an
+// nbytes block is bytes [chunk_begin(nbytes, c, chunks), chunk_begin(.., c + 1, ..)),
+// 16-byte aligned.
+__device__ __forceinline__ int gather_chunks(int comm_ctas) {
+    return min(comm_ctas * ((16 + comm_ctas - 1) / comm_ctas), GATHER_MAX_CHUNKS);
+}
+__device__ __forceinline__ u64 chunk_begin(u64 nbytes, int c, int chunks) {
+    return c >= chunks ? nbytes : (nbytes * (u64)c / (u64)chunks) & ~(u64)15;
+}
 
 // What the gathering role needs. A rank's block is its two input spans back to back
 // (input1 may be empty): block b of the gathered buffer is at b * (bytes0 + bytes1).
@@ -147,9 +165,9 @@ struct GatherLaunch {
 // call here, in an engine's producer, makes ptxas spill around it. The same bound,
 // backoff and abort checks as wait_at_least; a timeout is reported as `tile` of the
 // compute role. The caller fences for TMA once its blocks are in.
-__device__ __forceinline__ bool wait_gathered(const u64* flags, const GatheredFlags& L, int block,
-                                              u64 epoch, const Context& ctx, int tile) {
-    const u64* flag = flags + L.ready(block);
+__device__ __forceinline__ bool wait_gathered_word(const u64* flags, int word, u64 epoch,
+                                                   const Context& ctx, int tile) {
+    const u64* flag = flags + word;
     u64 seen = ld_acquire_sys(flag);
     if (seen >= epoch) return true;
     const u64 start = global_timer_ns();
@@ -158,7 +176,7 @@ __device__ __forceinline__ bool wait_gathered(const u64* flags, const GatheredFl
         if ((spin & 63) == 63) {
             if (aborted(ctx)) return false;
             if (global_timer_ns() - start > ctx.timeout_ns) {
-                report_timeout(ctx, ROLE_COMPUTE, tile, L.ready(block), epoch, seen);
+                report_timeout(ctx, ROLE_COMPUTE, tile, word, epoch, seen);
                 return false;
             }
             backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
@@ -167,6 +185,41 @@ __device__ __forceinline__ bool wait_gathered(const u64* flags, const GatheredFl
         seen = ld_acquire_sys(flag);
     }
     return true;
+}
+
+__device__ __forceinline__ bool wait_gathered(const u64* flags, const GatheredFlags& L, int block,
+                                              u64 epoch, const Context& ctx, int tile) {
+    return wait_gathered_word(flags, L.ready(block), epoch, ctx, tile);
+}
+
+// The compute role's wait for rows [row0, row1] of block `block` (`rows` rows of
+// `row_bytes` each): only the chunks that hold them.
+__device__ __forceinline__ bool wait_gathered_rows(const u64* flags, const GatheredFlags& L, int block,
+                                                   int row0, int row1, u64 row_bytes, int rows,
+                                                   int chunks, u64 epoch, const Context& ctx, int tile) {
+    const u64 nbytes = (u64)rows * row_bytes, x0 = (u64)row0 * row_bytes, x1 = (u64)(row1 + 1) * row_bytes;
+    for (int c = 0; c < chunks; ++c) {
+        if (chunk_begin(nbytes, c, chunks) < x1 && chunk_begin(nbytes, c + 1, chunks) > x0 &&
+            !wait_gathered_word(flags, L.chunk(block, c), epoch, ctx, tile))
+            return false;
+    }
+    return true;
+}
+
+// Chunk c of a block made of two spans back to back ([src0, src0 + bytes0) then src1;
+// nbytes in all), copied by this CTA to each non-null target (block starts).
+__device__ __forceinline__ void spread_chunk(unsigned char* const* targets, int count, int first,
+                                             const unsigned char* src0, u64 bytes0,
+                                             const unsigned char* src1, u64 nbytes, int c,
+                                             int chunks) {
+    const u64 x0 = chunk_begin(nbytes, c, chunks), x1 = chunk_begin(nbytes, c + 1, chunks);
+    if (x0 < bytes0)
+        scatter_span(targets, count, first, src0 + x0, min(x1, bytes0) - x0, threadIdx.x,
+                     blockDim.x, x0);
+    if (x1 > bytes0) {
+        const u64 y0 = max(x0, bytes0);
+        scatter_span(targets, count, first, src1 + (y0 - bytes0), x1 - y0, threadIdx.x, blockDim.x, y0);
+    }
 }
 
 // The communication CTAs (comm of comm_ctas) of one launch: mkrt.allgather's steps into
@@ -180,6 +233,7 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
     __shared__ unsigned char* targets[GATHER_MAX_NODE_RANKS];
     const u64 nbytes = a.bytes0 + a.bytes1;
     const int mine = a.node * a.G + a.me;
+    const int chunks = gather_chunks(comm_ctas);
     const u64 worker = (u64)comm * blockDim.x + threadIdx.x;
     const u64 workers = (u64)comm_ctas * blockDim.x;
     unsigned char* gathered = a.gathered;
@@ -218,30 +272,34 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
         }
     }
 
-    // 3. push: our block into every node rank's buffer once it has arrived.
+    // 3. push: our block into every node rank's buffer once it has arrived, chunk by
+    // chunk (this CTA copies chunks comm, comm + comm_ctas, ...; chunk(mine, c) at each
+    // node peer says chunk c is there), then ready(mine) once every chunk is.
     if (!cta_wait_words(a.flags, L.arrive(0), 1, a.G, -1, epoch, ctx, ROLE_INTRA, a.node * a.G, 1,
                         nullptr))
         return;
-    for (int span = 0; span < 2; ++span) {
-        const u64 offset = span == 0 ? 0 : a.bytes0, bytes = span == 0 ? a.bytes0 : a.bytes1;
-        if (bytes == 0) continue;
-        __syncthreads();      // targets is rewritten below
-        if (threadIdx.x < a.G) {
-            const int p = threadIdx.x;
-            // several nodes: step 2 already wrote our own buffer
-            targets[p] = (p == a.me && a.N > 1) ? nullptr
-                         : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes + offset;
-        }
+    __syncthreads();          // targets is rewritten below
+    if (threadIdx.x < a.G) {
+        const int p = threadIdx.x;
+        // several nodes: step 2 already wrote our own buffer
+        targets[p] = (p == a.me && a.N > 1) ? nullptr
+                     : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes;
+    }
+    __syncthreads();
+    for (int c = comm; c < chunks && !muted; c += comm_ctas) {
+        spread_chunk(targets, a.G, (a.me + 1) % a.G, a.input0, a.bytes0, a.input1, nbytes, c, chunks);
+        __threadfence_system();
         __syncthreads();
-        if (!muted) scatter_span(targets, a.G, (a.me + 1) % a.G, span == 0 ? a.input0 : a.input1,
-                                 bytes, worker, workers);
+        if (threadIdx.x < a.G && threadIdx.x != a.me)
+            st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.chunk(mine, c), epoch);
     }
     if (last_cta_done(a.flags + L.pushed(), comm_all) && !muted) {
         for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(mine), epoch);
     }
 
     // 4. forward: the block of rank `me` of each other node, once it has landed in our
-    // buffer, to every other rank of the node.
+    // buffer, to every other rank of the node, chunk by chunk as in step 3 (the chunk flags
+    // go to every node rank, us included: the block is whole here since it landed).
     for (int step = 1; step < a.N; ++step) {
         const int other = (a.node + a.N - step) % a.N;
         const int block = other * a.G + a.me;
@@ -254,8 +312,14 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
             targets[p] = p == a.me ? nullptr : (unsigned char*)a.peer_gathered[p] + (u64)block * nbytes;
         }
         __syncthreads();
-        scatter_span(targets, a.G, (a.me + 1) % a.G, gathered + (u64)block * nbytes, nbytes,
-                     worker, workers);
+        const unsigned char* landed = gathered + (u64)block * nbytes;
+        for (int c = comm; c < chunks; c += comm_ctas) {
+            spread_chunk(targets, a.G, (a.me + 1) % a.G, landed, nbytes, nullptr, nbytes, c, chunks);
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x < a.G)
+                st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.chunk(block, c), epoch);
+        }
         if (last_cta_done(a.flags + L.forwarded(other), comm_all)) {
             for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(block), epoch);
         }
