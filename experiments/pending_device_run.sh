@@ -1,8 +1,11 @@
 #!/bin/bash
 # The first device call of the next session (about 9.5 min), rows and logs under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> [DEADLINE=<s>] bash experiments/pending_device_run.sh
-# 1. GPU tests never run: MoE's muted rank (1x2, 2x2), then the MoE, AllGather+GEMM and
-#    fuse-measure files again (fuse=None now measures; gather_split is the default split);
+# 1. GPU tests never run: MoE's muted rank (1x2, 2x2); AllGather+GEMM and ring attention
+#    with blocks spread chunk by chunk (6b5c50d: the gathering role both share; AllGather+
+#    GEMM's tiles wait per chunk); the MoE and fuse-measure files again (fuse=None now
+#    measures; gather_split is the default split). If AllGather+GEMM or ring attention
+#    fail here, 6b5c50d is the first suspect;
 # 2. experiments/tp_pair.py, both ops, full shape set on 1x2 and 2x2: AllGather+GEMM with
 #    the split rule and own-rows map has run on the quick set only (3a53e20), and the rule
 #    was fitted on agg_split's 10 shapes: the full set is its first judgement on others;
@@ -12,8 +15,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 DEADLINE=${DEADLINE:-560}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 echo "== GPU tests"
-timeout 170 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_allgather_gemm_gpu.py \
-    tests/test_fusion_measure.py -p no:cacheprovider -p timeout --timeout=60 > $OUT/pytest.log 2>&1
+timeout 200 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_allgather_gemm_gpu.py \
+    tests/test_ring_attention_gpu.py tests/test_fusion_measure.py -p no:cacheprovider -p timeout \
+    --timeout=60 > $OUT/pytest.log 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest.log | tail -10
 for op in allgather_gemm gemm_reducescatter; do
   left=$(( DEADLINE - 120 - SECONDS ))
