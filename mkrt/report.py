@@ -605,7 +605,8 @@ PIECES = [
           "proxy", _proxy_lines),
     Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in "
           "communication CTAs (split by `gather_split`), the GEMM engine in the rest; tile rows "
-          "of the rank's own block read its input, the others wait for their block; GPU tests "
+          "of the rank's own block read its input, the others wait for the chunks holding their "
+          "rows (chunk flags since `6b5c50d`, not yet run on a GPU); GPU tests "
           "and 10,000-call determinism on emulated worlds (rows from `3a53e20` on have the split "
           "rule and the own-rows map; at `46aa52f`, before them: 0.23-0.87x on 1x2)",
           "tp_pair", _tp_pair_lines("allgather_gemm", "AllGather+GEMM", "allgather + cuBLAS")),
