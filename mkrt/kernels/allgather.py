@@ -48,6 +48,7 @@ from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels.launcher import KernelLaunch, Parameters
 from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
+from mkrt.kernels.schedule import Schedule
 from mkrt.memory import SymmetricBuffer, flags
 from mkrt.status import kernel_id
 
@@ -271,30 +272,17 @@ def plan(nodes: int, per_node: int) -> list[Transfer]:
     return out
 
 
-@dataclasses.dataclass
-class Schedule:
-    """Tasks of every worker in order, what each waits for, and the buffer locations each
-    reads and writes: the input of :func:`mkrt.kernels.schedule.find_stall` and of hazard
-    checks. Workers: ``("rank", r)`` (all CTAs of r's launch run the same steps, so one
-    worker stands for them) and ``("queue", r)`` (the proxy serves r's queue in order)."""
-
-    workers: dict
-    depends_on: dict
-    reads: dict
-    writes: dict
-
-
 def schedule(nodes: int, per_node: int, *, epochs: int = 2, staged: bool = False) -> Schedule:
-    """The kernel's steps over ``epochs`` back-to-back calls as tasks and waits.
+    """The kernel's steps over ``epochs`` back-to-back calls as tasks and waits. Workers:
+    ``("rank", r)`` (all CTAs of r's launch run the same steps, so one worker stands for
+    them) and ``("queue", r)`` (the proxy serves r's queue in order).
 
     Locations: ``("out", r, b)`` (rank r's output slot b) and ``("recv", r, slot)`` (r's
     receive buffer; staged, slot b stands for output slot b: the copy-out reads it)."""
     G, N = per_node, nodes
     R = N * G
-    workers: dict = {}
-    depends: dict = {}
-    reads: dict = {}
-    writes: dict = {}
+    steps = Schedule()
+    task = steps.task
 
     def recv_slot(block):
         return block if staged else block // G
@@ -302,11 +290,6 @@ def schedule(nodes: int, per_node: int, *, epochs: int = 2, staged: bool = False
     def out(r, b):
         return ("recv", r, b) if staged else ("out", r, b)
 
-    def task(worker, name, deps=(), read=(), write=()):
-        workers.setdefault(worker, []).append(name)
-        depends[name] = list(deps)
-        reads[name], writes[name] = list(read), list(write)
-        return name
 
     for e in range(1, epochs + 1):
         for r in range(R):
@@ -339,7 +322,7 @@ def schedule(nodes: int, per_node: int, *, epochs: int = 2, staged: bool = False
                 producers.append(("push", b, e) if bn == n else ("forward", producer, b, e))
             task(rank, ("wait", r, e), producers, read=[out(r, b) for b in range(R)])
             task(rank, ("finish", r, e))
-    return Schedule(workers, depends, reads, writes)
+    return steps
 
 
 def reference(inputs: list, world=None, group: str = "world") -> list:

@@ -35,6 +35,7 @@ import dataclasses
 import numpy as np
 
 from mkrt import checks
+from mkrt.kernels.schedule import Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,21 +238,6 @@ def reference(x: list, topk_ids: list, topk_weights: list, w1: list, w2: list) -
     return out
 
 
-@dataclasses.dataclass
-class Schedule:
-    """The MoE kernels' steps over back-to-back calls (dispatch, the expert GEMMs,
-    combine) as tasks and waits, with the buffer locations each reads and writes: the
-    input of :func:`mkrt.kernels.schedule.find_stall` and
-    :func:`mkrt.kernels.schedule.unordered_accesses`. Workers per rank r: ``("cta0", r)``
-    (CTA 0's own steps), ``("ctas", r)`` (the steps every CTA runs; CTA 0 joins them after
-    its own) and ``("queue", r)`` (the proxy serves r's commands in order)."""
-
-    workers: dict
-    depends_on: dict
-    reads: dict
-    writes: dict
-
-
 def schedule(nodes: int, per_node: int, *, epochs: int = 2) -> Schedule:
     """mkrt/kernels/moe.py's protocol (moe_dispatch, the GEMMs, moe_combine) as a schedule.
     Every rank may hold experts every other rank routes to, so every exchange is present.
@@ -260,19 +246,15 @@ def schedule(nodes: int, per_node: int, *, epochs: int = 2) -> Schedule:
     ("pack_slot", r), ("outbox", r), ("inbox", r, m) and ("routes_in", r, m) (what rank
     (m, local) sent r), ("received", h, w) (rows that rank w wrote at holder h, sources
     included), ("results", h), ("back", s, h) (rows h sent back to s), ("weights_out", r),
-    ("weights_in", g, m), ("partial_out", g, m), ("partial_in", s, m)."""
+    ("weights_in", g, m), ("partial_out", g, m), ("partial_in", s, m).
+
+    Workers per rank r: ``("cta0", r)`` (CTA 0's own steps), ``("ctas", r)`` (the steps
+    every CTA runs; CTA 0 joins them after its own) and ``("queue", r)`` (the proxy serves
+    r's commands in order)."""
     G, N = per_node, nodes
     W = N * G
-    workers: dict = {}
-    depends: dict = {}
-    reads: dict = {}
-    writes: dict = {}
-
-    def task(worker, name, deps=(), read=(), write=()):
-        workers.setdefault(worker, []).append(name)
-        depends[name] = list(deps)
-        reads[name], writes[name] = list(read), list(write)
-        return name
+    steps = Schedule()
+    task = steps.task
 
     def node_ranks(n):
         return [n * G + p for p in range(G)]
@@ -354,4 +336,4 @@ def schedule(nodes: int, per_node: int, *, epochs: int = 2) -> Schedule:
                  + [("sums_put", m * G + l, r, e) for m in others],
                  read=[("back", r, p) for p in node_ranks(n)] + [("partial_in", r, m) for m in others]
                  + [("pack_slot", r), ("routes_out", r)])
-    return Schedule(workers, depends, reads, writes)
+    return steps

@@ -9,10 +9,31 @@ waiting if it gets stuck: a wait cycle that on the GPU would end in ``CommTimeou
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Hashable, Iterable
 
 Task = Hashable
+
+
+@dataclasses.dataclass
+class Schedule:
+    """Tasks of every worker in order, what each waits for, and the buffer locations each
+    reads and writes: the input of :func:`find_stall` and :func:`unordered_accesses`. A
+    kernel's model builds it with :meth:`task`, worker by worker in program order."""
+
+    workers: dict = dataclasses.field(default_factory=dict)
+    depends_on: dict = dataclasses.field(default_factory=dict)
+    reads: dict = dataclasses.field(default_factory=dict)
+    writes: dict = dataclasses.field(default_factory=dict)
+
+    def task(self, worker, name, deps=(), read=(), write=()):
+        """Append task `name` to `worker`: it starts once `deps` are done, and reads and
+        writes the given locations. Returns `name`."""
+        self.workers.setdefault(worker, []).append(name)
+        self.depends_on[name] = list(deps)
+        self.reads[name], self.writes[name] = list(read), list(write)
+        return name
 
 
 def find_stall(workers: dict[Hashable, list[Task]],
