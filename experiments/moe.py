@@ -40,11 +40,55 @@ def parse():
     parser.add_argument("--experts-cap", type=int, default=64,
                         help="use at most this many experts (memory on one GPU); k shrinks to fit")
     parser.add_argument("--out", default="")
+    parser.add_argument("--plot", default="", help="PNG of the rows in --out (after the run)")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="no run: plot the rows already in --out (any machine with matplotlib)")
     return parser.parse_args()
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """TFLOP/s per rank of mkrt.MoE and of the baseline against tokens per rank, a panel
+    per emulated world, a line per model (newest row of each case)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
+    newest = {r["case"]: r for r in rows}
+    layouts = sorted({r["layout"] for r in newest.values()})
+    models = sorted({r["case"].split("_e")[0].split("_", 1)[1] for r in newest.values()})
+    fig, axes = plt.subplots(1, len(layouts), figsize=(4.2 * len(layouts), 3.4), squeeze=False)
+    for ax, layout in zip(axes[0], layouts):
+        mine = [r for r in newest.values() if r["layout"] == layout]
+        for color, model in enumerate(models):
+            line = sorted((r for r in mine if f"_{model}_e" in r["case"]),
+                          key=lambda r: int(r["case"].rsplit("_t", 1)[1]))
+            if not line:
+                continue
+            x = [int(r["case"].rsplit("_t", 1)[1]) for r in line]
+            world = int(layout.split("x")[0]) * int(layout.split("x")[1])
+            ax.plot(x, [r["value"] / world for r in line], marker="o", color=f"C{color}",
+                    label=f"{model} mkrt")
+            ax.plot(x, [r["baseline"] / world for r in line], marker="x", linestyle="--",
+                    color=f"C{color}", label=f"{model} baseline")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{layout} emulated on one GPU")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("TFLOP/s per rank")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def main():
     args = parse()
+    if args.plot_only:
+        import json
+        plot([json.loads(line) for line in Path(args.out).read_text().splitlines()], args.plot)
+        return
     import torch
 
     import mkrt
@@ -126,6 +170,9 @@ def main():
                     append_jsonl(args.out, [row])
                 op.close()
         world.close()
+    if args.plot and args.out:
+        import json
+        plot([json.loads(line) for line in Path(args.out).read_text().splitlines()], args.plot)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,10 @@ for op in allgather_gemm gemm_reducescatter; do
   [ $left -lt 40 ] && { echo "no time for tp_pair $op"; continue; }
   echo "== tp_pair $op ($left s)"
   timeout $left python3 experiments/tp_pair.py --ops $op --layouts 1x2 2x2 --rounds 3 \
-      --out $OUT/tp_pair.jsonl 2>&1 | tail -4
+      --out $OUT/tp_pair.jsonl --plot $OUT/tp_pair.png 2>&1 | tail -4
 done
 left=$(( DEADLINE - SECONDS ))
 echo "== moe ($left s)"
-timeout $left python3 experiments/moe.py --layouts 2x2 1x4 --tokens 1024 4096 \
+timeout $left python3 experiments/moe.py --layouts 2x2 1x4 --tokens 1024 4096 --plot $OUT/moe.png \
     --out $OUT/moe.jsonl 2>&1 | tail -14
 echo "done at $SECONDS s"

@@ -132,6 +132,40 @@ def run(args, op: str) -> None:
         world.close()
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Per op and world (newest run of each), each shape's unfused time over the fused
+    path's and over fuse="measure"'s: bars above 1 favour mkrt."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
+    panels = {}
+    for r in rows:                      # rows in run order: the newest commit of a panel wins
+        key = (r["op"], r["layout"])
+        if key not in panels or panels[key][0]["commit"] != r["commit"]:
+            panels[key] = []
+        panels[key].append(r)
+    keys = sorted(panels)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.6 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        run = panels[key]
+        x = range(len(run))
+        ax.bar([i - 0.2 for i in x], [r["unfused_us"] / r["fused_us"] for r in run], 0.4, label="fused")
+        ax.bar([i + 0.2 for i in x], [r["unfused_us"] / r["measured_us"] for r in run], 0.4,
+               label='fuse="measure"')
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(list(x), [f"{r['m']}x{r['n']}x{r['k']}" for r in run], rotation=30, fontsize=6)
+        ax.set_ylabel("unfused / path")
+        ax.set_title(f"{key[0]}, {key[1]} emulated on one GPU ({run[0]['commit']})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", default=["1x2", "2x2"])
@@ -141,9 +175,19 @@ def main() -> None:
     parser.add_argument("--ops", nargs="+", default=["gemm_reducescatter"],
                         choices=["gemm_reducescatter", "allgather_gemm"])
     parser.add_argument("--out", default="experiments/results/tp_pair.jsonl")
+    parser.add_argument("--plot", default="", help="PNG of the rows in --out (after the run)")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="no run: plot the rows already in --out (any machine with matplotlib)")
     args = parser.parse_args()
+    if args.plot_only:
+        import json
+        plot([json.loads(line) for line in Path(args.out).read_text().splitlines()], args.plot)
+        return
     for op in args.ops:
         run(args, op)
+    if args.plot:
+        import json
+        plot([json.loads(line) for line in Path(args.out).read_text().splitlines()], args.plot)
 
 
 if __name__ == "__main__":
