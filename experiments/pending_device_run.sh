@@ -19,6 +19,9 @@ timeout 200 python3 -m pytest -q -m gpu tests/test_moe.py tests/test_allgather_g
     tests/test_ring_attention_gpu.py tests/test_fusion_measure.py -p no:cacheprovider -p timeout \
     --timeout=60 > $OUT/pytest.log 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest.log | tail -10
+timeout 100 python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -k moe -p no:cacheprovider -p timeout \
+    --timeout=80 > $OUT/pytest_fuzz_moe.log 2>&1        # random routing, now on 2x1, 2x2, 3x1 too
+echo "pytest (MoE fuzz) rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest_fuzz_moe.log | tail -4
 for op in allgather_gemm gemm_reducescatter; do
   left=$(( DEADLINE - 120 - SECONDS ))
   [ "$op" = allgather_gemm ] && left=$(( left * 6 / 10 ))

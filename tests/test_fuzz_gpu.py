@@ -255,7 +255,8 @@ def test_grouped_gemm_random_groups_match_float32(sizes, n, k, block_m):
 
 @settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(layout=st.sampled_from(["1x2", "1x4"]), tokens=st.lists(st.integers(0, 60), min_size=4, max_size=4),
+@given(layout=st.sampled_from(["1x2", "1x4", "2x1", "2x2"]),
+       tokens=st.lists(st.integers(0, 60), min_size=4, max_size=4),
        k=st.sampled_from([1, 2, 4]), per_rank=st.sampled_from([1, 2, 3]))
 def test_moe_random_routing_matches_float64(layout, tokens, k, per_rank):
     import mkrt
@@ -312,7 +313,7 @@ def test_ring_attention_random_shapes_match_float32(layout, chunk, kv_heads, gro
 
 @settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(layout=st.sampled_from(["1x2", "1x3", "1x4"]),
+@given(layout=st.sampled_from(["1x2", "1x3", "1x4", "2x2", "3x1"]),
        tokens=st.lists(st.integers(0, 90), min_size=4, max_size=4),
        k=st.sampled_from([1, 2, 3, 8]), per_rank=st.sampled_from([1, 2, 4]),
        hidden=st.sampled_from([8, 64, 136]))
