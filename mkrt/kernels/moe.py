@@ -1099,7 +1099,7 @@ class MoE(Op):
             if results is not None and self.world.nodes > 1:
                 # the node's forwarding ranks read results where they are: in the op's
                 # symmetric buffer
-                with self.on_device(info.device), cupy.cuda.ExternalStream(stream_ptr):
+                with self.on_device(info.device), self._stream(stream_ptr):
                     own_results[...] = results[i]
                 results_i = own_results
             else:
@@ -1115,9 +1115,7 @@ class MoE(Op):
                 if "dispatch" in stages:
                     launches[0](stream_ptr)
                 if "experts" in stages:
-                    stream = self._streams.get(stream_ptr)
-                    if stream is None:
-                        stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
+                    stream = self._stream(stream_ptr)
                     sms = self.world.sm_count(info.rank)
                     received = self._buffers["received"].view(info.rank, bfloat16,
                                                                (self.receive_rows, shape.hidden))
@@ -1133,6 +1131,14 @@ class MoE(Op):
                     launches[1](stream_ptr)
         if self._local_count != 1:
             self.release_to_caller_stream()
+
+    def _stream(self, stream_ptr: int):
+        """A CuPy stream object for a rank's stream (made once per stream)."""
+        stream = self._streams.get(stream_ptr)
+        if stream is None:
+            import cupy
+            stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
+        return stream
 
     def close(self) -> None:
         for name, buffer in list(self._buffers.items()):
