@@ -236,7 +236,7 @@ def test_gemm_allreduce_options_build_a_runnable_op_or_a_clean_error(layout, con
         if op is None:
             return
         event("an op")
-        assert op.b_layout in ("kn", "nk") and op.fuse in (None, True, False, "measure")
+        assert op.b_layout in ("kn", "nk") and op.fuse in (True, False, "measure", "model")
         assert op.ctas is None or (isinstance(op.ctas, int) and 1 <= op.ctas <= MAX_GRID)
         assert op.reduce_ctas is None or (isinstance(op.reduce_ctas, int) and op.reduce_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31    # an int32 argument
@@ -453,7 +453,7 @@ def _checked_op(make, **kw):
         assert op.ctas is None or (isinstance(op.ctas, int) and 1 <= op.ctas <= MAX_GRID)
         if isinstance(op, mkrt.GemmAllReduce):
             assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31
-            assert op.fuse in (None, True, False)
+            assert op.fuse in (True, False, "measure", "model")
             assert op.reduce_ctas is None or (isinstance(op.reduce_ctas, int) and op.reduce_ctas >= 1)
         else:
             assert isinstance(op.spec.threads, int)
@@ -564,7 +564,7 @@ def test_allgather_gemm_options_build_a_runnable_op_or_a_clean_error(layout, con
         if op is None:
             return
         event("an op")
-        assert op.b_layout in ("kn", "nk") and op.fuse in (None, True, False, "measure")
+        assert op.b_layout in ("kn", "nk") and op.fuse in (True, False, "measure", "model")
         assert op.ctas is None or (isinstance(op.ctas, int) and 2 <= op.ctas <= MAX_GRID)
         assert op.comm_ctas is None or (isinstance(op.comm_ctas, int) and op.comm_ctas >= 1)
         assert isinstance(op.group_m, int) and 1 <= op.group_m < 2**31
