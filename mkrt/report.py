@@ -390,9 +390,14 @@ def _agg_split_lines(rows):
             if got:
                 parts.append(f"{name} {span(got, 'x')} (geomean {fmt(geomean(got))}x)")
         return "; ".join(parts)
-    layouts = dict.fromkeys(r.get("layout") for r in rows)
-    return [Line(f"gathering split, {layout} emulated", lambda r, layout=layout: r.get("layout") == layout,
-                 describe=text) for layout in layouts]
+    return _lines_per_layout(rows, "gathering split, {} emulated", text)
+
+
+def _lines_per_layout(rows, label: str, describe):
+    """One described line per world layout of the rows (label: a format with one {})."""
+    return [Line(label.format(layout), lambda r, layout=layout: r.get("layout") == layout,
+                 describe=describe)
+            for layout in sorted({r.get("layout") for r in rows if r.get("layout")})]
 
 
 def _multi_gpu_lines(rows):
@@ -539,9 +544,7 @@ def _fused_tile_text(run):
 
 
 def _fused_tile_lines(rows):
-    return [Line(f"tile width {layout}", lambda r, layout=layout: r.get("layout") == layout,
-                 describe=_fused_tile_text)
-            for layout in sorted({r.get("layout") for r in rows if r.get("layout")})]
+    return _lines_per_layout(rows, "tile width {}", _fused_tile_text)
 
 
 def _described(label, text, *, same_commit=False, latest_per_case=False):

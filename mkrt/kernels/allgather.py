@@ -290,7 +290,6 @@ def schedule(nodes: int, per_node: int, *, epochs: int = 2, staged: bool = False
     def out(r, b):
         return ("recv", r, b) if staged else ("out", r, b)
 
-
     for e in range(1, epochs + 1):
         for r in range(R):
             n, l = divmod(r, G)

@@ -41,7 +41,7 @@ from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import allgather as allgather_module
 from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
-from mkrt.kernels.gathering import MAX_NODE_RANKS, FlagLayout, GatheringOp, default_comm_ctas  # noqa: F401
+from mkrt.kernels.gathering import MAX_NODE_RANKS, FlagLayout, GatheringOp  # noqa: F401
 from mkrt.kernels.op import CONTEXT_PARAMETERS, shared_op
 from mkrt.kernels.schedule import find_stall
 from mkrt.status import kernel_id
@@ -559,8 +559,7 @@ class AllGatherGemm(GatheringOp):
             own = a_list[i].data.ptr
             if call.own_pointers.get(i) != own:
                 # the tile rows of the rank's own block read its input: no wait for the copy
-                tma_own = gemm_module.tma_descriptor_2d(own, spec.dtype, p.k, p.rows, p.k * 2, 64,
-                                                        spec.block_m)
+                tma_own = gemm_module.a_descriptor(spec.engine, own, p.rows, p.k)
                 ctypes.memmove(launch.params.address("tma_own"), tma_own.address, 128)
                 call.own_pointers[i] = own
             call.words[i][0][()] = a_list[i].data.ptr

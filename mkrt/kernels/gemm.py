@@ -461,12 +461,17 @@ def tma_descriptor(pointer: int, dtype: str, dims: tuple, strides: tuple,
     return descriptor
 
 
+def a_descriptor(spec: GemmSpec, a_pointer: int, m: int, k: int):
+    """Tensor map of A [M, K] as the engine loads it: BM x 64 boxes."""
+    return tma_descriptor_2d(a_pointer, spec.dtype, k, m, k * 2, 64, spec.block_m)
+
+
 def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, n: int, k: int,
                         *, b_columns: int | None = None):
     """Tensor maps of A [M, K] and B ([N, K], or [K, b_columns] for "kn") as the engine loads
     them: A in BM x 64 boxes, B in BN x 64 (nk; BN / 2 x 64 for clusters of two) or 64 x 64
     (kn) boxes."""
-    tma_a = tma_descriptor_2d(a_pointer, spec.dtype, k, m, k * 2, 64, spec.block_m)
+    tma_a = a_descriptor(spec, a_pointer, m, k)
     if spec.b_layout == "nk":
         # with clusters each CTA of a pair loads (and multicasts) half of the B tile's rows
         rows = spec.block_n // getattr(spec, "cluster_m", 1)

@@ -909,7 +909,7 @@ class MoE(Op):
             if len(set(self.world.comm.allgather(signature))) != 1:
                 raise ValueError("mkrt.moe: processes pass different k or H")
             self._signatures.add(signature)
-        if self.validate and not cupy.cuda.get_current_stream().is_capturing():
+        if self.validate and not self.capturing():
             if self.world.nodes > 1:
                 # The host waits for the ids below: never while this op's earlier call may
                 # wait for the proxy's copies (mkrt/DESIGN.md, "Runtime hazards"); finish
@@ -1080,7 +1080,6 @@ class MoE(Op):
              stages=("dispatch", "experts", "combine"), results=None) -> None:
         """Launch `stages` on every local rank's stream ("experts": both grouped GEMMs and
         SwiGLU on the op's own buffers; combine then reads them, unless `results` is given)."""
-        import cupy
         scratch = self._routing_buffers(shape)
         expert_scratch = self._expert_buffers(shape) if "experts" in stages else None
         # Build every kernel of every rank before the first launch: a rank's dispatch waits
