@@ -59,12 +59,14 @@ def test_flag_layout_words_do_not_overlap():
                  + [L.landed(n) for n in range(N)] + [L.ready(b) for b in range(N * G)]
                  + [L.sent(), L.pushed()] + [L.forwarded(n) for n in range(N)]
                  + [L.comm_before(), L.finished(), L.finished() + 1, L.finished() + 2]
-                 + [L.chunk(b, c) for b in range(N * G) for c in range(GATHER_MAX_CHUNKS)])
+                 + [L.chunk(b, c) for b in range(N * G) for c in range(GATHER_MAX_CHUNKS)]
+                 + [L.claims()])
         assert sorted(words) == list(range(L.words))
     # the device's layout and chunk count are the mirror's
     text = agg.AllGatherGemmSpec().render()
     assert f"constexpr int GATHER_MAX_CHUNKS = {GATHER_MAX_CHUNKS};" in text
     assert "int chunk(int b, int c) const { return finished() + 3 + b * GATHER_MAX_CHUNKS + c; }" in text
+    assert "int claims() const { return chunk(N * G, 0); }" in text
 
 
 def _chunk_begin(nbytes, c, chunks):

@@ -10,19 +10,20 @@ rank; its CTAs take two roles:
   block crosses to each other node once, through the proxy, to the rank with the same
   local index, and is spread inside the node with peer stores; a ``ready[b]`` flag at
   every receiving rank says block b is in place.
-* **compute** CTAs run the GEMM engine over C's tiles, the tile rows of the rank's own
-  block first, then the blocks after it in rank order (node peers' blocks arrive before
-  other nodes'). Before loading a tile's rows of A, the engine's producer waits for the
-  ``ready`` flags of the blocks those rows come from, then fences them for TMA (the
-  blocks were written by generic stores of other ranks).
+* **compute**: the GEMM engine over C's tiles, the tile rows of the rank's own block
+  first, then the blocks after it in rank order (node peers' blocks arrive before other
+  nodes'). Tiles are claimed one at a time from a per-launch counter: the compute CTAs
+  start at once, and each communication CTA joins them when its copies are done, so no
+  SM idles after the gather. Before loading a tile's rows of A, the engine's producer
+  waits for the flags of the chunks those rows come from, then fences them for TMA (the
+  blocks were written by generic stores of other ranks). Which CTA computes a tile does
+  not change its result: outputs are bit-identical between calls.
 
 The gathered buffer is reused by the next call: a rank writes into a peer's buffer only
 after the peer's launch has begun (``arrive``), so the peer's previous GEMM has read it.
 Flags are epochs read and advanced on the device (no host sync per call; graph-capturable);
 every wait is bounded (mkrt.CommTimeout). The unfused baseline is ``op.unfused``:
 mkrt.allgather of A, then cuBLAS.
-
-Status: CPU-checked (plan, compile for sm_90a without spills); **not yet run on a GPU**.
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ struct Args {
 $ARGS_CHECKS
 
 // The compute role's work: C's tiles in grouped raster order, tile rows rotated so the
-// rows of this rank's block come first. A tile row inside this rank's block reads A from
-// the rank's input (run_tiles' second map) and waits for nothing; any other waits for
-// the chunks of other ranks' blocks that hold its rows (and, for rows of this rank's
-// block, for the whole block) in the gathered buffer.
+// rows of this rank's block come first; ClaimedWork hands them out one at a time from the
+// launch's queue (a counter flag), so a CTA that finished its copies takes the next tile.
+// A tile row inside this rank's block reads A from the rank's input (run_tiles' second
+// map) and waits for nothing; any other waits for the chunks of other ranks' blocks that
+// hold its rows (and, for rows of this rank's block, for the whole block) in the gathered
+// buffer.
 struct GatheredWork {
-    gemm::RasterWork raster;
+    gemm::RasterWork raster;    // tiles_m, tiles_n, group_m (tile_at only)
     int shift;                  // first tile row of this rank's block
     int rows, m;
     const u64* flags;
@@ -89,8 +92,8 @@ struct GatheredWork {
     int chunks;                 // chunks per block this launch (gather_chunks of its comm CTAs)
     u64 row_bytes;
 
-    __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
-        if (!raster.get(i, tile)) return false;
+    __device__ __forceinline__ gemm::Tile tile_at(int t) const {
+        gemm::Tile tile = raster.tile_at(t);
         tile.m = (tile.m + shift) % raster.tiles_m;
         tile.index = tile.m * raster.tiles_n + tile.n;
         const int row0 = tile.m * BM;
@@ -98,7 +101,7 @@ struct GatheredWork {
             tile.a_map = 1;
             tile.a_row = row0 - own_first;
         }
-        return true;
+        return tile;
     }
     __device__ __forceinline__ bool wait(const gemm::Tile& tile) const {
         if (tile.a_map) return true;     // the rank's own input, written before the launch
@@ -133,18 +136,25 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
     const u64 epoch = launch.epoch;
 
-    if ((int)blockIdx.x < compute_ctas) {
-        const int mine = a.node * a.G + a.me;
-        const GatheredWork work{{tiles_m, tiles_n, a.group_m, (int)blockIdx.x, compute_ctas},
-                                (mine * a.rows) / BM, a.rows, a.m, a.flags, L, epoch, ctx,
-                                mine * a.rows, gather_chunks(comm_ctas), (u64)a.k * sizeof(T)};
-        const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
-        gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem, &tma_own);
-    } else {
+    // Communication CTAs copy first, then every CTA computes: the engine is entered from
+    // this one place (a second entry would cost ptxas's register split between warpgroups),
+    // and no SM idles once the copies are done.
+    if ((int)blockIdx.x >= compute_ctas) {
         const GatherArgs gather = gather_args(a, a.input, (u64)a.rows * a.k * sizeof(T), nullptr, 0);
         gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
+        __syncthreads();                 // the role's shared memory is the ring's and the engine's now
     }
+    __shared__ roles::Ring ring;
+    roles::ring_init<Cfg::CONSUMERS>(ring);
+    const int mine = a.node * a.G + a.me;
+    const GatheredWork tiles{{tiles_m, tiles_n, a.group_m, 0, 1}, (mine * a.rows) / BM, a.rows, a.m,
+                             a.flags, L, epoch, ctx, mine * a.rows, gather_chunks(comm_ctas),
+                             (u64)a.k * sizeof(T)};
+    const roles::ClaimedWork<GatheredWork, roles::CountedQueue> work{
+        {a.flags + L.claims(), tiles_m * tiles_n}, tiles, &ring};
+    const gemm::StoreEpilogue<T, BM, BN> store{a.out, a.m, a.n, a.n, (a.n % 2) == 0};
+    gemm::run_tiles<Cfg>(&tma_a, &tma_b, a.k, work, store, dynamic_smem, &tma_own);
     launch.end(a.flags, L);
     roles::leave_launch(a.board);
 }

@@ -36,10 +36,11 @@ class FlagLayout:
     def comm_before(self): return self.sent() + 2 + self.N
     def finished(self): return self.comm_before() + 1
     def chunk(self, b, c): return self.finished() + 3 + b * GATHER_MAX_CHUNKS + c
+    def claims(self): return self.chunk(self.N * self.G, 0)
 
     @property
     def words(self) -> int:
-        return self.chunk(self.N * self.G, 0)
+        return self.claims() + 1
 
 
 def default_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:

@@ -93,6 +93,9 @@ struct GatheredFlags {
     __device__ int launches() const { return finished() + 2; }
     // chunk c of block b is in our buffer (blocks are spread in gather_chunks() chunks)
     __device__ int chunk(int b, int c) const { return finished() + 3 + b * GATHER_MAX_CHUNKS + c; }
+    // tiles claimed this launch by a compute role that draws from a queue (AllGather+GEMM);
+    // the last CTA out resets it
+    __device__ int claims() const { return chunk(N * G, 0); }
 };
 
 // Blocks are spread chunk by chunk, a CTA copying whole chunks, so the compute role can
@@ -156,8 +159,10 @@ struct GatherLaunch {
     __device__ void end(u64* flags, const GatheredFlags& L) const {
         __syncthreads();
         if (threadIdx.x == 0 && finish_launch(flags + L.finished(), flags + L.ctas_before(),
-                                              flags + L.launches(), epoch, all_ctas))
+                                              flags + L.launches(), epoch, all_ctas)) {
             st_release_gpu(flags + L.comm_before(), comm_all);
+            st_release_gpu(flags + L.claims(), 0);   // every CTA has claimed its last tile
+        }
     }
 };
 

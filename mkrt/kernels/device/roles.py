@@ -333,8 +333,8 @@ __device__ __forceinline__ int claim_tile(const Board& b, int* left_because) {
     return (int)tile;
 }
 
-// A work list for gemm::run_tiles whose tiles come from the board's compute queue: the
-// producer claims each tile and passes its number to the consumers through a small ring
+// A work list for gemm::run_tiles whose tiles come from a queue (the board's compute
+// queue, or a plain CountedQueue): the producer claims each tile and passes its number to the consumers through a small ring
 // in shared memory (full/empty barriers, like the engine's stages). Inner maps a queue
 // position to a Tile (e.g. gemm::RasterWork::tile_at).
 constexpr int RING = 4;
@@ -358,9 +358,23 @@ __device__ __forceinline__ void ring_init(Ring& ring) {
     __syncthreads();
 }
 
-template <class Inner>
+// A queue with no controller: positions 0 .. count - 1 of one counter word, which the
+// kernel resets between launches (AllGather+GEMM: its last CTA out).
+struct CountedQueue {
+    u64* next;
+    int count;
+};
+
+__device__ __forceinline__ int claim(const Board& b, int* left_because) { return claim_tile(b, left_because); }
+__device__ __forceinline__ int claim(const CountedQueue& q, int* left_because) {
+    const u64 position = atomicAdd((unsigned long long*)q.next, 1ull);
+    if (position >= (u64)q.count) { *left_because = 1; return -1; }
+    return (int)position;
+}
+
+template <class Inner, class Source = Board>
 struct ClaimedWork {
-    Board board;
+    Source source;             // where positions come from: a Board or a CountedQueue
     Inner inner;
     Ring* ring;
 
@@ -370,7 +384,7 @@ struct ClaimedWork {
         int position;
         if (threadIdx.x < 128) {               // the producer (one thread)
             mbarrier_wait(&ring->empty[slot], phase ^ 1u);
-            position = claim_tile(board, &ring->left_because);
+            position = claim(source, &ring->left_because);
             ring->position[slot] = position;
             mbarrier_arrive(&ring->full[slot]);
         } else {
