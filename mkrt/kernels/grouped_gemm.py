@@ -47,8 +47,14 @@ constexpr int MAX_GROUPS = $MAX_GROUPS;
 
 __device__ __forceinline__ int clamp_row(int v, int rows) { return min(max(v, 0), rows); }
 
-// Every group's tiles, m-tile major, n-tiles fastest (a group's weight tiles stay in L2
-// while its rows go by); CTA c takes c, c + ctas, ... tile_prefix[g]: m-tiles before group g.
+// Every group's tiles, group after group; inside a group in grouped raster order (bands of
+// GROUP_M m-tiles, column by column inside a band, as gemm::RasterWork walks one GEMM), so
+// the CTAs running at once share each weight tile instead of each streaming its own: in
+// m-tile-major order a group with many n-tiles (an expert's w1, N = 2I) read its whole
+// weight from memory once per m-tile. CTA c takes c, c + ctas, ...
+// tile_prefix[g]: m-tiles before group g, so group g's tiles are
+// [tile_prefix[g] * tiles_n, tile_prefix[g + 1] * tiles_n).
+constexpr int GROUP_M = 8;
 struct GroupedWork {
     const int* offsets;
     const int* tile_prefix;             // shared memory
@@ -57,19 +63,21 @@ struct GroupedWork {
     __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
         const int t = cta + i * ctas;
         if (t >= tile_prefix[groups] * tiles_n) return false;
-        const int m_tile = t / tiles_n, n_tile = t - m_tile * tiles_n;
-        // the group holding m-tile m_tile: tile_prefix[g] <= m_tile < tile_prefix[g + 1]
+        // the group holding tile t: tile_prefix[g] <= t / tiles_n < tile_prefix[g + 1]
+        const int virtual_m = t / tiles_n;
         int lo = 0, hi = groups;
         while (hi - lo > 1) {
             const int mid = (lo + hi) >> 1;
-            if (tile_prefix[mid] <= m_tile) lo = mid; else hi = mid;
+            if (tile_prefix[mid] <= virtual_m) lo = mid; else hi = mid;
         }
-        tile.m = m_tile;
-        tile.n = n_tile;
+        const gemm::RasterWork raster{tile_prefix[lo + 1] - tile_prefix[lo], tiles_n, GROUP_M, 0, 1};
+        const gemm::Tile local = raster.tile_at(t - tile_prefix[lo] * tiles_n);
+        tile.m = tile_prefix[lo] + local.m;
+        tile.n = local.n;
         tile.index = t;
         tile.group = lo;
-        tile.a_row = clamp_row(offsets[lo], rows) + (m_tile - tile_prefix[lo]) * Cfg::BM;
-        tile.b_row = lo * n + n_tile * Cfg::BN;
+        tile.a_row = clamp_row(offsets[lo], rows) + local.m * Cfg::BM;
+        tile.b_row = lo * n + local.n * Cfg::BN;
         return true;
     }
     __device__ __forceinline__ bool wait(const gemm::Tile&) const { return true; }
