@@ -43,6 +43,16 @@ def test_host_offsets_are_checked():
             GG.check_host_offsets(bad, 3, 10)
 
 
+def test_band_rule():
+    # a weight that stays in L2 goes m-tile-major; one too large for it in bands of 8
+    assert GG.band_m_tiles(1536, 2048) == 1 and GG.band_m_tiles(2048, 768) == 1      # Qwen3-30B
+    assert GG.band_m_tiles(28672, 4096) == 8 and GG.band_m_tiles(4096, 14336) == 8   # Mixtral
+    # the test cases run both orders, and the banded one with a band cut short
+    banded = [c for c in GG.test_cases() if GG.band_m_tiles(c[1], c[2]) == 8]
+    assert banded and any(-(-rows // 128) % 8 for rows in banded[0][0] if rows)
+    assert any(GG.band_m_tiles(c[1], c[2]) == 1 for c in GG.test_cases())
+
+
 def test_block_m_rule_and_reference():
     assert GG.choose_block_m(256 * 8, 256) == 64 and GG.choose_block_m(4096, 8) == 128
     rng = np.random.default_rng(0)

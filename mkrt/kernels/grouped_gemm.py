@@ -47,18 +47,17 @@ constexpr int MAX_GROUPS = $MAX_GROUPS;
 
 __device__ __forceinline__ int clamp_row(int v, int rows) { return min(max(v, 0), rows); }
 
-// Every group's tiles, group after group; inside a group in grouped raster order (bands of
-// GROUP_M m-tiles, column by column inside a band, as gemm::RasterWork walks one GEMM), so
-// the CTAs running at once share each weight tile instead of each streaming its own: in
-// m-tile-major order a group with many n-tiles (an expert's w1, N = 2I) read its whole
-// weight from memory once per m-tile. CTA c takes c, c + ctas, ...
+// Every group's tiles, group after group; inside a group in raster order by bands of
+// group_m m-tiles, column by column inside a band (gemm::RasterWork). group_m = 1 is
+// m-tile-major order (n-tiles fastest: each row block of x is read once); a wider band
+// makes the CTAs running at once share each weight tile, for weights too large to stay in
+// L2 between m-tiles (see band_m_tiles). CTA c takes c, c + ctas, ...
 // tile_prefix[g]: m-tiles before group g, so group g's tiles are
 // [tile_prefix[g] * tiles_n, tile_prefix[g + 1] * tiles_n).
-constexpr int GROUP_M = 8;
 struct GroupedWork {
     const int* offsets;
     const int* tile_prefix;             // shared memory
-    int groups, rows, n, tiles_n, cta, ctas;
+    int groups, rows, n, tiles_n, cta, ctas, group_m;
 
     __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
         const int t = cta + i * ctas;
@@ -70,7 +69,7 @@ struct GroupedWork {
             const int mid = (lo + hi) >> 1;
             if (tile_prefix[mid] <= virtual_m) lo = mid; else hi = mid;
         }
-        const gemm::RasterWork raster{tile_prefix[lo + 1] - tile_prefix[lo], tiles_n, GROUP_M, 0, 1};
+        const gemm::RasterWork raster{tile_prefix[lo + 1] - tile_prefix[lo], tiles_n, group_m, 0, 1};
         const gemm::Tile local = raster.tile_at(t - tile_prefix[lo] * tiles_n);
         tile.m = tile_prefix[lo] + local.m;
         tile.n = local.n;
@@ -111,7 +110,7 @@ struct GroupedStore {
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
              const __grid_constant__ TmaDescriptor tma_b,
-             T* out, const int* offsets, int groups, int rows, int n, int k) {
+             T* out, const int* offsets, int groups, int rows, int n, int k, int group_m) {
     extern __shared__ char dynamic_smem[];
     __shared__ int tile_prefix[MAX_GROUPS + 1];
     // m-tiles per group, scanned by one warp: lane l sums a run of groups, the runs are
@@ -137,7 +136,7 @@ grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
     }
     __syncthreads();
     const GroupedWork work{offsets, tile_prefix, groups, rows, n, (n + Cfg::BN - 1) / Cfg::BN,
-                           (int)blockIdx.x, (int)gridDim.x};
+                           (int)blockIdx.x, (int)gridDim.x, group_m};
     const GroupedStore store{out, offsets, rows, n, (n % 2) == 0};
     gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
 }
@@ -190,6 +189,22 @@ def choose_block_m(rows: int, groups: int) -> int:
 
 
 # ---- checks ------------------------------------------------------------------------------
+
+#: bytes of one group's weight above which its tiles go in bands of 8 m-tiles: a quarter of
+#: the H200's 50 MB L2 (the rows of x and the other groups' tiles share it)
+BAND_WEIGHT_BYTES = 12 << 20
+
+
+def band_m_tiles(n: int, k: int, itemsize: int = 2) -> int:
+    """m-tiles per raster band inside a group (GroupedWork): 1 (m-tile-major) while a
+    group's weight fits comfortably in L2, where it is read from memory once however the
+    m-tiles go by; 8 above that, so concurrent CTAs share weight tiles instead of
+    streaming the weight once per m-tile. Measured on experiments/grouped_gemm.py's suite
+    (54199cd, one order for every case): bands of 8 took Mixtral's w1 (235 MB per expert)
+    from 0.72x to 0.91x of torch and DeepSeek's w1 from 1.08x to 1.34x, and cost Qwen3's
+    w1 (6 MB) 0.80x -> 0.55x."""
+    return 8 if n * k * itemsize > BAND_WEIGHT_BYTES else 1
+
 
 def check_operands(x_shape, w_shape, x_dtype, w_dtype, groups_from_offsets: int | None = None):
     """(rows, n, k, groups, dtype) of valid operands; TypeError/ValueError otherwise."""
@@ -244,8 +259,9 @@ class _Prepared:
         self.spec, self.rows, self.n, self.k, self.groups = spec, rows, n, k, groups
         params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("out", np.uint64, 8),
                              ("offsets", np.uint64, 8), ("groups", np.int32, 4),
-                             ("rows", np.int32, 4), ("n", np.int32, 4), ("k", np.int32, 4)])
-        params.set(groups=groups, rows=rows, n=n, k=k)
+                             ("rows", np.int32, 4), ("n", np.int32, 4), ("k", np.int32, 4),
+                             ("group_m", np.int32, 4)])
+        params.set(groups=groups, rows=rows, n=n, k=k, group_m=band_m_tiles(n, k))
         function = spec.function("grouped_gemm", device, spec.smem_bytes)
         self.launch = KernelLaunch(function, grid, spec.threads, spec.smem_bytes, params)
         self._out, self._offsets = params.view("out"), params.view("offsets")
@@ -375,7 +391,9 @@ def reference(x, w, offsets, dtype=np.float32):
 
 
 def test_cases():
-    """(group rows, n, k, dtype) the GPU tests run: empty groups, one row, ragged, a hot group."""
+    """(group rows, n, k, dtype) the GPU tests run: empty groups, one row, ragged, a hot group,
+    and weights past BAND_WEIGHT_BYTES (bands of 8 m-tiles, a band cut short)."""
     return [([128, 128], 256, 64, "bf16"), ([0, 1, 0, 300, 17], 520, 72, "bf16"),
             ([5] * 64, 384, 128, "f16"), ([1000, 0, 3, 64], 1000, 2048, "bf16"),
-            ([33, 97, 130, 255, 256, 257], 136, 200, "bf16")]
+            ([33, 97, 130, 255, 256, 257], 136, 200, "bf16"),
+            ([1300, 0, 129], 1608, 4104, "bf16")]

@@ -454,10 +454,11 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
 }
 
 // SwiGLU of the rows the w1 GEMM wrote: act[r, c] = silu(h[r, c]) * h[r, inter + c], for
-// the rows this rank received (offsets[per_rank] of them).
+// the rows this rank received (offsets[per_rank] of them, clamped to the buffer: after a
+// dispatch that ended in a timeout the offsets are whatever the memory held).
 extern "C" __global__ void moe_swiglu(const T* h, T* act, const int* offsets, int per_rank,
-                                      int inter) {
-    const long long rows = offsets[per_rank];
+                                      int inter, int receive_rows) {
+    const long long rows = min(max(offsets[per_rank], 0), receive_rows);
     const long long total = rows * inter;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
@@ -494,11 +495,14 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
             if (threadIdx.x == 0) post_weights(a, ctx, L, epoch);
         }
     }
-    // 2. each result row whose source is on our node back to its slot (token, choice)
-    const int rows = a.offsets[a.per_rank];
+    // 2. each result row whose source is on our node back to its slot (token, choice).
+    // Offsets and sources are checked against the buffers: after a dispatch that ended in
+    // a timeout they are whatever the memory held (the call raises; nothing may fault).
+    const int rows = min(max(a.offsets[a.per_rank], 0), a.receive_rows);
     for (int r = warp; r < rows; r += warps) {
         const int* source = a.sources + 2 * r;
         if (source[0] / a.G != a.node) continue;       // summed here, sent by the forwarding rank
+        if (source[0] < first_rank || source[1] < 0 || source[1] >= a.capacity * a.k) continue;
         warp_copy((T*)a.peer_back[source[0] - first_rank] + (long long)source[1] * a.hidden,
                   a.results + (long long)r * a.hidden, row_bytes);
     }
@@ -521,18 +525,18 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
         __syncthreads();
         const int* section = a.routes_in + (long long)m * a.route_ints;
         const float* w = a.weights_in + (long long)m * a.capacity * a.k;
-        const int sums = section[0];
+        const int sums = min(max(section[0], 0), a.capacity);
         float* out = a.partial_out + (long long)m * a.capacity * a.hidden;
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)sums * pairs;
              i += (long long)gridDim.x * blockDim.x) {
             const int r = (int)(i / pairs), c = 2 * (int)(i - (long long)r * pairs);
             const int t = section[route_tokens_at() + r];
             float s0 = 0.f, s1 = 0.f;
-            for (int j = 0; j < a.k; ++j) {
+            for (int j = 0; j < a.k && t >= 0 && t < a.capacity; ++j) {
                 const int e = section[routes_at(a) + 2 * (t * a.k + j)];
-                if (e < 0 || node_of_expert(a, e) != a.node) continue;
+                if (e < 0 || e >= a.experts || node_of_expert(a, e) != a.node) continue;
                 const int row = place[e] + section[routes_at(a) + 2 * (t * a.k + j) + 1];
-                if (row >= a.receive_rows) continue;
+                if (row < 0 || row >= a.receive_rows) continue;
                 const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(
                     (const T*)a.peer_results[e / a.per_rank - first_rank] + (long long)row * a.hidden + c);
                 const float weight = w[t * a.k + j];
@@ -573,7 +577,7 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
                 }
             } else {
                 const int row = a.pack_slot[m * a.capacity + t];
-                if (row < 0) continue;
+                if (row < 0 || row >= a.capacity) continue;
                 const float2 v = *reinterpret_cast<const float2*>(
                     a.partial_in + ((long long)m * a.capacity + row) * a.hidden + c);
                 s0 += v.x;
@@ -1123,7 +1127,7 @@ class MoE(Op):
                     grouped_module.grouped_gemm(received, w1s[i], offsets, out=h, sms=sms, stream=stream)
                     with stream:
                         swiglu((sms,), (256,), (h, act, offsets, np.int32(self.experts_per_rank),
-                                                np.int32(shape.inter)))
+                                                np.int32(shape.inter), np.int32(self.receive_rows)))
                     grouped_module.grouped_gemm(act, w2s[i], offsets, out=own_results, sms=sms,
                                                 stream=stream)
                 if "combine" in stages:
