@@ -440,6 +440,9 @@ def main() -> None:
         inner(args.inner, args.ce_copy_method)
         return
     if args.processes:
+        # one case at a time: each is W MPS clients, and 4 cases of 4 ranks at once failed
+        # at context creation (out of memory, 932f011)
+        args.parallel = 1
         from mkrt.launch import private_mps
         with private_mps() as mps_env:
             run_all(args, processes=mps_env or {})

@@ -364,13 +364,46 @@ def _planner_lines(rows):
 
 
 def _tp_pair_lines(op: str, name: str, baseline: str):
-    """The lines of one op of experiments/tp_pair.py, one per world layout."""
+    """The lines of one op of experiments/tp_pair.py, one per world layout: the fused path,
+    then what the op runs by default (fuse=None: it times both paths and keeps the faster),
+    both against the unfused path of the same run."""
     def lines(rows):
         def family(row):
             return f"{name} {row.get('layout')} emulated on one GPU" if row.get("op") == op else None
-        return [dataclasses.replace(line, at_least=0.97) for line in family_lines(
+        out = [dataclasses.replace(line, at_least=0.97) for line in family_lines(
             rows, family, against=f"{baseline} (unfused time / fused time)")]
+
+        def measured(run):
+            ratios = [r["unfused_us"] / r["measured_us"] for r in run]
+            fused = sum(bool(r.get("measured_fused")) for r in run)
+            return (f"{name} {run[0].get('layout')}, the default (fuse=None: times both paths, keeps "
+                    f"the faster): {span(ratios, 'x')} {baseline} (unfused time / the pick's); "
+                    f"{len(ratios)} cases, geomean {fmt(geomean(ratios))}x; "
+                    f"{sum(x >= 0.97 for x in ratios)} of {len(ratios)} at or above 0.97x; "
+                    f"fused kept on {fused}")
+
+        def timed(r, layout):
+            return (r.get("op") == op and r.get("layout") == layout
+                    and bool(_number(r.get("measured_us"))) and bool(_number(r.get("unfused_us"))))
+        layouts = sorted({str(r.get("layout")) for r in rows if r.get("op") == op})
+        out += [Line(f"{name} {layout}, fuse=None", lambda r, layout=layout: timed(r, layout),
+                     describe=measured) for layout in layouts
+                if any(timed(r, layout) for r in rows)]
+        return out
     return lines
+
+
+def _instance_noise_lines(rows):
+    """experiments/instance_noise.py: two op instances timing the same path on the same shape
+    (the planner's held-out misses), per layout."""
+    def text(run):
+        ratios = [v for v in (_number(r.get("ratio")) for r in run) if v]
+        far = sum(abs(v - 1.0) > 0.03 for v in ratios)
+        shapes = len({(r.get("m"), r.get("n"), r.get("k")) for r in run})
+        return (f"{run[0].get('layout')} emulated, {shapes} shapes x 2 paths: the second instance's "
+                f"time / the first's {span(ratios, 'x')}; {far} of {len(ratios)} differ by more "
+                "than 3% (the margin the planner's misses are judged by)")
+    return _lines_per_layout(rows, "instance noise, {} emulated", text)
 
 
 def _agg_split_lines(rows):
@@ -435,10 +468,11 @@ def _determinism_text(run):
 
 def _sanitize_text(run):
     # the newest row of each (tool, case); "_ce_each" names the same case run with the
-    # proxy's cuMemcpyAsync copies
+    # proxy's cuMemcpyAsync copies, "_processes" run as one process per rank
     newest = {}
     for r in run:
-        newest[(str(r.get("tool")), str(r.get("case")).replace("_ce_each", ""))] = r
+        case = str(r.get("case")).replace("_ce_each", "").replace("_processes", "")
+        newest[(str(r.get("tool")), case)] = r
     rows = list(newest.values())
     parts = []
     for tool in dict.fromkeys(str(r.get("tool")) for r in rows if r.get("tool") != "none"):
@@ -602,16 +636,19 @@ PIECES = [
           "each size class and keeps the faster (`mkrt/controller/fusion.py`); `fuse=\"model\"` "
           "is the cost model's pick (`mkrt/controller/cost.py`; the \"planner's pick\" lines); "
           "`experiments/planner.py` times both against both paths", "planner", _planner_lines),
+    Piece("planner: instance noise", "the planner's held-out misses again, each path timed in "
+          "two op instances of the same shape, same run (`experiments/instance_noise.py`): how "
+          "far two measurements of one path differ", "instance_noise", _instance_noise_lines),
     Piece("proxy", "GPU command queues + Numba proxy threads; `host` and `ce` transports; "
           "`verbs` (RC, EFA SRD): the compiled loop posts through the provider's function pointers; "
           "run over mkrt's loopback NIC with GPU kernels, never on RDMA hardware",
           "proxy", _proxy_lines),
     Piece("`mkrt.allgather_gemm`", "fused: the world-wide allgather's data movement in "
-          "communication CTAs (split by `gather_split`), the GEMM engine in the rest; tile rows "
-          "of the rank's own block read its input, the others wait for the chunks holding their "
-          "rows (chunk flags since `6b5c50d`, not yet run on a GPU); GPU tests "
-          "and 10,000-call determinism on emulated worlds (rows from `3a53e20` on have the split "
-          "rule and the own-rows map; at `46aa52f`, before them: 0.23-0.87x on 1x2)",
+          "communication CTAs (split by `gather_split`), which then join the GEMM engine's CTAs "
+          "(tiles claimed from a counter, since `02b9f9b`); tile rows of the rank's own block "
+          "read its input, the others wait for the chunks holding their rows; GPU tests, "
+          "sanitizers and 10,000-call determinism on emulated worlds (at `46aa52f`, before the "
+          "split rule, the own-rows map and the joining CTAs: 0.23-0.87x on 1x2)",
           "tp_pair", _tp_pair_lines("allgather_gemm", "AllGather+GEMM", "allgather + cuBLAS")),
     Piece("AllGather+GEMM split", "the fused op at static splits of 2 to 24 communication CTAs, "
           "with `roles=\"search\"` and the unfused path, same run (`experiments/agg_split.py`); "
@@ -625,7 +662,7 @@ PIECES = [
           "stalled proxy, commands the transport refuses, NaN/Inf inputs, a timeout shorter than a "
           "tile (`experiments/faults.py`, also `tests/test_faults_gpu.py` with a rank process that "
           "exits under mpiexec)", "faults", _described("fault matrix", _faults_text)),
-    Piece("reliability: determinism", "every world op on 2x2 (MoE on 1x4: these runs predate MoE across nodes), 10,000 back-to-back calls and "
+    Piece("reliability: determinism", "every world op on 2x2 (MoE on 1x4 and 2x2), 10,000 back-to-back calls and "
           "2,000 graph replays, hashed on the GPU every 100 (`experiments/determinism.py`)",
           "determinism", _described("determinism", _determinism_text, latest_per_case=True)),
     Piece("reliability: sanitizers", "compute-sanitizer memcheck, racecheck, synccheck, initcheck "
@@ -653,7 +690,9 @@ PIECES = [
           "pingpong) against the default of the same run", "attention_variants",
           _attention_variant_lines),
     Piece("`mkrt.grouped_gemm`", "the GEMM engine over every group's tiles in one launch "
-          "(MoE's experts), group offsets from the host or the device "
+          "(MoE's experts), group offsets from the host or the device; a group's weight too "
+          "large for L2 is walked in bands of 8 m-tiles (since `932f011`); timed back to back, "
+          "host time included: the Qwen3 cases' kernels are 0.1-0.2 ms "
           "(`experiments/grouped_gemm.py`; GPU tests pass)", "grouped_gemm",
           lambda rows: family_lines(rows, lambda r: "expert GEMMs",
                                     against="of the best of torch._grouped_mm and a cuBLAS loop")),
