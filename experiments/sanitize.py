@@ -7,6 +7,11 @@ Each case first runs once without the sanitizer (it must pass: this also fills t
 cache), then under each tool. A row per (tool, case): the errors the tool reported (its
 ERROR SUMMARY), whether the case's own check passed, the time. Waits carry a 120 s bound:
 a tool slows kernels, and ranks of an emulated world wait for each other's kernels.
+
+World cases can also run as one process per rank under mpiexec and a private MPS daemon
+(``--processes``), every rank under the tool, or with ``--tool-ranks 0 1 ..`` one run per
+listed rank with only that rank under it (a rank's kernels wait for the others', whose
+kernels and proxy copies then run at full speed).
 """
 
 from __future__ import annotations
@@ -336,14 +341,19 @@ PROCESS_CASES = {name for name in CASES if name.startswith(
     re.search(r"_\d+x\d+$", name)}
 
 
-def process_command(name: str, tool: str | None, copy_method: str) -> tuple[list[str], dict]:
+def process_command(name: str, tool: str | None, copy_method: str,
+                    tool_rank: int | None = None) -> tuple[list[str], dict]:
     """(command, environment) that run case `name` as one process per rank under mpiexec,
-    each process under the tool when there is one (a tool then sees one rank's kernels)."""
+    each process under the tool when there is one (a tool then sees one rank's kernels),
+    or with `tool_rank` only that rank's process: the others' kernels and proxy copies run
+    at full speed, whatever the tool does to the scheduling of the one it watches."""
     from mkrt.launch import child_env, mpiexec_command
     nodes, per_node = (int(x) for x in re.search(r"_(\d+)x(\d+)$", name).groups())
     command = mpiexec_command(nodes * per_node, os.path.abspath(__file__), "--inner", name,
                               "--ce-copy-method", copy_method)
-    if tool is not None:
+    if tool is not None and tool_rank is not None:
+        command += ["--inner-tool", tool, "--inner-tool-rank", str(tool_rank)]
+    elif tool is not None:
         at = command.index(sys.executable)
         command[at:at] = tool_prefix(tool)
     # Four processes under MPS failed at context creation (cudaSetDevice: out of memory,
@@ -371,7 +381,22 @@ def use_ce_copy_method(method: str) -> None:
                                                               copy_method=method)
 
 
-def inner(name: str, copy_method: str) -> None:
+def mpi_rank_from_env() -> int | None:
+    """This process's rank as mpiexec set it (before MPI is initialised), or None."""
+    for variable in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        if os.environ.get(variable, "").isdigit():
+            return int(os.environ[variable])
+    return None
+
+
+def inner(name: str, copy_method: str, tool: str | None = None, tool_rank: int | None = None) -> None:
+    if tool is not None and tool_rank == mpi_rank_from_env() and not os.environ.get("MKRT_SANITIZE_WATCHED"):
+        # this rank runs under the tool: the same command in its place (the rank's
+        # environment goes with it, so MPI sees the same rank)
+        os.environ["MKRT_SANITIZE_WATCHED"] = "1"
+        command = [*tool_prefix(tool), sys.executable, os.path.abspath(__file__), "--inner", name,
+                   "--ce-copy-method", copy_method]
+        os.execvp(command[0], command)
     use_ce_copy_method(copy_method)
     ok = CASES[name]()
     print(f"SANITIZE_CASE {name} ok={ok}", flush=True)
@@ -379,12 +404,13 @@ def inner(name: str, copy_method: str) -> None:
 
 
 def one(tool: str | None, name: str, timeout_s: float, copy_method: str = "kernel",
-        processes: dict | None = None) -> dict:
+        processes: dict | None = None, tool_rank: int | None = None) -> dict:
     """One run of case `name` (under `tool`, or plain): in one process, or with `processes`
-    (the environment of a private MPS daemon, possibly empty) one process per rank."""
+    (the environment of a private MPS daemon, possibly empty) one process per rank, all
+    under the tool or (`tool_rank`) one."""
     env, ranks = None, 1
     if processes is not None and name in PROCESS_CASES:
-        command, env = process_command(name, tool, copy_method)
+        command, env = process_command(name, tool, copy_method, tool_rank)
         env.update(processes)
         ranks = int(command[command.index("-n") + 1])
     else:
@@ -401,6 +427,7 @@ def one(tool: str | None, name: str, timeout_s: float, copy_method: str = "kerne
         code, timed_out = None, True
     return dict(parse_output(output, name, ranks), tool=tool or "none", case=name,
                 ce_copy_method=copy_method, processes=ranks if env is not None else 0,
+                tool_rank=tool_rank if env is not None and tool is not None else None,
                 seconds=time.perf_counter() - start, returncode=code, timed_out=timed_out,
                 first_reports=first_reports(output), tail=output[-3000:])
 
@@ -434,10 +461,15 @@ def main() -> None:
     parser.add_argument("--processes", action="store_true",
                         help="world cases as one process per rank under mpiexec (a private MPS "
                              "daemon lets their kernels run side by side; each tool sees one rank)")
+    parser.add_argument("--tool-ranks", nargs="*", type=int, default=None,
+                        help="with --processes: one run per listed rank, only that rank's "
+                             "process under the tool")
+    parser.add_argument("--inner-tool", help=argparse.SUPPRESS)
+    parser.add_argument("--inner-tool-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="experiments/results/sanitize.jsonl")
     args = parser.parse_args()
     if args.inner:
-        inner(args.inner, args.ce_copy_method)
+        inner(args.inner, args.ce_copy_method, args.inner_tool, args.inner_tool_rank)
         return
     if args.processes:
         # one case at a time: each is W MPS clients, and 4 cases of 4 ranks at once failed
@@ -464,6 +496,7 @@ def run_all(args, processes: dict | None = None) -> None:
             print(row["tail"][-2500:], flush=True)
         suffix = "" if row["ce_copy_method"] == "kernel" else f"_ce_{row['ce_copy_method']}"
         suffix += "_processes" if row["processes"] else ""
+        suffix += f"_rank{row['tool_rank']}" if row.get("tool_rank") is not None else ""
         append_jsonl(args.out, [record("sanitize", f"{row['tool']}_{row['case']}{suffix}", "errors",
                                        float(row["errors"]) if row["errors"] is not None else None,
                                        0.0, "count", higher_is_better=False, ctas=CTAS,
@@ -473,10 +506,12 @@ def run_all(args, processes: dict | None = None) -> None:
     for row in plain.values():
         write(row)
     # Rows are written as each run ends: a caller's time limit keeps what finished.
-    jobs = [(tool, name) for tool in args.tools for name in args.cases if plain[name]["case_ok"]]
+    watched = args.tool_ranks if processes is not None and args.tool_ranks else [None]
+    jobs = [(tool, name, rank) for tool in args.tools for name in args.cases
+            if plain[name]["case_ok"] for rank in watched]
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        futures = [pool.submit(one, tool, name, args.timeout, args.ce_copy_method, processes)
-                   for tool, name in jobs]
+        futures = [pool.submit(one, tool, name, args.timeout, args.ce_copy_method, processes, rank)
+                   for tool, name, rank in jobs]
         for future in concurrent.futures.as_completed(futures):
             write(future.result())
 

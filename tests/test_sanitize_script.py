@@ -45,3 +45,30 @@ def test_counts_are_summed_over_the_processes_and_every_check_must_pass(sanitize
     assert not sanitize.parse_output(one + two, "c", ranks=4)["case_ok"]
     races = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
     assert sanitize.parse_output(races * 2, "c", ranks=2)["hazards"] == 0
+
+
+def test_one_rank_under_the_tool(sanitize, monkeypatch):
+    """--tool-ranks: mpiexec runs every rank plainly and tells them which one re-runs itself
+    under the tool; only the process of that rank does, once."""
+    command, _ = sanitize.process_command("gemm_reducescatter_fused_2x2", "racecheck", "each", tool_rank=2)
+    assert "--tool" not in command[:command.index(sys.executable)]      # no tool around mpiexec's ranks
+    assert command[-4:] == ["--inner-tool", "racecheck", "--inner-tool-rank", "2"]
+    execs = []
+    monkeypatch.setattr(sanitize.os, "execvp", lambda path, argv: execs.append(argv))
+    monkeypatch.setattr(sanitize, "use_ce_copy_method", lambda method: None)
+    monkeypatch.setitem(sanitize.CASES, "probe_case", lambda: True)
+    monkeypatch.delenv("MKRT_SANITIZE_WATCHED", raising=False)
+    for variable in ("PMIX_RANK", "PMI_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    for rank, watched in ((1, False), (2, True)):
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(rank))
+        execs.clear()
+        # a plain rank runs the case and exits; the watched one execs (mocked here, so it
+        # then runs the case too)
+        with pytest.raises(SystemExit):
+            sanitize.inner("probe_case", "each", "racecheck", 2)
+        assert bool(execs) == watched
+        if watched:
+            assert execs[0][:3] == sanitize.tool_prefix("racecheck")[:3] and "--inner-tool" not in execs[0]
+            assert sanitize.os.environ["MKRT_SANITIZE_WATCHED"] == "1"
+            monkeypatch.delenv("MKRT_SANITIZE_WATCHED")
