@@ -53,6 +53,25 @@ def test_band_rule():
     assert any(GG.band_m_tiles(c[1], c[2]) == 1 for c in GG.test_cases())
 
 
+@pytest.mark.parametrize("group_m", [1, 8])
+def test_tile_order_covers_every_tile_once(group_m):
+    rng = np.random.default_rng(group_m)
+    for sizes in ([0, 1, 0, 300, 17], [1300, 0, 129], list(rng.integers(0, 2000, 12))):
+        order = GG.tile_order(sizes, 1000, 128, 256, group_m)
+        expected = {(g, m, nt) for g, rows in enumerate(sizes) for m in range(-(-rows // 128))
+                    for nt in range(4)}
+        assert sorted(t[:3] for t in order) == sorted(expected) and len(order) == len(expected)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        assert all(starts[g] <= row < starts[g + 1] for g, _, _, row in order)
+        # groups in order; inside a band, consecutive tiles share the n-tile (the weight tile)
+        assert [t[0] for t in order] == sorted(t[0] for t in order)
+    order = GG.tile_order([128 * 20], 1024, 128, 256, group_m)
+    if group_m == 1:
+        assert order[:4] == [(0, 0, n, 0) for n in range(4)]           # m-tile major
+    else:
+        assert [t[1:3] for t in order[:9]] == [(m, 0) for m in range(8)] + [(0, 1)]
+
+
 def test_block_m_rule_and_reference():
     assert GG.choose_block_m(256 * 8, 256) == 64 and GG.choose_block_m(4096, 8) == 128
     rng = np.random.default_rng(0)

@@ -188,6 +188,28 @@ def choose_block_m(rows: int, groups: int) -> int:
     return 64 if rows < 128 * groups else 128
 
 
+def tile_order(group_rows, n: int, block_m: int, block_n: int, group_m: int) -> list[tuple]:
+    """The tiles GroupedWork hands out, in order, in Python (a CPU test checks them): for
+    t = 0, 1, ... (group, m-tile within the group, n-tile, first row of x)."""
+    offsets = np.concatenate([[0], np.cumsum(group_rows)]).astype(int)
+    m_tiles = [-(-int(r) // block_m) for r in group_rows]
+    prefix = np.concatenate([[0], np.cumsum(m_tiles)]).astype(int)
+    tiles_n = -(-n // block_n)
+    order = []
+    for t in range(int(prefix[-1]) * tiles_n):
+        virtual_m = t // tiles_n
+        group = int(np.searchsorted(prefix, virtual_m, side="right")) - 1   # last g: prefix[g] <= virtual_m
+        local = t - int(prefix[group]) * tiles_n
+        rows_in_group = int(prefix[group + 1] - prefix[group])
+        band = local // (group_m * tiles_n)                    # gemm::RasterWork::tile_at
+        first_m = band * group_m
+        band_rows = min(group_m, rows_in_group - first_m)
+        within = local - band * group_m * tiles_n
+        m_tile, n_tile = first_m + within % band_rows, within // band_rows
+        order.append((group, m_tile, n_tile, int(offsets[group]) + m_tile * block_m))
+    return order
+
+
 # ---- checks ------------------------------------------------------------------------------
 
 #: bytes of one group's weight above which its tiles go in bands of 8 m-tiles: a quarter of
