@@ -61,7 +61,10 @@ def _per_rank(world, seed: int, shape, scale: float = 1.0):
     return every, [every[info.rank] for info in world.local]
 
 
-def _gar(layout, fuse, m=192, n=256, k=128):
+def _gar(layout, fuse, m=192, n=256, k=128, unfused_gemm="cublas"):
+    """GEMM+AllReduce, fused or unfused; the unfused path's GEMM by cuBLAS (whose sm90
+    kernels store C with TMA, which initcheck does not track) or by mkrt's engine (plain
+    stores: what the all-reduce then reads is tracked)."""
     def case():
         import cupy
         import numpy as np
@@ -73,8 +76,8 @@ def _gar(layout, fuse, m=192, n=256, k=128):
         every_a, a = _per_rank(world, 10, (m, k))
         every_b, b = _per_rank(world, 100, (k, n), 1 / 8)
         op = mkrt.GemmAllReduce(world, fuse=fuse, ctas=CTAS, timeout_ms=TIMEOUT_MS)
-        outs = op(a, b) if fuse else op.unfused(a, b)
-        outs = op(a, b) if fuse else op.unfused(a, b)        # a second epoch
+        outs = op(a, b) if fuse else op.unfused(a, b, gemm=unfused_gemm)
+        outs = op(a, b) if fuse else op.unfused(a, b, gemm=unfused_gemm)    # a second epoch
         world.synchronize()
         ref = gar.reference(every_a, every_b, dtype=np.float32)
         error = max(float(cupy.linalg.norm(to_float32(o) - ref) / cupy.linalg.norm(ref)) for o in outs)
@@ -319,6 +322,7 @@ CASES = {
     "gemm_allreduce_fused_2x2": _gar("2x2", True),
     "gemm_allreduce_unfused_1x2": _gar("1x2", False),
     "gemm_allreduce_unfused_2x2": _gar("2x2", False, m=256),
+    "gemm_allreduce_unfused_mkrt_gemm_2x2": _gar("2x2", False, m=256, unfused_gemm="mkrt"),
     "gemm_reducescatter_fused_1x2": _tp_pair("gemm_reducescatter", "1x2"),
     "gemm_reducescatter_fused_2x2": _tp_pair("gemm_reducescatter", "2x2"),
     "allgather_gemm_fused_1x2": _tp_pair("allgather_gemm", "1x2"),

@@ -397,12 +397,20 @@ def _instance_noise_lines(rows):
     """experiments/instance_noise.py: two op instances timing the same path on the same shape
     (the planner's held-out misses), per layout."""
     def text(run):
-        ratios = [v for v in (_number(r.get("ratio")) for r in run) if v]
+        pairs = [r for r in run if r.get("metric") == "b_over_a"]
+        ratios = [r["b_us"] / r["a_us"] for r in pairs if _number(r.get("a_us")) and _number(r.get("b_us"))]
         far = sum(abs(v - 1.0) > 0.03 for v in ratios)
-        shapes = len({(r.get("m"), r.get("n"), r.get("k")) for r in run})
-        return (f"{run[0].get('layout')} emulated, {shapes} shapes x 2 paths: the second instance's "
+        shapes = len({(r.get("m"), r.get("n"), r.get("k")) for r in pairs})
+        text = (f"{run[0].get('layout')} emulated, {shapes} shapes x 2 paths: the second instance's "
                 f"time / the first's {span(ratios, 'x')}; {far} of {len(ratios)} differ by more "
                 "than 3% (the margin the planner's misses are judged by)")
+        # rows from 2026-12-04 on: a fuse="measure" op's kept path against the op fixed to it
+        kept = [r["measured_us"] / r["fixed_us"] for r in run if r.get("metric") == "measured_over_fixed"
+                and _number(r.get("measured_us")) and _number(r.get("fixed_us"))]
+        if kept:
+            text += (f"; the measuring op's kept path / the fixed op's time {span(kept, 'x')}"
+                     f" ({sum(v > 1.03 for v in kept)} of {len(kept)} more than 3% slower)")
+        return text
     return _lines_per_layout(rows, "instance noise, {} emulated", text)
 
 
