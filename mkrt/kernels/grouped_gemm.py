@@ -221,10 +221,12 @@ def band_m_tiles(n: int, k: int, itemsize: int = 2) -> int:
     """m-tiles per raster band inside a group (GroupedWork): 1 (m-tile-major) while a
     group's weight fits comfortably in L2, where it is read from memory once however the
     m-tiles go by; 8 above that, so concurrent CTAs share weight tiles instead of
-    streaming the weight once per m-tile. Measured on experiments/grouped_gemm.py's suite
-    (54199cd, one order for every case): bands of 8 took Mixtral's w1 (235 MB per expert)
-    from 0.72x to 0.91x of torch and DeepSeek's w1 from 1.08x to 1.34x, and cost Qwen3's
-    w1 (6 MB) 0.80x -> 0.55x."""
+    streaming the weight once per m-tile. Measured on experiments/grouped_gemm.py's suite:
+    bands of 8 took Mixtral's w1 (235 MB per expert) from 0.72x to 0.91x of torch and
+    DeepSeek's w1 from 1.08x to 1.34x (54199cd). Qwen3's small experts (6 and 3 MB) ran
+    about as slowly with bands of 8 (54199cd) as m-tile-major (932f011), both below
+    9c5fb11's figures: their 0.1-0.2 ms calls are timed with host time included, so the
+    threshold rests on the L2 argument, not on those two."""
     return 8 if n * k * itemsize > BAND_WEIGHT_BYTES else 1
 
 

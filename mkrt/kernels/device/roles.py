@@ -334,9 +334,9 @@ __device__ __forceinline__ int claim_tile(const Board& b, int* left_because) {
 }
 
 // A work list for gemm::run_tiles whose tiles come from a queue (the board's compute
-// queue, or a plain CountedQueue): the producer claims each tile and passes its number to the consumers through a small ring
-// in shared memory (full/empty barriers, like the engine's stages). Inner maps a queue
-// position to a Tile (e.g. gemm::RasterWork::tile_at).
+// queue, or a plain CountedQueue): the producer claims each tile and passes its number to
+// the consumers through a small ring in shared memory (full/empty barriers, like the
+// engine's stages). Inner maps a queue position to a Tile (e.g. gemm::RasterWork::tile_at).
 constexpr int RING = 4;
 struct Ring {
     int position[RING];
