@@ -147,6 +147,16 @@ def test_against_torch_grouped_mm():
     ours = GG.grouped_gemm(x, w, np.concatenate([[0], np.cumsum(sizes)]))
     assert isinstance(ours, torch.Tensor)
     assert ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item() < 1e-2
+    # torch out= and device offsets (read through TorchView, no DLPack): out comes back as is
+    out = torch.full_like(theirs, float("nan"))
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), device="cuda", dtype=torch.int32)
+    assert GG.grouped_gemm(x, w, offsets, out=out) is out
+    torch.cuda.synchronize()
+    assert torch.equal(out, ours)
+    with pytest.raises(ValueError, match="int32"):
+        GG.grouped_gemm(x, w, offsets.to(torch.int64), out=out)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        GG.grouped_gemm(x, w, offsets, out=torch.empty_like(theirs.T).T)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ import dataclasses
 
 import numpy as np
 
-from mkrt.arrays import HALF_DTYPES, as_cupy, dtype_name, like_input
+from mkrt.arrays import HALF_DTYPES, TorchView, as_cupy, dtype_name, is_torch, like_input
 from mkrt.cuda import device_sm_count
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
@@ -309,12 +309,22 @@ _PREPARED: "collections.OrderedDict[tuple, _Prepared]" = collections.OrderedDict
 _HOST_OFFSETS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
 
 
+def _view(a, name: str):
+    """What the launch reads of a device array (shape, dtype, pointer, device, layout): the
+    CuPy array itself, a TorchView of a torch tensor (no DLPack round trip: the conversions
+    cost more host time than a small grouped GEMM's kernel), or a CuPy view of anything else."""
+    import cupy
+    if type(a) is cupy.ndarray:
+        return a
+    return TorchView(a, name) if is_torch(a) else as_cupy(a, name)
+
+
 def _device_offsets(offsets, groups: int, rows: int, device: int):
     """A device int32 array of `offsets` (host values checked and uploaded once)."""
     import cupy
     if isinstance(offsets, cupy.ndarray) or hasattr(offsets, "__cuda_array_interface__") \
             or (hasattr(offsets, "__dlpack__") and not isinstance(offsets, np.ndarray)):
-        view = as_cupy(offsets, "offsets")
+        view = _view(offsets, "offsets")
         if view.dtype != np.int32 or view.shape != (groups + 1,) or not view.flags.c_contiguous:
             raise ValueError(f"mkrt.grouped_gemm: device offsets must be a contiguous int32 "
                              f"array of {groups + 1}; got {view.shape} {dtype_name(view.dtype)}")
@@ -356,9 +366,10 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: in
     """
     import cupy
 
-    xv = x if type(x) is cupy.ndarray else as_cupy(x, "x")
-    wv = w if type(w) is cupy.ndarray else as_cupy(w, "w")
-    out_view = out if out is None or type(out) is cupy.ndarray else as_cupy(out, "out")
+    xv, wv = _view(x, "x"), _view(w, "w")
+    out_view = None if out is None else _view(out, "out")
+    # out given in x's kind (torch or not) is returned as it is; otherwise in x's kind
+    out_as_given = out is not None and is_torch(out) == is_torch(x)
     rows, n, k, groups, dtype = check_operands(xv.shape, wv.shape, xv.dtype, wv.dtype)
     device = xv.data.device_id
     for name, a in (("x", xv), ("w", wv), ("out", out_view)):
@@ -382,7 +393,9 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: in
         raise ValueError(f"mkrt.grouped_gemm: sms={sms!r}; expected an integer in [1, {total_sms}]")
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
-        return like_input(out_view if out_view is not None else cupy.empty((0, n), xv.dtype), x)
+        if out_as_given:
+            return out
+        return like_input(as_cupy(out, "out") if out is not None else cupy.empty((0, n), xv.dtype), x)
     key = (rows, n, k, groups, dtype, block_m, int(sms), device)
     call = _PREPARED.get(key)
     if call is None:
@@ -397,7 +410,9 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: in
             out_view = cupy.empty((rows, n), dtype=xv.dtype)
         call.patch(xv.data.ptr, wv.data.ptr, out_view.data.ptr, offsets_view.data.ptr)
         call.launch((stream or cupy.cuda.get_current_stream()).ptr)
-    return like_input(out_view, x)
+    if out_as_given:
+        return out
+    return like_input(out_view if out is None else as_cupy(out, "out"), x)
 
 
 def reference(x, w, offsets, dtype=np.float32):
