@@ -46,8 +46,10 @@ def misses(path: Path, below: float = 0.97) -> list[tuple[str, int, int, int]]:
 
 def kept_path(op, m: int, n: int, k: int) -> str:
     """The path a settled fuse="measure" op runs for the shape: "fused" or "unfused"."""
-    calls = [c for c in op._prepared.values() if (c.plan.m, c.plan.n, c.plan.k) == (m, n, k)]
-    assert calls and calls[-1].settled, "the op has not settled this shape"
+    settled = [c for c in op._prepared.values() if c.settled]
+    calls = [c for c in settled if (c.plan.m, c.plan.n, c.plan.k) == (m, n, k)] or settled[-1:]
+    if not calls:
+        raise RuntimeError(f"the measuring op has not settled {m}x{n}x{k}")
     return "fused" if calls[-1].plan.fused else "unfused"
 
 
