@@ -30,6 +30,24 @@ def test_plan_delivers_every_block_once_and_cannot_stall(nodes, per_node, rows):
     assert t["network_per_node"] == rows * 64 * 2 * per_node * (nodes - 1)   # each block once
 
 
+def test_blocks_are_computed_in_arrival_order():
+    """Own block, node peers' (pushed), then per other node the block put straight here,
+    then those forwarded; one node or one rank per node: the plain rotation."""
+    def blocks(nodes, per_node, rank, rows=256):
+        p = agg.plan(rows * nodes * per_node, 512, 64, nodes=nodes, ranks_per_node=per_node, ctas=66)
+        return list(dict.fromkeys(p.blocks_of(r)[0] for r in p.tile_rows(rank)))
+    assert blocks(2, 2, 0) == [0, 1, 2, 3]
+    assert blocks(2, 2, 1) == [1, 0, 3, 2]            # was 1, 2, 3, 0: a forwarded block first
+    assert blocks(2, 2, 3) == [3, 2, 1, 0]
+    assert blocks(3, 2, 3) == [3, 2, 5, 4, 1, 0]
+    assert blocks(1, 4, 2) == [2, 3, 0, 1] and blocks(3, 1, 1) == [1, 2, 0]
+    # blocks that are not whole tile rows keep the rotation
+    p = agg.plan(100 * 4, 512, 64, nodes=2, ranks_per_node=2, ctas=66)
+    assert p.tile_rows(1) == [(i + 100 // 128) % p.tiles_m for i in range(p.tiles_m)]
+    # the device's formula is the mirror's
+    assert "return ((node + i / G) % N) * G + (me + i % G) % G;" in agg.AllGatherGemmSpec().render()
+
+
 def test_a_plan_that_waits_on_a_block_nobody_sends_is_reported(monkeypatch):
     p = agg.plan(4 * 256, 512, 64, nodes=2, ranks_per_node=2, ctas=66)
     monkeypatch.setattr(agg.Plan, "blocks_of", lambda self, tile_row: [self.world])   # no such block

@@ -11,8 +11,9 @@ rank; its CTAs take two roles:
   local index, and is spread inside the node with peer stores; a ``ready[b]`` flag at
   every receiving rank says block b is in place.
 * **compute**: the GEMM engine over C's tiles, the tile rows of the rank's own block
-  first, then the blocks after it in rank order (node peers' blocks arrive before other
-  nodes'). Tiles are claimed one at a time from a per-launch counter: the compute CTAs
+  first, then the blocks in the order they can arrive (:func:`block_at`): the node peers'
+  (pushed straight in), then each other node's, the one its rank with this rank's local
+  index puts here first, the ones forwarded from node peers after. Tiles are claimed one at a time from a per-launch counter: the compute CTAs
   start at once, and each communication CTA joins them when its copies are done, so no
   SM idles after the gather. Before loading a tile's rows of A, the engine's producer
   waits for the flags of the chunks those rows come from, then fences them for TMA (the
@@ -72,16 +73,27 @@ struct Args {
 };
 $ARGS_CHECKS
 
-// The compute role's work: C's tiles in grouped raster order, tile rows rotated so the
-// rows of this rank's block come first; ClaimedWork hands them out one at a time from the
+// The compute role's work: C's tiles in grouped raster order over tile rows taken block
+// by block in arrival order (block_at; when blocks are not whole tile rows, rotated so the
+// rows of this rank's block come first); ClaimedWork hands them out one at a time from the
 // launch's queue (a counter flag), so a CTA that finished its copies takes the next tile.
 // A tile row inside this rank's block reads A from the rank's input (run_tiles' second
 // map) and waits for nothing; any other waits for the chunks of other ranks' blocks that
 // hold its rows (and, for rows of this rank's block, for the whole block) in the gathered
 // buffer.
+// The i-th block a rank computes on: its node's blocks from its own (pushed by node peers),
+// then each other node's in node order, first the block of the rank with its local index
+// (put here through the proxy), then the others (forwarded by node peers). Mirror:
+// block_at in Python.
+__device__ __forceinline__ int block_at(int i, int node, int me, int G, int N) {
+    return ((node + i / G) % N) * G + (me + i % G) % G;
+}
+
 struct GatheredWork {
     gemm::RasterWork raster;    // tiles_m, tiles_n, group_m (tile_at only)
     int shift;                  // first tile row of this rank's block
+    int rows_in_tiles;          // tile rows per block when blocks are whole tile rows, else 0
+    int node, me, G, N;
     int rows, m;
     const u64* flags;
     Layout L;
@@ -94,7 +106,9 @@ struct GatheredWork {
 
     __device__ __forceinline__ gemm::Tile tile_at(int t) const {
         gemm::Tile tile = raster.tile_at(t);
-        tile.m = (tile.m + shift) % raster.tiles_m;
+        tile.m = rows_in_tiles
+            ? block_at(tile.m / rows_in_tiles, node, me, G, N) * rows_in_tiles + tile.m % rows_in_tiles
+            : (tile.m + shift) % raster.tiles_m;
         tile.index = tile.m * raster.tiles_n + tile.n;
         const int row0 = tile.m * BM;
         if (row0 >= own_first && min(row0 + BM, m) <= own_first + rows) {
@@ -148,7 +162,8 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     __shared__ roles::Ring ring;
     roles::ring_init<Cfg::CONSUMERS>(ring);
     const int mine = a.node * a.G + a.me;
-    const GatheredWork tiles{{tiles_m, tiles_n, a.group_m, 0, 1}, (mine * a.rows) / BM, a.rows, a.m,
+    const GatheredWork tiles{{tiles_m, tiles_n, a.group_m, 0, 1}, (mine * a.rows) / BM,
+                             a.rows % BM == 0 ? a.rows / BM : 0, a.node, a.me, a.G, a.N, a.rows, a.m,
                              a.flags, L, epoch, ctx, mine * a.rows, gather_chunks(comm_ctas),
                              (u64)a.k * sizeof(T)};
     const roles::ClaimedWork<GatheredWork, roles::CountedQueue> work{
@@ -211,6 +226,13 @@ def default_specs() -> list[AllGatherGemmSpec]:
 
 # ---- the plan (pure Python) ----------------------------------------------------------------
 
+def block_at(i: int, node: int, me: int, G: int, N: int) -> int:
+    """The i-th block rank (node, me) computes on (the device's block_at): its node's blocks
+    from its own, then each other node's, that node's rank with local index `me` first (its
+    block is put straight here), the blocks forwarded by node peers after."""
+    return ((node + i // G) % N) * G + (me + i % G) % G
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """One call: shapes, world, the role split, and the order compute takes tile rows in."""
@@ -247,7 +269,14 @@ class Plan:
         return self.ctas - self.comm_ctas
 
     def tile_rows(self, rank: int) -> list[int]:
-        """The order rank `rank` computes tile rows in: its own block's first."""
+        """The order rank `rank` computes tile rows in (GatheredWork::tile_at): block by
+        block in :func:`block_at` order when blocks are whole tile rows, else rotated so its
+        own block's rows come first."""
+        if self.rows % self.block_m == 0:
+            per_block = self.rows // self.block_m
+            node, me = divmod(rank, self.G)
+            return [block_at(i // per_block, node, me, self.G, self.nodes) * per_block + i % per_block
+                    for i in range(self.tiles_m)]
         shift = rank * self.rows // self.block_m
         return [(i + shift) % self.tiles_m for i in range(self.tiles_m)]
 
@@ -640,7 +669,9 @@ def allgather_gemm(a, b, *, world=None, out=None, b_layout: str = "kn", **option
 
 
 def test_cases():
-    """(layout, rows per rank, n, k, b_layout, dtype) the GPU tests run."""
+    """(layout, rows per rank, n, k, b_layout, dtype) the GPU tests run: blocks of whole
+    tile rows (taken in arrival order) and not (rotated), one node and several."""
     return [("1x2", 256, 512, 128, "kn", "bf16"), ("1x2", 150, 520, 64, "nk", "bf16"),
             ("1x4", 300, 384, 136, "nk", "f16"), ("2x2", 256, 1000, 128, "nk", "bf16"),
-            ("2x3", 100, 512, 200, "kn", "bf16"), ("3x1", 200, 264, 64, "kn", "f16")]
+            ("2x3", 100, 512, 200, "kn", "bf16"), ("2x3", 256, 392, 64, "nk", "bf16"),
+            ("3x1", 200, 264, 64, "kn", "f16")]
