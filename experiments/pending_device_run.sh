@@ -2,7 +2,8 @@
 # The next session's first device call (about 9.5 min), at most 8 files under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> [DEADLINE=<s>] bash experiments/pending_device_run.sh
 # 1. AllGather+GEMM's GPU tests with the refitted split rule (f8a09ce: 40 GB/s per
-#    gathering CTA, at most half the CTAs; fitted on agg_split at 54199cd, never run);
+#    gathering CTA, at most half the CTAs; fitted on agg_split at 54199cd, never run) and
+#    blocks taken in arrival order (never run; a new 2x3 case exercises it);
 # 2. tp_pair's AllGather+GEMM full set on 1x2 and 2x2: the rule's first judgement on
 #    shapes it was not fitted on (against 932f011's rows, same harness);
 # 3. both ops on 1x4 (TP 4; issue 14 asks for TP 2, 4 and 8; never run);
