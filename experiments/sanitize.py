@@ -395,11 +395,11 @@ def mpi_rank_from_env() -> int | None:
 
 def inner(name: str, copy_method: str, tool: str | None = None, tool_rank: int | None = None) -> None:
     if tool is not None and tool_rank == mpi_rank_from_env() and not os.environ.get("MKRT_SANITIZE_WATCHED"):
-        # this rank runs under the tool: the same command in its place (the rank's
-        # environment goes with it, so MPI sees the same rank)
+        # this rank runs under the tool: the same command line (``-m mpi4py`` included) in
+        # its place; the rank's environment goes with it, so MPI sees the same rank, and the
+        # marker stops the copy from doing this again
         os.environ["MKRT_SANITIZE_WATCHED"] = "1"
-        command = [*tool_prefix(tool), sys.executable, os.path.abspath(__file__), "--inner", name,
-                   "--ce-copy-method", copy_method]
+        command = [*tool_prefix(tool), sys.executable, *sys.orig_argv[1:]]
         os.execvp(command[0], command)
     use_ce_copy_method(copy_method)
     ok = CASES[name]()

@@ -69,6 +69,8 @@ def test_one_rank_under_the_tool(sanitize, monkeypatch):
             sanitize.inner("probe_case", "each", "racecheck", 2)
         assert bool(execs) == watched
         if watched:
-            assert execs[0][:3] == sanitize.tool_prefix("racecheck")[:3] and "--inner-tool" not in execs[0]
+            prefix = sanitize.tool_prefix("racecheck")
+            assert execs[0][:len(prefix) + 1] == [*prefix, sys.executable]
+            assert execs[0][len(prefix) + 1:] == sys.orig_argv[1:]      # the same command line
             assert sanitize.os.environ["MKRT_SANITIZE_WATCHED"] == "1"
             monkeypatch.delenv("MKRT_SANITIZE_WATCHED")
