@@ -259,6 +259,8 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
 
     // 2. send (several nodes): our block into our own buffer (the puts read it there),
     // then one put of it to rank `me` of every other node, once that rank has arrived.
+    // The wait comes before the copy: that rank began this launch only after its last one
+    // saw our last put land, so the proxy no longer reads the span we overwrite.
     if (a.N > 1) {
         if (!cta_wait_words(a.flags, L.node_arrive(0), 1, a.N, a.node, epoch, ctx, ROLE_INTER,
                             mine, 0, a.queue))
