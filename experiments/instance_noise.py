@@ -27,6 +27,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
@@ -44,13 +46,14 @@ def misses(path: Path, below: float = 0.97) -> list[tuple[str, int, int, int]]:
     return [key for key, ratio in seen.items() if ratio < below]
 
 
-def kept_path(op, m: int, n: int, k: int) -> str:
-    """The path a settled fuse="measure" op runs for the shape: "fused" or "unfused"."""
-    settled = [c for c in op._prepared.values() if c.settled]
-    calls = [c for c in settled if (c.plan.m, c.plan.n, c.plan.k) == (m, n, k)] or settled[-1:]
-    if not calls:
-        raise RuntimeError(f"the measuring op has not settled {m}x{n}x{k}")
-    return "fused" if calls[-1].plan.fused else "unfused"
+def kept_path(op, m: int, n: int, k: int, dtype) -> str:
+    """The path a settled fuse="measure" op runs for the shape: "fused" or "unfused" (its
+    measured choice for the shape's size class)."""
+    from mkrt.controller.fusion import size_class
+    chosen = op.measured.choice(size_class(m, n, k, np.dtype(dtype)))
+    if chosen is None:
+        raise RuntimeError(f"the measuring op has not measured {m}x{n}x{k}")
+    return "fused" if chosen else "unfused"
 
 
 def main() -> None:
@@ -89,7 +92,7 @@ def main() -> None:
                      "measured": lambda: ops["measure"](a, b, out=outs)}
             ops["measure"](a, b, out=outs)          # times both paths and settles
             world.synchronize()
-            kept = kept_path(ops["measure"], m, n, k)
+            kept = kept_path(ops["measure"], m, n, k, bfloat16)
             times = time_paths(world, paths, args.rounds, args.batch)
             rows = [record("instance_noise", f"{layout}_{m}x{n}x{k}_{path}", "b_over_a",
                            times[f"{path}_b"], times[f"{path}_a"], "us", higher_is_better=False,
