@@ -21,6 +21,7 @@ import concurrent.futures
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,17 +62,24 @@ def _per_rank(world, seed: int, shape, scale: float = 1.0):
     return every, [every[info.rank] for info in world.local]
 
 
-def _gar(layout, fuse, m=192, n=256, k=128, unfused_gemm="cublas"):
+def _gar(layout, fuse, m=192, n=256, k=128, unfused_gemm="cublas", epilogue=None):
     """GEMM+AllReduce, fused or unfused; the unfused path's GEMM by cuBLAS (whose sm90
-    kernels store C with TMA, which initcheck does not track) or by mkrt's engine (plain
-    stores: what the all-reduce then reads is tracked)."""
+    kernels store C with TMA, which initcheck does not track) or by mkrt's engine with its
+    `epilogue`: "tma" (TMA stores, like cuBLAS's) or "direct" (plain stores: what the
+    all-reduce then reads is tracked). The pair tells initcheck's reports on the
+    all-reduce's reads of C apart: TMA-stored or really unwritten."""
     def case():
+        import functools
+
         import cupy
         import numpy as np
 
         import mkrt
+        from mkrt.kernels import gemm as gemm_module
         from mkrt.kernels import gemm_allreduce as gar
         from mkrt.kernels.gemm import to_float32
+        if epilogue is not None:     # the unfused path calls gemm_module.gemm at call time
+            gemm_module.gemm = functools.partial(gemm_module.gemm, epilogue=epilogue)
         world = _world(layout)
         every_a, a = _per_rank(world, 10, (m, k))
         every_b, b = _per_rank(world, 100, (k, n), 1 / 8)
@@ -322,7 +330,10 @@ CASES = {
     "gemm_allreduce_fused_2x2": _gar("2x2", True),
     "gemm_allreduce_unfused_1x2": _gar("1x2", False),
     "gemm_allreduce_unfused_2x2": _gar("2x2", False, m=256),
-    "gemm_allreduce_unfused_mkrt_gemm_2x2": _gar("2x2", False, m=256, unfused_gemm="mkrt"),
+    # (ceaa97b's "gemm_allreduce_unfused_mkrt_gemm_2x2" was the first: "auto" picks "tma" here)
+    "gemm_allreduce_unfused_mkrt_tma_2x2": _gar("2x2", False, m=256, unfused_gemm="mkrt", epilogue="tma"),
+    "gemm_allreduce_unfused_mkrt_direct_2x2": _gar("2x2", False, m=256, unfused_gemm="mkrt",
+                                                   epilogue="direct"),
     "gemm_reducescatter_fused_1x2": _tp_pair("gemm_reducescatter", "1x2"),
     "gemm_reducescatter_fused_2x2": _tp_pair("gemm_reducescatter", "2x2"),
     "allgather_gemm_fused_1x2": _tp_pair("allgather_gemm", "1x2"),
@@ -423,17 +434,27 @@ def one(tool: str | None, name: str, timeout_s: float, copy_method: str = "kerne
         if tool is not None:
             command = [*tool_prefix(tool), *command]
     start = time.perf_counter()
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-        output, code, timed_out = result.stdout + result.stderr, result.returncode, False
-    except subprocess.TimeoutExpired as expired:
-        output = (expired.stdout or b"").decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        code, timed_out = None, True
+    output, code, timed_out = run_tree(command, env, timeout_s)
     return dict(parse_output(output, name, ranks), tool=tool or "none", case=name,
                 ce_copy_method=copy_method, processes=ranks if env is not None else 0,
                 tool_rank=tool_rank if env is not None and tool is not None else None,
                 seconds=time.perf_counter() - start, returncode=code, timed_out=timed_out,
                 first_reports=first_reports(output), tail=output[-3000:])
+
+
+def run_tree(command: list[str], env: dict | None, timeout_s: float) -> tuple[str, int | None, bool]:
+    """(stdout and stderr together, exit code or None, timed out) of `command`, run in its
+    own session so that a timeout ends the whole tree (mpiexec's ranks, the tool): a rank
+    left behind kept the GPU busy and the next run failed at cudaSetDevice (ceaa97b)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+        return output, process.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return output, None, True
 
 
 def parse_output(output: str, name: str, ranks: int = 1) -> dict:

@@ -156,7 +156,7 @@ def test_against_torch_grouped_mm():
     with pytest.raises(ValueError, match="int32"):
         GG.grouped_gemm(x, w, offsets.to(torch.int64), out=out)
     with pytest.raises(ValueError, match="C-contiguous"):
-        GG.grouped_gemm(x, w, offsets, out=torch.empty_like(theirs.T).T)
+        GG.grouped_gemm(x, w, offsets, out=torch.empty(theirs.shape[::-1], device="cuda", dtype=theirs.dtype).T)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,10 @@ per rank, the mpiexec command that does it, and reading the tool's counts back."
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,34 @@ def test_one_rank_under_the_tool(sanitize, monkeypatch):
             assert execs[0][len(prefix) + 1:] == sys.orig_argv[1:]      # the same command line
             assert sanitize.os.environ["MKRT_SANITIZE_WATCHED"] == "1"
             monkeypatch.delenv("MKRT_SANITIZE_WATCHED")
+
+
+def test_a_timeout_ends_the_whole_process_tree(sanitize, tmp_path):
+    """A run that outlives its time is killed with everything it started (mpiexec's ranks
+    under the tool): a grandchild left running held the GPU for the next case."""
+    marker = tmp_path / "grandchild.pid"
+    script = f"sleep 60 & echo $! > {marker}; echo started; wait"
+    result = []
+    # in a thread: with the grandchild alive, reading the pipe to its end would block
+    runner = threading.Thread(target=lambda: result.append(
+        sanitize.run_tree(["bash", "-c", script], None, 2.0)), daemon=True)
+    runner.start()
+    runner.join(20)
+    assert result, "run_tree did not return: something it started still holds its output"
+    output, code, timed_out = result[0]
+    assert timed_out and code is None and "started" in output
+    pid = int(marker.read_text())
+    for _ in range(50):                  # the kill is delivered at once; reaping may lag
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the grandchild {pid} outlived the timeout")
+    output, code, timed_out = sanitize.run_tree([sys.executable, "-c", "import sys; print('x', file=sys.stderr)"],
+                                                None, 30.0)
+    assert (output, code, timed_out) == ("x\n", 0, False)      # stderr comes back too
