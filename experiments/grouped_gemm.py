@@ -5,6 +5,10 @@ x top-k over E experts (uniform or Zipf-skewed), weights [G, N, K]. Every case i
 against torch._grouped_mm's output, then timed with CUDA events (warm-up, median).
 
     PYTHONPATH=$PWD python3 experiments/grouped_gemm.py --out experiments/results/grouped_gemm.jsonl
+
+``--sweep-tiles JSONL`` also times each case of SUITE and HELD_OUT with each tile shape of
+TILES (rows of experiment grouped_gemm_tiles): the tile rule is fitted on SUITE's rows and
+judged on HELD_OUT's.
 """
 
 from __future__ import annotations
@@ -28,6 +32,25 @@ SUITE = [("deepseek_v3_w1", 32, 4096, 7168, 4096 * 8 // 8, "uniform"),
          ("mixtral_w1", 2, 28672, 4096, 4096 * 2 // 4, "uniform"),
          ("mixtral_w2", 2, 4096, 14336, 4096 * 2 // 4, "uniform")]
 
+# Shapes the tile rule is judged on, not fitted on: other token counts of the same
+# models, and two models named nowhere else (Llama 4 Scout: 16 experts, H 5120, I 8192,
+# top-1, 4 ranks; gpt-oss-120b: 128 experts, H 2880, I 2880, top-4, 4 ranks).
+HELD_OUT = [("mixtral_w1", 2, 28672, 4096, 1024 * 2 // 4, "uniform"),
+            ("mixtral_w2", 2, 4096, 14336, 1024 * 2 // 4, "uniform"),
+            ("mixtral_w2", 2, 4096, 14336, 16384 * 2 // 4, "uniform"),
+            ("deepseek_v3_w1", 32, 4096, 7168, 2048 * 8 // 8, "zipf"),
+            ("deepseek_v3_w2", 32, 7168, 2048, 16384 * 8 // 8, "uniform"),
+            ("qwen3_30b_w1", 16, 1536, 2048, 2048 * 8 // 8, "uniform"),
+            ("qwen3_30b_w2", 16, 2048, 768, 32768 * 8 // 8, "zipf"),
+            ("llama4_scout_w1", 4, 16384, 5120, 4096 // 4, "uniform"),
+            ("llama4_scout_w2", 4, 5120, 8192, 4096 // 4, "uniform"),
+            ("gpt_oss_120b_w1", 32, 5760, 2880, 4096 * 4 // 4, "zipf"),
+            ("gpt_oss_120b_w2", 32, 2880, 2880, 4096 * 4 // 4, "zipf")]
+
+
+#: the tile shapes (block_m, block_n) --sweep-tiles times
+TILES = [(64, 256), (128, 256), (64, 128), (128, 128)]
+
 
 def sizes_for(groups, rows, skew, rng):
     if skew == "uniform":
@@ -41,12 +64,17 @@ def sizes_for(groups, rows, skew, rng):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="")
+    parser.add_argument("--sweep-tiles", default="", metavar="JSONL",
+                        help="also time each tile shape of TILES on SUITE and HELD_OUT, rows to JSONL")
     args = parser.parse_args()
     import torch
 
     import mkrt
     rng = np.random.default_rng(0)
-    for label, groups, n, k, rows, skew in SUITE:
+    cases = [(case, "fit") for case in SUITE]
+    if args.sweep_tiles:
+        cases += [(case, "held_out") for case in HELD_OUT]
+    for (label, groups, n, k, rows, skew), role in cases:
         sizes = sizes_for(groups, rows, skew, rng)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -69,6 +97,25 @@ def main():
                     torch.matmul(x[a:b], wt[g], out=out[a:b])
         loop_ms = batch_ms(loop)
         best_ms = min(grouped_ms, loop_ms)
+        if args.sweep_tiles:
+            sweep = []
+            for block_m, block_n in TILES:
+                out.fill_(float("nan"))
+                ms = batch_ms(lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, block_m=block_m,
+                                                        block_n=block_n))
+                tile_error = ((out.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
+                sweep.append(record(
+                    "grouped_gemm_tiles", f"{label}_{rows}rows_{skew}_bm{block_m}_bn{block_n}", "ms", ms,
+                    best_ms, "ms", higher_is_better=False, block_m=block_m, block_n=block_n, set=role,
+                    default_ms=ours_ms, max_rel_error=tile_error, correct=tile_error < 1e-2,
+                    group_rows=[int(r) for r in sizes], groups=groups, n=n, k=k, rows=rows, skew=skew,
+                    label=label, baseline_name="best of torch._grouped_mm and a per-group cuBLAS loop"))
+            times = ", ".join(f"{r['block_m']}x{r['block_n']} {r['value']:.4f}" for r in sweep)
+            print(f"  {role} {label} rows={rows} {skew}: {times} ms; default {ours_ms:.4f} ms, "
+                  f"best torch {best_ms:.4f} ms", flush=True)
+            append_jsonl(args.sweep_tiles, sweep)
+            if role == "held_out":
+                continue
         row = record("grouped_gemm", f"{label}_{rows}rows", "tflops", flops / ours_ms / 1e9,
                      flops / best_ms / 1e9, "TFLOP/s", ms=ours_ms, grouped_mm_ms=grouped_ms,
                      cublas_loop_ms=loop_ms, groups=groups, n=n, k=k, rows=rows, skew=skew,

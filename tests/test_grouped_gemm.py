@@ -105,15 +105,15 @@ def _error(out, ref, offsets):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GG.test_cases(), ids=lambda c: f"{len(c[0])}groups-{c[1]}x{c[2]}-{c[3]}")
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_matches_the_reference(case, block_m):
+@pytest.mark.parametrize("block_m,block_n", [(64, 256), (128, 256), (64, 128), (128, 128)])
+def test_matches_the_reference(case, block_m, block_n):
     import cupy
 
     from mkrt.kernels.gemm import poison
     sizes, n, k, dtype = case
     x, w, offsets = _operands(cupy, sizes, n, k, dtype, seed=len(sizes) + n)
     out = poison(cupy.empty((x.shape[0], n), x.dtype))
-    GG.grouped_gemm(x, w, offsets, out=out, block_m=block_m)
+    GG.grouped_gemm(x, w, offsets, out=out, block_m=block_m, block_n=block_n)
     cupy.cuda.Device().synchronize()
     from mkrt.kernels.gemm import to_float32
     assert bool(cupy.isfinite(to_float32(out)).all()), "rows left unwritten (still NaN)"
@@ -171,3 +171,5 @@ def test_bad_arrays_raise_before_launch():
         GG.grouped_gemm(x, w, offsets, out=cupy.empty((32, 32), x.dtype))
     with pytest.raises(ValueError, match="block_m"):
         GG.grouped_gemm(x, w, offsets, block_m=96)
+    with pytest.raises(ValueError, match="block_n"):
+        GG.grouped_gemm(x, w, offsets, block_n=192)

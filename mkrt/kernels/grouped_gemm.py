@@ -173,9 +173,9 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
                 "STAGES": self.stages, "MAX_GROUPS": MAX_GROUPS}
 
 
-def spec_for(dtype: str, block_m: int) -> GroupedGemmSpec:
-    return GroupedGemmSpec(dtype, "nk", block_m, 256,
-                           gemm_module.max_stages(block_m, 256, "direct"))
+def spec_for(dtype: str, block_m: int, block_n: int = 256) -> GroupedGemmSpec:
+    return GroupedGemmSpec(dtype, "nk", block_m, block_n,
+                           gemm_module.max_stages(block_m, block_n, "direct"))
 
 
 def default_specs() -> list[GroupedGemmSpec]:
@@ -355,14 +355,14 @@ def build(rows: int, groups: int, dtype: str, device: int, block_m: int | None =
     spec.function("grouped_gemm", device, spec.smem_bytes)
 
 
-def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: int | None = None,
-                 stream=None):
+def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n: int = 256,
+                 sms: int | None = None, stream=None):
     """``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g].T`` for every g.
 
     x: [R, K] device array; w: [G, N, K] (each group's weight as nn.Linear holds it);
     offsets: G + 1 group boundaries (a host sequence, checked; or a device int32 array,
     used as it is); out: optional [R, N]. ``block_m`` 64 or 128 (default: 64 when groups
-    average fewer than 128 rows). Returns out in the type of ``x``.
+    average fewer than 128 rows); ``block_n`` 128 or 256. Returns out in the type of ``x``.
     """
     import cupy
 
@@ -386,6 +386,8 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: in
         block_m = choose_block_m(rows, groups)
     if block_m not in (64, 128):
         raise ValueError(f"mkrt.grouped_gemm: block_m={block_m!r}; expected 64 or 128")
+    if block_n not in (128, 256):
+        raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
     total_sms = device_sm_count(device)
     if sms is None:
         sms = total_sms
@@ -396,12 +398,12 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, sms: in
         if out_as_given:
             return out
         return like_input(as_cupy(out, "out") if out is not None else cupy.empty((0, n), xv.dtype), x)
-    key = (rows, n, k, groups, dtype, block_m, int(sms), device)
+    key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), device)
     call = _PREPARED.get(key)
     if call is None:
         # the grid: every SM, or fewer when even full groups could not fill them
-        most_tiles = (-(-rows // block_m) + groups) * -(-n // 256)
-        call = _PREPARED[key] = _Prepared(spec_for(dtype, block_m), device,
+        most_tiles = (-(-rows // block_m) + groups) * -(-n // block_n)
+        call = _PREPARED[key] = _Prepared(spec_for(dtype, block_m, block_n), device,
                                           min(int(sms), most_tiles), rows, n, k, groups)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)
