@@ -173,3 +173,16 @@ def test_bad_arrays_raise_before_launch():
         GG.grouped_gemm(x, w, offsets, block_m=96)
     with pytest.raises(ValueError, match="block_n"):
         GG.grouped_gemm(x, w, offsets, block_n=192)
+
+
+def test_every_tile_fits_beside_the_kernels_own_shared_memory():
+    """The kernel's static tile_prefix counts against the 227 KiB too: 128x128 tiles with the
+    engine's 7 stages needed 234,612 bytes and failed to load (ac8a8da)."""
+    from mkrt.kernels import gemm as gemm_module
+    for block_m in (64, 128):
+        for block_n in (128, 256):
+            spec = GG.spec_for("bf16", block_m, block_n)
+            assert spec.smem_bytes + GG.STATIC_SMEM_BYTES <= gemm_module.SMEM_LIMIT
+            assert spec.stages >= 4
+    with pytest.raises(ValueError, match="shared memory"):
+        GG.GroupedGemmSpec("bf16", "nk", 128, 128, 7)

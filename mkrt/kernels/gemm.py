@@ -170,10 +170,11 @@ CLUSTERS = ("", "m2")
 SMEM_LIMIT = 232448          # 227 KiB per block (opt-in), sm_90
 
 
-def max_stages(block_m: int, block_n: int, epilogue: str) -> int:
-    """Most pipeline stages that fit next to the epilogue's staging area."""
+def max_stages(block_m: int, block_n: int, epilogue: str, reserved: int = 0) -> int:
+    """Most pipeline stages that fit next to the epilogue's staging area and `reserved`
+    bytes of the kernel's own (static) shared memory."""
     staging = block_m * block_n * 2 if epilogue == "tma" else 0
-    return (SMEM_LIMIT - 1024 - staging) // ((block_m + block_n) * 128 + 16)
+    return (SMEM_LIMIT - 1024 - staging - reserved) // ((block_m + block_n) * 128 + 16)
 
 
 @dataclasses.dataclass(frozen=True)

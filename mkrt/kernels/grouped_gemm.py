@@ -38,6 +38,8 @@ from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.launcher import KernelLaunch, Parameters
 
 MAX_GROUPS = 1024
+#: the kernel's static shared memory (tile_prefix), beside the engine's dynamic share
+STATIC_SMEM_BYTES = (MAX_GROUPS + 1) * 4
 
 GROUPED_GEMM = cuda_source("grouped_gemm", r"""
 using namespace mkrt;
@@ -164,6 +166,10 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
             raise ValueError("mkrt.grouped_gemm: weights are [G, N, K] (b_layout 'nk'); "
                              f"got {self.b_layout!r}")
         self.engine                   # the engine's checks (dtype, tile, shared memory)
+        if self.smem_bytes + STATIC_SMEM_BYTES > gemm_module.SMEM_LIMIT:
+            raise ValueError(f"mkrt.grouped_gemm: {self.stages} stages of {self.block_m}x{self.block_n} "
+                             f"tiles need {self.smem_bytes} + {STATIC_SMEM_BYTES} bytes of shared memory; "
+                             f"at most {gemm_module.SMEM_LIMIT} (use spec_for)")
 
     def template(self):
         return GROUPED_GEMM
@@ -175,7 +181,7 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
 
 def spec_for(dtype: str, block_m: int, block_n: int = 256) -> GroupedGemmSpec:
     return GroupedGemmSpec(dtype, "nk", block_m, block_n,
-                           gemm_module.max_stages(block_m, block_n, "direct"))
+                           gemm_module.max_stages(block_m, block_n, "direct", STATIC_SMEM_BYTES))
 
 
 def default_specs() -> list[GroupedGemmSpec]:
