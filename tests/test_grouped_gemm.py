@@ -72,6 +72,25 @@ def test_tile_order_covers_every_tile_once(group_m):
         assert [t[1:3] for t in order[:9]] == [(m, 0) for m in range(8)] + [(0, 1)]
 
 
+def test_tile_rule_counts_whole_waves():
+    # Mixtral's w2 on a rank: 2 experts, 2048 rows, N 4096: 128x256 tiles make about 17 x 16 =
+    # 272 tiles, a third wave of 8 on 132 SMs; 64x256 tiles make 33 x 16 = 528, four waves
+    assert GG.expected_m_tiles(2048, 2, 128) == 17 and GG.expected_m_tiles(2048, 2, 64) == 33
+    assert GG.choose_tile(2048, 2, 4096, 132) == (64, 256)
+    # on 128 SMs: 3 waves of 128x256, or 5 of half tiles (64x256: 528, 128x128: 544); of the
+    # two half tiles the more efficient
+    assert GG.choose_tile(2048, 2, 4096, 128) == (128, 128)
+    # decode: every expert one tile whatever its rows; the narrower row tile wastes less
+    assert GG.expected_m_tiles(128, 32, 128) == GG.expected_m_tiles(128, 32, 64) == 32
+    assert GG.choose_tile(128, 32, 4096, 132)[0] == 64
+    assert GG.choose_tile(0, 8, 4096, 132) == (64, 256)       # nothing to do: any valid tile
+    for rows, groups, n in ((1, 1, 8), (100000, 256, 7168), (4096, 32, 130)):
+        assert GG.choose_tile(rows, groups, n, 132) in GG.TILE_EFFICIENCY
+    # an explicit side keeps the other's old default
+    assert GG._tile(2048, 2, 4096, 132, None, 128) == (128, 128)
+    assert GG._tile(2048, 2, 4096, 132, 64, None) == (64, 256)
+
+
 def test_block_m_rule_and_reference():
     assert GG.choose_block_m(256 * 8, 256) == 64 and GG.choose_block_m(4096, 8) == 128
     rng = np.random.default_rng(0)

@@ -108,3 +108,13 @@ def test_a_timeout_ends_the_whole_process_tree(sanitize, tmp_path):
     output, code, timed_out = sanitize.run_tree([sys.executable, "-c", "import sys; print('x', file=sys.stderr)"],
                                                 None, 30.0)
     assert (output, code, timed_out) == ("x\n", 0, False)      # stderr comes back too
+
+
+def test_the_not_printed_line_is_not_a_count(sanitize):
+    """'ERROR SUMMARY: 81900 errors were not printed' follows the count when the print limit
+    is reached; counting it too doubled three initcheck rows."""
+    output = ("========= ERROR SUMMARY: 81920 errors\n"
+              "========= ERROR SUMMARY: 81900 errors were not printed. Use --print-limit option\n"
+              "SANITIZE_CASE c ok=True\n")
+    assert sanitize.parse_output(output, "c")["errors"] == 81920
+    assert sanitize.parse_output("========= ERROR SUMMARY: 1 error\n", "c")["errors"] == 1

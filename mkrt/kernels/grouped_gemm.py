@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import math
 
 import numpy as np
 
@@ -38,8 +39,9 @@ from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels.launcher import KernelLaunch, Parameters
 
 MAX_GROUPS = 1024
-#: the kernel's static shared memory (tile_prefix), beside the engine's dynamic share
-STATIC_SMEM_BYTES = (MAX_GROUPS + 1) * 4
+#: the kernel's static shared memory beside the engine's dynamic share: tile_prefix and a
+#: few words the engine adds (4,112 bytes in ptxas's report), with room to spare
+STATIC_SMEM_BYTES = (MAX_GROUPS + 1) * 4 + 64
 
 GROUPED_GEMM = cuda_source("grouped_gemm", r"""
 using namespace mkrt;
@@ -185,13 +187,48 @@ def spec_for(dtype: str, block_m: int, block_n: int = 256) -> GroupedGemmSpec:
 
 
 def default_specs() -> list[GroupedGemmSpec]:
-    return [spec_for(dtype, bm) for dtype in _CTYPES for bm in (64, 128)]
+    return [spec_for(dtype, *tile) for dtype in _CTYPES for tile in TILE_EFFICIENCY]
 
 
 def choose_block_m(rows: int, groups: int) -> int:
     """64-row tiles when groups average fewer than 128 rows (MoE decode, many experts):
-    less of each group's last tile is padding."""
+    less of each group's last tile is padding. (The rule before choose_tile; kept for
+    callers that fix block_n and for the comparison in experiments/grouped_tiles_fit.py.)"""
     return 64 if rows < 128 * groups else 128
+
+
+#: work per unit time of each tile shape against a 128x256 tile's, fitted on the expert-GEMM
+#: suite's sweep (experiments/grouped_tiles_fit.py on grouped_gemm_tiles.jsonl at 51fa866):
+#: the fit set leaves 64x256 in [0.95, 0.975], 128x128 in [0.975, 1.0] and 64x128 anywhere
+#: in [0.4, 0.925] (never the fastest there); the middle of each range is taken
+TILE_EFFICIENCY = {(128, 256): 1.0, (64, 256): 0.9625, (128, 128): 0.9875, (64, 128): 0.6625}
+
+
+def expected_m_tiles(rows: int, groups: int, block_m: int) -> float:
+    """Row tiles of `rows` rows in `groups` groups whose sizes the host does not know (device
+    offsets): every group with rows takes at least one, and a group's last tile is half
+    padding on average."""
+    occupied = min(groups, rows)
+    return max(occupied, -(-rows // block_m) + occupied / 2)
+
+
+def choose_tile(rows: int, groups: int, n: int, sms: int,
+                efficiency: dict | None = None) -> tuple[int, int]:
+    """(block_m, block_n) with the least expected time: whole waves of tiles over the grid,
+    each as long as its share of a 128x256 tile's work over its efficiency. The waves are
+    what the old rule missed: Mixtral's w2 (2 experts of about 1024 rows, N 4096) makes 272
+    128x256 tiles, a third wave of 8 on 132 SMs; 64x256 tiles make 528, four full waves
+    (1.46x faster, 51fa866)."""
+    efficiency = efficiency or TILE_EFFICIENCY
+    if rows == 0:
+        return (choose_block_m(rows, groups), 256)
+
+    def expected_time(tile):
+        block_m, block_n = tile
+        tiles = expected_m_tiles(rows, groups, block_m) * -(-n // block_n)
+        waves = math.ceil(tiles / min(sms, math.ceil(tiles)))
+        return waves * (block_m * block_n / (128 * 256)) / efficiency[tile]
+    return min(efficiency, key=expected_time)
 
 
 def tile_order(group_rows, n: int, block_m: int, block_n: int, group_m: int) -> list[tuple]:
@@ -353,22 +390,36 @@ def _device_offsets(offsets, groups: int, rows: int, device: int):
     return uploaded
 
 
-def build(rows: int, groups: int, dtype: str, device: int, block_m: int | None = None) -> None:
+def _tile(rows: int, groups: int, n: int, sms: int, block_m: int | None,
+          block_n: int | None) -> tuple[int, int]:
+    """The tile a call uses: choose_tile's when neither side is given, else the given
+    side(s), block_m by choose_block_m and block_n 256 otherwise."""
+    if block_m is None and block_n is None:
+        return choose_tile(rows, groups, n, sms)
+    return (choose_block_m(rows, groups) if block_m is None else block_m,
+            256 if block_n is None else block_n)
+
+
+def build(rows: int, groups: int, n: int, dtype: str, device: int, sms: int | None = None,
+          block_m: int | None = None, block_n: int | None = None) -> None:
     """Compile and load the kernel :func:`grouped_gemm` will launch for `rows` rows in
-    `groups` groups (callers that launch kernels waiting for each other, such as MoE's
-    ranks, build first: a compile between two ranks' launches stalls the first one)."""
-    spec = spec_for(dtype, block_m or choose_block_m(rows, groups))
+    `groups` groups of `n` columns on `sms` SMs (callers that launch kernels waiting for
+    each other, such as MoE's ranks, build first: a compile between two ranks' launches
+    stalls the first one)."""
+    sms = device_sm_count(device) if sms is None else sms
+    spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n))
     spec.function("grouped_gemm", device, spec.smem_bytes)
 
 
-def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n: int = 256,
+def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n: int | None = None,
                  sms: int | None = None, stream=None):
     """``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g].T`` for every g.
 
     x: [R, K] device array; w: [G, N, K] (each group's weight as nn.Linear holds it);
     offsets: G + 1 group boundaries (a host sequence, checked; or a device int32 array,
-    used as it is); out: optional [R, N]. ``block_m`` 64 or 128 (default: 64 when groups
-    average fewer than 128 rows); ``block_n`` 128 or 256. Returns out in the type of ``x``.
+    used as it is); out: optional [R, N]. ``block_m`` 64 or 128, ``block_n`` 128 or 256
+    (default: :func:`choose_tile`'s, from the rows, groups, N and SMs). ``sms``: the SMs
+    the kernel may use (default all). Returns out in the type of ``x``.
     """
     import cupy
 
@@ -388,17 +439,16 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     if out_view is not None and (tuple(out_view.shape) != (rows, n) or out_view.dtype != xv.dtype):
         raise ValueError(f"mkrt.grouped_gemm: out is {tuple(out_view.shape)} {dtype_name(out_view.dtype)}; "
                          f"expected {(rows, n)} {dtype}")
-    if block_m is None:
-        block_m = choose_block_m(rows, groups)
-    if block_m not in (64, 128):
-        raise ValueError(f"mkrt.grouped_gemm: block_m={block_m!r}; expected 64 or 128")
-    if block_n not in (128, 256):
-        raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
     total_sms = device_sm_count(device)
     if sms is None:
         sms = total_sms
     elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
         raise ValueError(f"mkrt.grouped_gemm: sms={sms!r}; expected an integer in [1, {total_sms}]")
+    if block_m not in (None, 64, 128):
+        raise ValueError(f"mkrt.grouped_gemm: block_m={block_m!r}; expected 64 or 128")
+    if block_n not in (None, 128, 256):
+        raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
+    block_m, block_n = _tile(rows, groups, n, int(sms), block_m, block_n)
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
         if out_as_given:

@@ -1093,7 +1093,9 @@ class MoE(Op):
                     for i, info in enumerate(self.world.local)]
         if "experts" in stages:
             for info in self.world.local:
-                grouped_module.build(self.receive_rows, self.experts_per_rank, "bf16", info.device)
+                for columns in (2 * shape.inter, shape.hidden):          # w1's, w2's
+                    grouped_module.build(self.receive_rows, self.experts_per_rank, columns, "bf16",
+                                         info.device, self.world.sm_count(info.rank))
         streams = self._launch_streams()
         for i, (info, stream_ptr) in enumerate(zip(self.world.local, streams)):
             launches, words, swiglu = prepared[i]
