@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -491,14 +492,47 @@ def _sanitize_text(run):
         # A case that did not finish under the tool (its own check failed: a timeout,
         # typically) is named: its count covers only what ran.
         unfinished_cases = [str(r.get("case")) for r in mine if not r.get("case_ok")]
+        # a case unfinished with every rank under the tool may have finished one rank at a time
+        by_rank = [r for r in mine if re.search(r"_rank\d+$", str(r.get("case")))]
+        for i, name in enumerate(unfinished_cases):
+            stem = name.replace("_ce_each", "").replace("_processes", "")
+            ranks = [r for r in by_rank if re.sub(r"_rank\d+$", "", str(r.get("case"))).replace(
+                "_ce_each", "").replace("_processes", "") == stem]
+            if ranks and all(r.get("case_ok") for r in ranks):
+                unfinished_cases[i] = (f"{name}: finished with one rank under the tool at a time, "
+                                       f"ranks {sorted(r.get('tool_rank') for r in ranks)}")
         text = f"{tool} {found} {key} in {len(counted)} cases"
         if tool == "initcheck" and found:
-            text += " (reads of outputs that TMA stores wrote, which initcheck does not track)"
+            text += (" (reads of what TMA stores wrote, and, one process per rank, of what other "
+                     "ranks' processes wrote: initcheck tracks neither; with C stored plainly and "
+                     "every writer under the tool, 0)")
         if unfinished_cases:
             text += (f", of which {len(unfinished_cases)} did not finish under the tool "
                      f"({', '.join(unfinished_cases)})")
         parts.append(text)
     return "; ".join(parts) or "no sanitizer rows"
+
+
+def _grouped_tiles_text(run):
+    """The grouped GEMM's tile rule against the fastest tile of the same run, per set."""
+    from mkrt.kernels.grouped_gemm import choose_tile
+    cases: dict = {}
+    for r in run:
+        key = (r.get("set"), r.get("label"), r.get("rows"), r.get("skew"))
+        cases.setdefault(key, {"meta": r, "ms": {}})["ms"][(r.get("block_m"), r.get("block_n"))] = r.get("value")
+    parts = []
+    for which in ("fit", "held_out"):
+        regrets = []
+        for key, case in cases.items():
+            meta, times = case["meta"], case["ms"]
+            tile = choose_tile(meta["rows"], meta["groups"], meta["n"], 132)
+            if key[0] == which and tile in times and all(times.values()):
+                regrets.append(times[tile] / min(times.values()))
+        if regrets:
+            geomean = math.exp(sum(math.log(x) for x in regrets) / len(regrets))
+            parts.append(f"{which.replace('_', '-')} set, {len(regrets)} expert GEMMs: the rule's tile "
+                         f"{geomean:.3f}x the fastest tile's time (geomean), worst {max(regrets):.3f}x")
+    return "; ".join(parts) or "no rows"
 
 
 def _proxy_stall_text(run):
@@ -699,11 +733,17 @@ PIECES = [
           _attention_variant_lines),
     Piece("`mkrt.grouped_gemm`", "the GEMM engine over every group's tiles in one launch "
           "(MoE's experts), group offsets from the host or the device; a group's weight too "
-          "large for L2 is walked in bands of 8 m-tiles (since `932f011`); timed back to back, "
+          "large for L2 is walked in bands of 8 m-tiles (since `932f011`); the tile by `choose_tile` "
+          "(since `5fc7f29`); timed back to back, "
           "host time included: the Qwen3 cases' kernels are 0.1-0.2 ms "
           "(`experiments/grouped_gemm.py`; GPU tests pass)", "grouped_gemm",
           lambda rows: family_lines(rows, lambda r: "expert GEMMs",
                                     against="of the best of torch._grouped_mm and a cuBLAS loop")),
+    Piece("grouped GEMM tiles", "every tile (64/128 rows x 128/256 columns) on the expert-GEMM "
+          "suite and 11 held-out expert GEMMs, same run (`experiments/grouped_gemm.py "
+          "--sweep-tiles`); the tile rule (`choose_tile`: whole waves over the grid, an efficiency "
+          "per tile) is fitted on the suite (`experiments/grouped_tiles_fit.py`)", "grouped_gemm_tiles",
+          _described("tiles", _grouped_tiles_text)),
     Piece("`mkrt.MoE`", "dispatch in the planned order (across nodes, each token once to each "
           "other node holding one of its experts, placed there by the rank with its local index), "
           "grouped GEMMs, SwiGLU, combine (rows that crossed are summed per token on their node in "
