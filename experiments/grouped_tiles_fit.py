@@ -15,41 +15,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mkrt.kernels import grouped_gemm as GG  # noqa: E402
+from mkrt.report import geomean, grouped_tile_cases, tile_regrets  # noqa: E402
 
 
 def load(path: str, commit: str | None) -> dict:
-    cases: dict = {}
-    for line in open(path):
-        row = json.loads(line)
-        if commit and row["commit"] != commit:
-            continue
-        key = (row["set"], row["label"], row["rows"], row["skew"])
-        case = cases.setdefault(key, {"meta": row, "ms": {}})
-        case["ms"][(row["block_m"], row["block_n"])] = row["value"]
-    return cases
-
-
-def regrets(cases: dict, which: str, choose) -> list[tuple]:
-    out = []
-    for key, case in sorted(cases.items()):
-        if key[0] != which:
-            continue
-        meta = case["meta"]
-        tile = choose(meta["rows"], meta["groups"], meta["n"])
-        out.append((key, tile, case["ms"][tile] / min(case["ms"].values())))
-    return out
-
-
-def geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(map(math.log, values)) / len(values))
+    rows = [json.loads(line) for line in open(path)]
+    return grouped_tile_cases([r for r in rows if not commit or r["commit"] == commit])
 
 
 def main() -> None:
@@ -63,8 +40,8 @@ def main() -> None:
     scored = []
     for a, b, c in itertools.product(grid, grid, grid):
         efficiency = {(128, 256): 1.0, (64, 256): a, (128, 128): b, (64, 128): c}
-        fit = regrets(cases, "fit", lambda r, g, n: GG.choose_tile(r, g, n, args.sms, efficiency))
-        scored.append((round(geomean(x[2] for x in fit), 4), max(x[2] for x in fit), a, b, c))
+        fit = tile_regrets(cases, "fit", lambda r, g, n: GG.choose_tile(r, g, n, args.sms, efficiency))
+        scored.append((round(geomean([x[2] for x in fit]), 4), max(x[2] for x in fit), a, b, c))
     best = min(s[:2] for s in scored)
     tied = [s for s in scored if s[:2] == best]
     print(f"fit set: lowest geomean regret {best[0]:.4f} (worst {best[1]:.3f}), reached with")
@@ -79,9 +56,9 @@ def main() -> None:
     def committed(rows, groups, n):
         return GG.choose_tile(rows, groups, n, args.sms)
     for which in ("fit", "held_out"):
-        new, old = regrets(cases, which, committed), regrets(cases, which, old_rule)
-        print(f"\n{which}: rule's tile / fastest: geomean {geomean(x[2] for x in new):.3f}, worst "
-              f"{max(x[2] for x in new):.3f}; old rule geomean {geomean(x[2] for x in old):.3f}, "
+        new, old = tile_regrets(cases, which, committed), tile_regrets(cases, which, old_rule)
+        print(f"\n{which}: rule's tile / fastest: geomean {geomean([x[2] for x in new]):.3f}, worst "
+              f"{max(x[2] for x in new):.3f}; old rule geomean {geomean([x[2] for x in old]):.3f}, "
               f"worst {max(x[2] for x in old):.3f}")
         for (key, tile, regret), (_, old_tile, old_regret) in zip(new, old):
             print(f"  {key[1]:18s} {key[2]:6d} rows {key[3]:8s} rule {tile[0]}x{tile[1]} {regret:.3f}  "

@@ -513,25 +513,42 @@ def _sanitize_text(run):
     return "; ".join(parts) or "no sanitizer rows"
 
 
+def grouped_tile_cases(rows) -> dict:
+    """grouped_gemm_tiles rows by case ((set, label, rows, skew)): the first row's fields as
+    "meta" and each tile's time as "ms"[(block_m, block_n)] (also read by
+    experiments/grouped_tiles_fit.py)."""
+    cases: dict = {}
+    for r in rows:
+        key = (r.get("set"), r.get("label"), r.get("rows"), r.get("skew"))
+        cases.setdefault(key, {"meta": r, "ms": {}})["ms"][(r.get("block_m"), r.get("block_n"))] = r.get("value")
+    return cases
+
+
+def tile_regrets(cases: dict, which: str, choose) -> list[tuple]:
+    """(case key, tile, its time / the fastest tile's) for every case of set `which` whose
+    sweep timed the tile `choose(rows, groups, n)` picks."""
+    out = []
+    for key, case in sorted(cases.items()):
+        meta, times = case["meta"], case["ms"]
+        if key[0] != which:
+            continue
+        tile = choose(meta["rows"], meta["groups"], meta["n"])
+        if tile in times and all(times.values()):
+            out.append((key, tile, times[tile] / min(times.values())))
+    return out
+
+
 def _grouped_tiles_text(run):
     """The grouped GEMM's tile rule against the fastest tile of the same run, per set."""
     from mkrt.kernels.grouped_gemm import choose_tile
-    cases: dict = {}
-    for r in run:
-        key = (r.get("set"), r.get("label"), r.get("rows"), r.get("skew"))
-        cases.setdefault(key, {"meta": r, "ms": {}})["ms"][(r.get("block_m"), r.get("block_n"))] = r.get("value")
+    cases = grouped_tile_cases(run)
     parts = []
     for which in ("fit", "held_out"):
-        regrets = []
-        for key, case in cases.items():
-            meta, times = case["meta"], case["ms"]
-            tile = choose_tile(meta["rows"], meta["groups"], meta["n"], 132)
-            if key[0] == which and tile in times and all(times.values()):
-                regrets.append(times[tile] / min(times.values()))
+        regrets = [x[2] for x in tile_regrets(cases, which, lambda r, g, n: choose_tile(r, g, n, 132))]
         if regrets:
-            geomean = math.exp(sum(math.log(x) for x in regrets) / len(regrets))
             parts.append(f"{which.replace('_', '-')} set, {len(regrets)} expert GEMMs: the rule's tile "
-                         f"{geomean:.3f}x the fastest tile's time (geomean), worst {max(regrets):.3f}x")
+                         f"{geomean(regrets):.3f}x the fastest tile's time (geomean), worst "
+                         f"{max(regrets):.3f}x")
     return "; ".join(parts) or "no rows"
 
 
