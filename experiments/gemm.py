@@ -144,7 +144,7 @@ def main():
                                epilogue=args.epilogue)
                 call = lambda: G.gemm(a, b, out, **options)  # noqa: E731
                 p = G.call_plan(a, b, out, **options)      # the tile the call runs, recorded
-                tile = (p.spec.block_m, p.spec.block_n, p.splits, p.spec.cluster)
+                tile = (p.spec.block_m, p.spec.block_n, p.splits, p.spec.cluster, p.split_tail)
                 why = choose_tile(m, n, k, sms=cap or full_sms, dtype=args.dtype,
                                   b_layout=layout)[1]
                 G.poison(out)
@@ -173,7 +173,7 @@ def main():
                                  error=error, sms=cap or full_sms, gpu=gpu, date=date,
                                  commit=commit, tag=args.tag, command=command,
                                  config=dict(block_m=tile[0], block_n=tile[1], split_k=tile[2],
-                                             cluster=tile[3],
+                                             cluster=tile[3], split_tail=tile[4],
                                              chosen_by=why if args.block_m is None and
                                              args.block_n is None else "given",
                                              stages=args.stages, group_m=args.group_m,

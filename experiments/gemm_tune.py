@@ -60,6 +60,9 @@ def parse():
     parser.add_argument("--group-m", type=int, nargs="+", default=[8])
     parser.add_argument("--split-k", type=int, nargs="+", default=[2, 4, 8],
                         help="split-K parts also tried where the default tile leaves SMs idle")
+    parser.add_argument("--tail-split", type=int, nargs="*", default=[2, 3, 4],
+                        help="split-K parts of the last partial wave's tiles (split_tail), tried "
+                             "for every tile (and cluster) whose tiles leave such a wave")
     parser.add_argument("--cluster", action="store_true",
                         help="also time each tile with clusters of two CTAs sharing B "
                              "(cluster='m2'; the fit rates them where rows have them)")
@@ -120,19 +123,25 @@ def sweep(args) -> None:
         case = f"{m}x{n}x{k}"
         times = {}
         tiles = [(bm, bn) for bm, bn in CONFIGS if not args.configs or f"{bm}x{bn}" in args.configs]
-        variants = [(bm, bn, g, 1, "") for bm, bn in tiles for g in args.group_m]
-        if args.cluster:
-            variants += [(bm, bn, g, 1, "m2") for bm, bn in tiles for g in args.group_m]
+        clusters = ("", "m2") if args.cluster else ("",)
+        variants = [(bm, bn, g, 1, c, False) for c in clusters for bm, bn in tiles
+                    for g in args.group_m]
         for split_k in args.split_k:
             # split-K only where the default tile leaves SMs idle
             if split_k > 1 and G.plan(m, n, k, sms=sms).tiles < sms:
-                variants += [(bm, bn, args.group_m[0], split_k, "") for bm, bn in tiles]
-        for (block_m, block_n, group_m, split_k, cluster) in variants:
-            config = f"{block_m}x{block_n}_g{group_m}" + (f"_sk{split_k}" if split_k > 1 else "") \
-                + (f"_{cluster}" if cluster else "")
+                variants += [(bm, bn, args.group_m[0], split_k, "", False) for bm, bn in tiles]
+        for split_k in args.tail_split:
+            # the last wave's tiles split, where there is a whole wave before a partial one
+            variants += [(bm, bn, args.group_m[0], split_k, c, True) for c in clusters
+                         for bm, bn in tiles
+                         if gemm_rule.wave_terms(m, n, k, sms, (bm, bn), split_k, c,
+                                                 args.b_layout, split_tail=True)]
+        for (block_m, block_n, group_m, split_k, cluster, split_tail) in variants:
+            config = gemm_rule.config_name(
+                gemm_rule.Choice(block_m, block_n, split_k, cluster, split_tail), group_m)
             call = lambda: G.gemm(a, b, out, b_layout=args.b_layout, sms=args.sms,  # noqa: E731
                                   group_m=group_m, block_m=block_m, block_n=block_n,
-                                  split_k=split_k, cluster=cluster)
+                                  split_k=split_k, split_tail=split_tail, cluster=cluster)
             G.poison(out)
             call()
             error = float(cupy.linalg.norm(G.to_float32(out) - reference)
@@ -153,7 +162,8 @@ def sweep(args) -> None:
             append_jsonl(args.out, [record(
                 "gemm_tune", case, "us", us, torch_us, "us", higher_is_better=False,
                 set=set_name, config=config, block_m=block_m, block_n=block_n,
-                group_m=group_m, split_k=split_k, cluster=cluster, sms=sms, dtype=args.dtype,
+                group_m=group_m, split_k=split_k, split_tail=split_tail, cluster=cluster,
+                sms=sms, dtype=args.dtype,
                 b_layout=args.b_layout, tflops=flops / us / 1e6, error=error,
                 baseline_name="torch.matmul")])
         if times:
@@ -176,8 +186,9 @@ def sweep(args) -> None:
 
 def _configuration(row):
     from mkrt.kernels.gemm_rule import Choice
-    return Choice(int(row["block_m"]), int(row["block_n"]), int(row.get("split_k", 1)),
-                  row.get("cluster") or "")
+    split_k = int(row.get("split_k", 1))
+    return Choice(int(row["block_m"]), int(row["block_n"]), split_k, row.get("cluster") or "",
+                  bool(row.get("split_tail")) and split_k > 1)
 
 
 def _by_case(rows) -> dict:
@@ -188,39 +199,43 @@ def _by_case(rows) -> dict:
     return by_case
 
 
-def winning_splits(rows) -> list[int]:
-    """The split-K part counts that were the fastest configuration of at least one shape
-    of `rows` (and 1): the only ones the rule may choose."""
-    won = {_configuration(min(measured, key=lambda r: float(r["value"])))[2]
-           for measured in _by_case(rows).values()}
-    return sorted(won | {1})
+def winning_splits(rows, split_tail: bool = False) -> list[int]:
+    """The split-K part counts (of every tile, or with split_tail of the last wave's
+    tiles) that were the fastest configuration of at least one shape of `rows` (and 1 for
+    every tile): the only ones the rule may choose."""
+    winners = [_configuration(min(measured, key=lambda r: float(r["value"])))
+               for measured in _by_case(rows).values()]
+    won = {c.split_k for c in winners if c.split_tail == split_tail and c.split_k > 1}
+    return sorted(won if split_tail else won | {1})
 
 
 def fit_model(rows) -> dict:
     """Least squares (relative errors) of the wave model's terms on `rows` (measured times
     of (shape, configuration)): 1 / rate per tile (and per tile with clusters, where rows
     have them), the split-K cost, the cost of a row loaded an odd 16 bytes off a sector,
-    a fixed launch cost.
+    the tail split's summing cost, a fixed launch cost.
     Split-K part counts that never won a shape of `rows` are left out of the fit and of
-    the rule (``splits``): a measured split-K far slower than the model's linear fix-up
-    cost would otherwise pull every tile's rate."""
+    the rule (``splits``, ``tail_splits``): a measured split-K far slower than the model's
+    linear fix-up cost would otherwise pull every tile's rate."""
     from mkrt.kernels import gemm_rule
-    splits = winning_splits(rows)
-    rows = [r for r in rows if _configuration(r).split_k in splits]
+    splits, tail_splits = winning_splits(rows), winning_splits(rows, split_tail=True)
+    rows = [r for r in rows
+            if _configuration(r).split_k in (tail_splits if _configuration(r).split_tail else splits)]
     measured = {gemm_rule.rate_key(c[:2], c.cluster) for c in map(_configuration, rows)}
     tiles = [key for key in (gemm_rule.rate_key(tile, cluster) for cluster in gemm_rule.CLUSTERS
                              for tile in gemm_rule.TILES) if key in measured]
-    columns = tiles + ["split_cost", "row_cost", "launch_us"]
+    columns = tiles + ["split_cost", "row_cost", "tail_cost", "launch_us"]
     matrix, target = [], []
     for row in rows:
         m, n, k = (int(x) for x in row["case"].split("x"))
         c = _configuration(row)
         terms = gemm_rule.wave_terms(m, n, k, int(row["sms"]), c[:2], c.split_k, c.cluster,
-                                     row.get("b_layout", "nk"))
+                                     row.get("b_layout", "nk"), c.split_tail)
         if terms is None:
             continue
         x = [0.0] * len(columns)
-        x[tiles.index(gemm_rule.rate_key(c[:2], c.cluster))], x[-3], x[-2] = terms
+        work, x[-4], x[-3], x[-2] = terms
+        x[tiles.index(gemm_rule.rate_key(c[:2], c.cluster))] = work
         x[-1] = 1.0
         us = float(row["value"])
         matrix.append([v / us for v in x])       # relative: every shape counts alike
@@ -228,9 +243,9 @@ def fit_model(rows) -> dict:
     solution = np.linalg.lstsq(np.array(matrix), np.array(target), rcond=None)[0]
     inverse = {t: float(v) for t, v in zip(tiles, solution)}
     return {"rates": {t: 1.0 / v for t, v in inverse.items() if v > 0},
-            "split_cost": max(0.0, float(solution[-3])), "row_cost": max(0.0, float(solution[-2])),
-            "launch_us": max(0.0, float(solution[-1])),
-            "splits": splits, "rows": len(rows)}
+            "split_cost": max(0.0, float(solution[-4])), "row_cost": max(0.0, float(solution[-3])),
+            "tail_cost": max(0.0, float(solution[-2])), "launch_us": max(0.0, float(solution[-1])),
+            "splits": splits, "tail_splits": tail_splits, "rows": len(rows)}
 
 
 def judge(rows, fit) -> list[dict]:
@@ -263,14 +278,15 @@ def fit_and_judge(args) -> None:
     fit["commit"] = args.commit or fit_rows[-1].get("commit")
     gemm_rule.FIT_PATH.write_text(json.dumps(fit, indent=1, sort_keys=True) + "\n")
     print(f"wrote {gemm_rule.FIT_PATH}: rates {fit['rates']}, split cost {fit['split_cost']:.3g}, "
-          f"row cost {fit['row_cost']:.3g} us, "
+          f"row cost {fit['row_cost']:.3g} us, tail cost {fit['tail_cost']:.3g} us, "
+          f"tail splits {fit['tail_splits']}, "
           f"launch {fit['launch_us']:.1f} us ({fit['rows']} FIT rows)")
     for name, subset in (("FIT", fit_rows), ("HELD_OUT", held)):
         lines = judge(subset, fit)
         scored = [x for x in lines if x["pick_us"]]
         print(f"{name}: {len(lines)} shapes, the pick measured on {len(scored)}")
         for x in lines:
-            pick = "x".join(map(str, x["pick"][:3])) + (f"_{x['pick'].cluster}" if x["pick"].cluster else "")
+            pick = gemm_rule.config_name(x["pick"])
             got = f"{x['fastest_us'] / x['pick_us']:.3f} of fastest, {x['torch_us'] / x['pick_us']:.3f}x torch" \
                 if x["pick_us"] else "pick not measured"
             print(f"  {x['case']:18s} pick {pick:12s} {got}")

@@ -1,27 +1,29 @@
 #!/bin/bash
-# A device call (about 3 min; ran at 5fc7f29, rows committed), at most 8 files under $OUT:
+# A device call (about 8 min), at most 8 files under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 1. grouped GEMM and MoE GPU tests with the tile rule (choose_tile, fitted at 51fa866);
-# 2. the expert-GEMM suite and the held-out set again: the rule's default path beside every
-#    tile shape, same run;
-# 3. initcheck of the unfused GEMM+AllReduce on 1x2 with mkrt's plain-store GEMM, in one
-#    process (every writer under the tool: 0 reports expected) and as one process per rank
-#    with rank 0 under the tool (reports in the reduce's reads of what rank 1 wrote expected).
+# 1. every GEMM kernel the tests and the sweep use, compiled in parallel (16 cores);
+# 2. the GEMM GPU tests (split-K of every tile and of the last wave's tiles, with and
+#    without clusters: against float32, bit-identical over 20 calls) and the rule's tests;
+# 3. the tile sweep on the 30 shapes (FIT and HELD_OUT), the three tiles of the fit with
+#    and without clusters, each also with the last wave's tiles split in 2, 3 and 4 parts;
+# 4. the rule refitted on the FIT rows and judged on HELD_OUT (printed; the fit file back).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-echo "== grouped GEMM and MoE tests"
-timeout 200 python3 -m pytest -q -m gpu tests/test_grouped_gemm.py tests/test_moe.py -p no:cacheprovider \
-    -p timeout --timeout=90 > $OUT/pytest.log 2>&1
-echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest.log | tail -6
-echo "== grouped_gemm --sweep-tiles"
-timeout 150 python3 experiments/grouped_gemm.py --out $OUT/grouped_gemm.jsonl \
-    --sweep-tiles $OUT/grouped_gemm_tiles.jsonl 2>&1 | tail -30
-export MKRT_SANITIZE_CTAS=8 MKRT_SANITIZE_WAIT_MS=60000
-echo "== initcheck, unfused GEMM+AllReduce 1x2, mkrt's plain-store GEMM: one process"
-timeout 100 python3 experiments/sanitize.py --tools initcheck --cases gemm_allreduce_unfused_mkrt_direct_1x2 \
-    --parallel 1 --timeout 80 --out $OUT/sanitize.jsonl 2>&1 | grep -E "^(initcheck|none) "
-echo "== the same, one process per rank, rank 0 under the tool"
-timeout 100 python3 experiments/sanitize.py --tools initcheck --cases gemm_allreduce_unfused_mkrt_direct_1x2 \
-    --processes --tool-ranks 0 --timeout 70 --out $OUT/sanitize.jsonl 2>&1 | grep -E "^(initcheck|none) "
+echo "== compile"
+for dtype in bf16 f16; do for layout in nk kn; do for tile in bm128_bn256 bm128_bn192 bm128_bn128 bm64_bn256 bm64_bn128 bm256_bn128; do
+    echo "gemm_${dtype}_${layout}_${tile}"; done; done; done | \
+    xargs -P 16 -I{} sh -c 'python3 -m mkrt compile --filter {} > /dev/null 2>&1 || echo "compile {} failed"'
+echo "compiled at $SECONDS s"
+echo "== GEMM GPU tests"
+timeout 240 python3 -m pytest -q -m gpu tests/test_gemm.py tests/test_gemm_rule.py -p no:cacheprovider \
+    -p timeout --timeout=120 > $OUT/pytest.log 2>&1
+echo "pytest rc=$? at $SECONDS s"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/pytest.log | tail -8
+echo "== tile sweep with the tail split"
+timeout 330 python3 experiments/gemm_tune.py --configs 128x256 128x192 64x128 --cluster \
+    --tail-split 2 3 4 --out $OUT/gemm_tune.jsonl > $OUT/gemm_tune.log 2>&1
+echo "sweep rc=$? at $SECONDS s"; grep -c '"us"' $OUT/gemm_tune.jsonl; grep " best " $OUT/gemm_tune.log
+echo "== fit and judge"
+python3 experiments/gemm_tune.py --fit --out $OUT/gemm_tune.jsonl 2>&1 | tee $OUT/fit.txt | tail -45
+cp mkrt/kernels/gemm_rule_fit.json $OUT/gemm_rule_fit.json
 echo "done at $SECONDS s"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -191,34 +193,73 @@ def test_gemm_allocates_output_and_refuses_before_launch():
 
 def test_split_k_plan():
     p = G.plan(64, 4096, 8192, sms=132, split_k=4)
-    assert (p.spec.epilogue, p.splits, p.grid) == ("splitk", 4, min(132, p.tiles * 4))
+    assert (p.spec.epilogue, p.spec.split, p.splits, p.grid) == ("direct", "splitk", 4,
+                                                                 min(132, p.tiles * 4))
+    assert (p.whole_units, p.split_slots) == (0, p.tiles)                # every tile split
     assert G.plan(64, 4096, 100 * 8, split_k=64).splits == 13          # one part per k-block at most
-    assert G.plan(64, 4096, 8192).splits == 1
+    p = G.plan(64, 4096, 8192)
+    assert (p.splits, p.spec.split, p.whole_units, p.split_slots) == (1, "", p.tiles, 0)
     for bad, match in ((dict(split_k=0), "split_k"), (dict(split_k=2.0), "split_k"),
-                       (dict(split_k=True), "split_k"), (dict(split_k=2, epilogue="tma"), "splitk"),
-                       (dict(epilogue="splitk"), "split_k > 1")):
+                       (dict(split_k=True), "split_k"), (dict(epilogue="splitk"), "epilogue"),
+                       (dict(split_tail=True), "split_k > 1"), (dict(split_k=2, split_tail=1), "split_tail")):
         with pytest.raises(ValueError, match=match):
             G.plan(64, 4096, 8192, **bad)
 
 
+def test_split_tail_plan():
+    """split_tail: the full waves run whole tiles, only the last partial wave is split."""
+    # 24 x 20 = 480 tiles on 132 SMs: 3 whole waves (396 tiles), 84 tiles in 3 parts
+    p = G.plan(3000, 5000, 7000, block_m=128, block_n=256, split_k=3, split_tail=True)
+    assert (p.spec.epilogue, p.spec.split, p.grid) == ("tma", "splitk", 132)
+    assert (p.units, p.whole_units, p.split_slots) == (480, 396, 84)
+    # clusters: 12 pair rows x 20 = 240 units on 66 clusters: 3 waves whole, 42 split pairs
+    p = G.plan(3000, 5000, 7000, block_m=128, block_n=256, split_k=3, split_tail=True, cluster="m2")
+    assert (p.grid, p.units, p.whole_units, p.split_slots) == (132, 240, 198, 84)
+    # the cluster grid cut to what the GPU holds (as _PreparedGemm does) moves the tail
+    cut = dataclasses.replace(p, grid=112)                       # 56 clusters: 4 whole waves
+    assert (cut.whole_units, cut.split_slots) == (224, 32)
+    # a whole number of waves has no tail: nothing split, the plain kernel
+    p = G.plan(128 * 12, 256 * 11, 1024, block_m=128, block_n=256, split_k=4, split_tail=True)
+    assert (p.splits, p.spec.split, p.split_tail, p.whole_units) == (1, "", False, 132)
+    # fewer tiles than SMs: every tile is in the tail
+    p = G.plan(256, 1024, 4096, block_m=128, block_n=256, split_k=4, split_tail=True)
+    assert (p.whole_units, p.split_slots, p.grid) == (0, 8, 32)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,split_k,b_layout", [(16, 4096, 8192, 4, "nk"), (100, 776, 1000, 3, "kn"),
-                                                    (333, 712, 264, 5, "nk"), (64, 512, 128, 8, "nk")])
-def test_split_k_matches_the_reference_and_repeats_bit_for_bit(m, n, k, split_k, b_layout):
+@pytest.mark.parametrize("m,n,k,split_k,b_layout,options", [
+    (16, 4096, 8192, 4, "nk", {}), (100, 776, 1000, 3, "kn", {}), (333, 712, 264, 5, "nk", {}),
+    (64, 512, 128, 8, "nk", {}),
+    # only the last wave split (odd edges, both layouts, TMA and direct whole stores)
+    (3000, 5000, 1000, 3, "nk", dict(split_tail=True, block_m=128, block_n=256)),
+    (1999, 2056, 520, 2, "kn", dict(split_tail=True, block_m=128, block_n=192, sms=37)),
+    (1000, 1001, 776, 4, "nk", dict(split_tail=True, block_m=64, block_n=128, sms=50)),
+    # clusters of two with the tail split (odd tile rows: the last pair's second tile is empty)
+    (1664, 5000, 1000, 3, "nk", dict(split_tail=True, block_m=128, block_n=256, cluster="m2")),
+    (1200, 3000, 640, 2, "kn", dict(split_tail=True, block_m=128, block_n=192, cluster="m2", sms=40)),
+    (333, 712, 264, 3, "nk", dict(cluster="m2")),
+])
+def test_split_k_matches_the_reference_and_repeats_bit_for_bit(m, n, k, split_k, b_layout, options):
     """Parts of a tile's K on different CTAs, added in a fixed order: right against float32,
     and the same bits on every call (whichever part arrives last)."""
     import cupy
     a = _random((m, k), bfloat16, 11)
     b = _random((k, n) if b_layout == "kn" else (n, k), bfloat16, 12)
     out = G.poison(cupy.empty((m, n), dtype=bfloat16))
-    G.gemm(a, b, out, b_layout=b_layout, split_k=split_k)
+    p = G.call_plan(a, b, out, b_layout=b_layout, split_k=split_k, **options)
+    assert p.splits == split_k and p.split_slots > 0
+    if options.get("split_tail"):
+        assert p.whole_units > 0
+    G.gemm(a, b, out, b_layout=b_layout, split_k=split_k, **options)
     first = out.copy()
     got = G.to_float32(out)
     ref = G.reference(a, b, b_layout=b_layout)
     assert not bool(cupy.isnan(got).any())
     assert float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)) <= 1e-2
+    # every element, not only the norm: a tile stored twice or never shows here
+    assert float(cupy.abs(got - ref).max()) <= 0.02 * float(cupy.abs(ref).max())
     for _ in range(20):
-        G.gemm(a, b, out, b_layout=b_layout, split_k=split_k)
+        G.gemm(a, b, out, b_layout=b_layout, split_k=split_k, **options)
     assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
 
 
@@ -239,8 +280,8 @@ def test_cluster_plan():
     # 3 tile rows: 2 pair rows x 20 columns = 40 clusters, 80 CTAs at most
     assert G.plan(300, 5000, 64, cluster="m2").grid == 80
     assert G.plan(8192, 8192, 64, sms=131, cluster="m2").grid == 130      # whole clusters
-    for bad, match in ((dict(cluster="m4"), "cluster"), (dict(cluster="m2", split_k=2), "split_k"),
-                       (dict(cluster="m2", sms=1), "sms")):
+    assert G.plan(300, 5000, 640, cluster="m2", split_k=2).spec.uri.endswith("_m2_splitk_sm90a")
+    for bad, match in ((dict(cluster="m4"), "cluster"), (dict(cluster="m2", sms=1), "sms")):
         with pytest.raises(ValueError, match=match):
             G.plan(300, 5000, 64, **bad)
 

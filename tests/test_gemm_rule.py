@@ -28,13 +28,14 @@ def test_the_committed_fit_rates_every_tile_and_allows_only_measured_splits():
     for shape in [(16, 8192, 8192), (2048, 2048, 2048), (3000, 5000, 7000), (8192, 8192, 8192)]:
         choice = gemm_rule.best_configuration(*shape, 132, fit)
         assert gemm_rule.rate_key(choice[:2], choice.cluster) in fit["rates"]
-        assert choice.split_k in fit["splits"] and not (choice.cluster and choice.split_k > 1)
+        allowed = fit.get("tail_splits", []) if choice.split_tail else fit["splits"]
+        assert choice.split_k in allowed
 
 
 def test_without_a_table_or_fit_the_rule_gives_the_default_tile(tmp_path, monkeypatch, no_fit):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     tile, why = gemm_rule.choose_tile(2048, 2048, 2048, sms=132)
-    assert tile == (*gemm_rule.DEFAULT_TILE, 1, "") and why.startswith("rule")
+    assert tile == gemm_rule.Choice(*gemm_rule.DEFAULT_TILE) and why.startswith("rule")
 
 
 def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch, no_fit):
@@ -44,14 +45,16 @@ def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch, no
         key: "128x128_g8",                                             # as gemm_tune writes it
         gemm_rule.table_key(16, 4096, 8192, "bf16", "nk", 132): "128x256_g8_sk4",
         gemm_rule.table_key(4096, 4096, 4040, "bf16", "nk", 132): "128x192_g8_m2",
-        gemm_rule.table_key(5, 2, 8, "bf16", "nk", 132): "128x192_g8_sk2_m2",   # no split clusters
+        gemm_rule.table_key(5, 2, 8, "bf16", "nk", 132): "128x192_g8_sk2_m2",
+        gemm_rule.table_key(3000, 5000, 7000, "bf16", "nk", 132): "128x256_g8_tk3_m2",
         gemm_rule.table_key(1, 2, 8, "bf16", "nk", 132): "96x96_g8",   # no such tile: ignored
         gemm_rule.table_key(3, 2, 8, "bf16", "nk", 132): "garbage"}))
-    default = (*gemm_rule.DEFAULT_TILE, 1, "")
-    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132) == ((128, 128, 1, ""), "tuned table")
-    assert gemm_rule.choose_tile(16, 4096, 8192, sms=132)[0] == (128, 256, 4, "")
-    assert gemm_rule.choose_tile(4096, 4096, 4040, sms=132)[0] == (128, 192, 1, "m2")
-    assert gemm_rule.choose_tile(5, 2, 8, sms=132)[0] == default
+    default = gemm_rule.Choice(*gemm_rule.DEFAULT_TILE)
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132) == (gemm_rule.Choice(128, 128), "tuned table")
+    assert gemm_rule.choose_tile(16, 4096, 8192, sms=132)[0] == gemm_rule.Choice(128, 256, 4)
+    assert gemm_rule.choose_tile(4096, 4096, 4040, sms=132)[0] == gemm_rule.Choice(128, 192, 1, "m2")
+    assert gemm_rule.choose_tile(5, 2, 8, sms=132)[0] == gemm_rule.Choice(128, 192, 2, "m2")
+    assert gemm_rule.choose_tile(3000, 5000, 7000, sms=132)[0] == gemm_rule.Choice(128, 256, 3, "m2", True)
     assert gemm_rule.choose_tile(2048, 2048, 2048, sms=100)[0] == default
     assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132, b_layout="kn")[0] == default
     assert gemm_rule.choose_tile(1, 2, 8, sms=132)[0] == default
@@ -61,7 +64,7 @@ def test_the_tuned_table_wins_for_its_exact_shape_only(tmp_path, monkeypatch, no
 def test_an_unreadable_table_is_no_table(tmp_path, monkeypatch, no_fit):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     (tmp_path / "gemm_table.json").write_text("{not json")
-    assert gemm_rule.choose_tile(64, 64, 64, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1, "")
+    assert gemm_rule.choose_tile(64, 64, 64, sms=132)[0] == gemm_rule.Choice(*gemm_rule.DEFAULT_TILE)
 
 
 def test_every_tile_the_rule_can_name_is_one_the_engine_builds():
@@ -82,23 +85,28 @@ def test_the_sweep_measures_every_tile_the_rule_may_choose():
 
 
 def _sweep_rows(shapes, set_name, truth, sms=132, noise=0.0, seed=0):
-    """Rows as experiments/gemm_tune.py writes them, timed by the wave model with `truth`."""
+    """Rows as experiments/gemm_tune.py writes them (split-K of every tile without clusters,
+    of the last wave's tiles with and without), timed by the wave model with `truth`."""
     import random
     rng = random.Random(seed)
     rows = []
+    options = [(split, False, cluster) for split in gemm_rule.SPLITS
+               for cluster in (gemm_rule.CLUSTERS if split == 1 else ("",))]
+    options += [(split, True, cluster) for split in gemm_rule.TAIL_SPLITS
+                for cluster in gemm_rule.CLUSTERS]
     for m, n, k in shapes:
         for block_m, block_n in gemm_rule.TILES:
-            for split in gemm_rule.SPLITS:
-                for cluster in gemm_rule.CLUSTERS:
-                    us = gemm_rule.predicted_us(m, n, k, sms, (block_m, block_n), split, truth,
-                                                cluster)
-                    if us == float("inf"):
-                        continue
-                    rows.append({"experiment": "gemm_tune", "metric": "us",
-                                 "case": f"{m}x{n}x{k}", "set": set_name,
-                                 "value": us * (1 + rng.uniform(-noise, noise)),
-                                 "baseline": us * 1.05, "block_m": block_m, "block_n": block_n,
-                                 "split_k": split, "cluster": cluster, "sms": sms})
+            for split, tail, cluster in options:
+                us = gemm_rule.predicted_us(m, n, k, sms, (block_m, block_n), split, truth,
+                                            cluster, split_tail=tail)
+                if us == float("inf"):
+                    continue
+                rows.append({"experiment": "gemm_tune", "metric": "us",
+                             "case": f"{m}x{n}x{k}", "set": set_name,
+                             "value": us * (1 + rng.uniform(-noise, noise)),
+                             "baseline": us * 1.05, "block_m": block_m, "block_n": block_n,
+                             "split_k": split, "split_tail": tail, "cluster": cluster,
+                             "sms": sms})
     return rows
 
 
@@ -113,10 +121,11 @@ def test_the_wave_model_fit_recovers_its_rates_and_picks_on_held_out_shapes():
     import gemm_tune
     truth = {"rates": {"128x256": 5.0e6, "128x192": 4.6e6, "128x128": 4.2e6,
                        "64x256": 3.9e6, "64x128": 3.3e6, "128x256_m2": 5.4e6, "64x128_m2": 3.0e6},
-             "split_cost": 2e-4, "launch_us": 6.0}
+             "split_cost": 2e-4, "tail_cost": 2e-5, "launch_us": 6.0}
     fit = gemm_tune.fit_model(_sweep_rows(gemm_tune.FIT, "fit", truth, noise=0.01, seed=1))
     for tile, rate in truth["rates"].items():
         assert abs(fit["rates"][tile] / rate - 1) < 0.03, (tile, fit["rates"][tile], rate)
+    assert abs(fit["tail_cost"] / truth["tail_cost"] - 1) < 0.2 and fit["tail_splits"]
     lines = gemm_tune.judge(_sweep_rows(gemm_tune.HELD_OUT, "held_out", truth), fit)
     assert len(lines) == len(gemm_tune.HELD_OUT)
     for line in lines:
@@ -137,11 +146,11 @@ def test_the_rule_uses_a_committed_fit_and_not_a_broken_one(tmp_path, monkeypatc
     # a tile the fit does not rate is never chosen
     assert tile[:2] in ((128, 256), (128, 128)) and tile.cluster == ""
     fit_path.write_text("{broken")
-    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132)[0] == (*gemm_rule.DEFAULT_TILE, 1, "")
+    assert gemm_rule.choose_tile(2048, 2048, 2048, sms=132)[0] == gemm_rule.Choice(*gemm_rule.DEFAULT_TILE)
 
 
 def test_clusters_count_pairs_of_tile_rows_on_half_the_sms():
-    fit = {"rates": {"128x256": 5.0e6, "128x256_m2": 5.0e6}, "launch_us": 0.0}
+    fit = {"rates": {"128x256": 5.0e6, "128x256_m2": 5.0e6}, "launch_us": 0.0, "splits": [1]}
     # 64 x 32 tiles: 2048 tiles over 132 SMs = 16 waves; 32 x 32 pairs over 66 clusters = 16
     one = gemm_rule.predicted_us(8192, 8192, 8192, 132, (128, 256), 1, fit)
     pairs = gemm_rule.predicted_us(8192, 8192, 8192, 132, (128, 256), 1, fit, "m2")
@@ -149,12 +158,12 @@ def test_clusters_count_pairs_of_tile_rows_on_half_the_sms():
     # one tile row: the partner of every pair computes nothing, so twice the waves
     assert gemm_rule.predicted_us(128, 256 * 132, 4096, 132, (128, 256), 1, fit, "m2") == \
         2 * gemm_rule.predicted_us(128, 256 * 132, 4096, 132, (128, 256), 1, fit)
-    # no split-K with clusters, no clusters on one SM
-    assert gemm_rule.predicted_us(8192, 8192, 8192, 132, (128, 256), 2, fit, "m2") == float("inf")
+    # split-K with clusters: pairs of parts, twice the waves of half the K; no clusters on one SM
+    assert gemm_rule.predicted_us(8192, 8192, 8192, 132, (128, 256), 2, fit, "m2") == pytest.approx(pairs)
     assert gemm_rule.predicted_us(8192, 8192, 8192, 1, (128, 256), 1, fit, "m2") == float("inf")
     # a faster cluster rate is chosen; an unrated one never is
     fit["rates"]["128x256_m2"] = 6.0e6
-    assert gemm_rule.best_configuration(8192, 8192, 8192, 132, fit) == (128, 256, 1, "m2")
+    assert gemm_rule.best_configuration(8192, 8192, 8192, 132, fit) == gemm_rule.Choice(128, 256, 1, "m2")
     del fit["rates"]["128x256_m2"]
     assert gemm_rule.best_configuration(8192, 8192, 8192, 132, fit).cluster == ""
 
@@ -168,8 +177,47 @@ def test_rows_off_a_sector_cost_per_row_loaded_and_clusters_load_half_of_b():
     # k-block instead of 128 + 256, and wins
     assert gemm_rule.best_configuration(4096, 4096, 4048, 132, fit).cluster == ""
     assert gemm_rule.best_configuration(4096, 4096, 4040, 132, fit).cluster == "m2"
-    _, _, odd = gemm_rule.wave_terms(4096, 4096, 4040, 132, (128, 256), 1)
+    _, _, odd, _ = gemm_rule.wave_terms(4096, 4096, 4040, 132, (128, 256), 1)
     waves, k_blocks = -(-32 * 16 // 132), -(-4040 // 64)
     assert odd == waves * k_blocks * (128 + 256)
-    _, _, odd_pairs = gemm_rule.wave_terms(4096, 4096, 4040, 132, (128, 256), 1, "m2")
+    _, _, odd_pairs, _ = gemm_rule.wave_terms(4096, 4096, 4040, 132, (128, 256), 1, "m2")
     assert odd_pairs == -(-16 * 16 // 66) * k_blocks * (128 + 128)
+
+
+def test_config_names_round_trip():
+    for choice in [gemm_rule.Choice(128, 256), gemm_rule.Choice(64, 128, 4),
+                   gemm_rule.Choice(128, 192, 3, "m2", True), gemm_rule.Choice(128, 256, 2, "", True)]:
+        assert gemm_rule.parse_config(gemm_rule.config_name(choice)) == choice
+    assert gemm_rule.config_name(gemm_rule.Choice(128, 256, 3, "m2", True)) == "128x256_g8_tk3_m2"
+    assert gemm_rule.parse_config("96x96_g8") is None
+    with pytest.raises(ValueError):
+        gemm_rule.parse_config("garbage")
+
+
+def test_the_tail_split_terms():
+    """3000 x 5000 x 7000 in 128 x 256 tiles on 132 SMs: 480 tiles, 3 whole waves and 84
+    tiles of 110 k-blocks; in 3 parts the tail is 252 parts on 132 SMs, 2 of 37 k-blocks."""
+    whole = gemm_rule.wave_terms(3000, 5000, 7000, 132, (128, 256), 1)
+    tail = gemm_rule.wave_terms(3000, 5000, 7000, 132, (128, 256), 3, split_tail=True)
+    tile_work = 128 * 256 * 7000
+    assert whole[0] == pytest.approx(4 * tile_work) and whole[3] == 0
+    assert tail[0] == pytest.approx((3 + 2 * 37 / 110) * tile_work)
+    assert tail[1] == pytest.approx(2 * 128 * 256 * 84 / 132) and tail[3] == 3 * 128 * 256
+    # the odd-row term follows the waves: K = 7000 puts every other row off a sector
+    assert tail[2] / whole[2] == pytest.approx((3 + 2 * 37 / 110) / 4)
+    # no tail (whole waves) or no whole wave: not a tail split
+    assert gemm_rule.wave_terms(128 * 12, 256 * 11, 1024, 132, (128, 256), 2, split_tail=True) is None
+    assert gemm_rule.wave_terms(256, 1024, 4096, 132, (128, 256), 2, split_tail=True) is None
+    # clusters: units are pairs of tile rows on 66 clusters
+    pairs = gemm_rule.wave_terms(3000, 5000, 7000, 132, (128, 256), 3, "m2", split_tail=True)
+    assert pairs[0] == pytest.approx((3 + 2 * 37 / 110) * tile_work)
+
+
+def test_the_rule_takes_a_tail_split_only_where_the_fit_allows_it():
+    fit = {"rates": {"128x256": 3e6}, "splits": [1], "launch_us": 5.0}
+    assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit).split_k == 1
+    fit["tail_splits"] = [2, 3]
+    assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit) == (128, 256, 3, "", True)
+    # a fix-up cost large enough to eat the idle SMs' time: no split
+    fit["tail_cost"] = 1.0
+    assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit).split_k == 1

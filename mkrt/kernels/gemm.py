@@ -42,19 +42,33 @@ constexpr bool SPLIT_K = $SPLIT_K;
 typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR,
                            TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0, $CLUSTER_M> Cfg;
 
-// Split-K: every tile's k-blocks in `splits` consecutive parts, unit u = (tile u / splits,
-// part u % splits); CTA c takes units c, c + grid, ... (a tile's parts run side by side).
+// Split-K. Raster units (tiles; with clusters, pairs of tile rows) [0, whole) run whole;
+// every unit after them is cut into `splits` parts of its k-blocks: unit whole + j is
+// (tile whole + j / splits, part j % splits). whole = 0 splits every tile; whole = the
+// units of the full waves splits only the last, partial wave's tiles (the "tail"), which
+// would otherwise leave SMs idle. CTA c takes units c, c + grid, ... (a tile's parts run
+// side by side); both CTAs of a cluster take the same unit, and the CTA of rank r
+// computes tile row 2 * pair + r.
 struct SplitKWork {
-    mkrt::gemm::RasterWork tiles;
-    int splits, k_blocks;
+    mkrt::gemm::RasterWork units;
+    int whole, splits, k_blocks, rank;
     __device__ __forceinline__ bool get(int i, mkrt::gemm::Tile& tile) const {
-        const int unit = tiles.cta + i * tiles.ctas;
-        if (unit >= tiles.tiles_m * tiles.tiles_n * splits) return false;
-        const int part = unit % splits;
-        tile = tiles.tile_at(unit / splits);
-        tile.split = part;
-        tile.kb_begin = part * k_blocks / splits;          // splits <= k_blocks: never empty
-        tile.kb_end = (part + 1) * k_blocks / splits;
+        const int u = units.cta + i * units.ctas;
+        const int all = units.tiles_m * units.tiles_n;
+        if (u >= whole + (all - whole) * splits) return false;
+        const int t = u < whole ? u : whole + (u - whole) / splits;
+        tile = units.tile_at(t);
+        if (Cfg::CLUSTER_M == 2) {
+            tile.m = 2 * tile.m + rank;
+            tile.index = tile.m * units.tiles_n + tile.n;
+        }
+        if (u >= whole) {
+            const int part = (u - whole) % splits;
+            tile.split = part;
+            tile.slot = (t - whole) * Cfg::CLUSTER_M + rank;
+            tile.kb_begin = part * k_blocks / splits;      // splits <= k_blocks: never empty
+            tile.kb_end = (part + 1) * k_blocks / splits;
+        }
         return true;
     }
     __device__ __forceinline__ bool wait(const mkrt::gemm::Tile&) const { return true; }
@@ -84,28 +98,39 @@ struct SummedParts {
     }
 };
 
-// Each part stores its fp32 partial (every consumer thread its own fragment, coalesced;
-// only rows inside the matrix: a 16-row problem in 64-row tiles writes a quarter);
-// the last part of a tile to arrive adds the parts in order 0, 1, ... (so the sum does
-// not depend on which came last: bit-identical between calls), stores the tile, and
-// re-arms the tile's arrival counter for the next call.
+// Whole tiles go to `whole` (TMA or direct stores). A split tile's part stores its fp32
+// partial in the tile's slot (every consumer thread its own fragment, coalesced; only
+// rows inside the matrix: a 16-row problem in 64-row tiles writes a quarter); the last
+// part of a tile to arrive adds the parts in order 0, 1, ... (so the sum does not depend
+// on which came last: bit-identical between calls), stores the tile directly, and
+// re-arms the slot's arrival counter for the next call.
+template <class Whole>
 struct SplitKEpilogue {
+    Whole whole;
     mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store;
-    float* partials;        // [tiles][splits][fragment words x consumer threads]
-    int* arrivals;          // [tiles], zero between calls
+    float* partials;        // [slots][splits][fragment words x consumer threads]
+    int* arrivals;          // [slots], zero between calls
     int splits;
 
     template <int CONSUMERS>
-    __device__ __forceinline__ void finish(const mkrt::gemm::ConsumerThread<CONSUMERS>&) const {}
+    __device__ __forceinline__ void finish(const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
+        whole.finish(who);
+    }
     template <int CONSUMERS>
-    __device__ __forceinline__ void complete(const mkrt::gemm::ConsumerThread<CONSUMERS>&) const {}
+    __device__ __forceinline__ void complete(const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
+        whole.complete(who);
+    }
 
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const mkrt::gemm::Tile& tile, const Acc& acc,
                                                const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
+        if (tile.slot < 0) {
+            whole(tile, acc, who);
+            return;
+        }
         constexpr int THREADS = 128 * CONSUMERS;
         constexpr long long PART = (long long)Acc::COUNT * THREADS;
-        float* mine = partials + ((long long)tile.index * splits + tile.split) * PART;
+        float* mine = partials + ((long long)tile.slot * splits + tile.split) * PART;
         const int rows_left = store.rows - tile.m * Cfg::BM;
         Acc::each_pair_slot(who, [&](int row, int, int i) {
             if (row >= rows_left) return;
@@ -115,57 +140,68 @@ struct SplitKEpilogue {
         __shared__ int last_part;
         __threadfence();                                     // the partial, before the count
         who.sync();
-        if (who.thread == 0) last_part = atomicAdd(arrivals + tile.index, 1) == splits - 1;
+        if (who.thread == 0) last_part = atomicAdd(arrivals + tile.slot, 1) == splits - 1;
         who.sync();
         if (!last_part) return;
         __threadfence();
-        store(tile, SummedParts<THREADS>{partials + (long long)tile.index * splits * PART, PART,
+        store(tile, SummedParts<THREADS>{partials + (long long)tile.slot * splits * PART, PART,
                                          splits, rows_left}, who);
-        if (who.thread == 0) arrivals[tile.index] = 0;
+        if (who.thread == 0) arrivals[tile.slot] = 0;
     }
 };
 
-// C = A @ B over the whole tile grid; CTA c of gridDim.x computes tiles c, c + grid, ...
-// (SPLIT_K: units of tiles). tma_out (box 64 x 64) is used by the TMA-store epilogue only.
+// Run the engine over the units with whole tiles stored by `whole` (and, SPLIT_K, the
+// split parts added by SplitKEpilogue).
+template <class Whole>
+__device__ __forceinline__ void run_units(const mkrt::TmaDescriptor* tma_a, const mkrt::TmaDescriptor* tma_b,
+                                          int k, const mkrt::gemm::RasterWork& units, int rank,
+                                          const Whole& whole,
+                                          const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN>& direct,
+                                          float* partials, int* arrivals, int whole_units, int splits,
+                                          char* dynamic_smem) {
+    if constexpr (SPLIT_K) {
+        const SplitKWork work{units, whole_units, splits, (k + Cfg::BK - 1) / Cfg::BK, rank};
+        const SplitKEpilogue<Whole> store{whole, direct, partials, arrivals, splits};
+        mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, work, store, dynamic_smem);
+    } else if constexpr (Cfg::CLUSTER_M == 2) {
+        const mkrt::gemm::PairedRasterWork pairs{units, units.tiles_n, rank};
+        mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, pairs, whole, dynamic_smem);
+    } else {
+        mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, units, whole, dynamic_smem);
+    }
+}
+
+// C = A @ B over the whole tile grid; CTA c of gridDim.x computes units c, c + grid, ...
+// (with clusters, cluster c of gridDim.x / 2). tma_out (box 64 x 64) is used by the
+// TMA-store epilogue only; partials, arrivals, whole_units and splits by split-K only.
 extern "C" __global__ void $CLUSTER_DIMS __launch_bounds__(Cfg::THREADS, 1)
 gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
      const __grid_constant__ mkrt::TmaDescriptor tma_b,
      const __grid_constant__ mkrt::TmaDescriptor tma_out,
      $CTYPE* out, int m, int n, int k, int ld_out, int group_m, int pairs_aligned,
-     float* partials, int* arrivals, int splits) {
+     float* partials, int* arrivals, int whole_units, int splits) {
     extern __shared__ char dynamic_smem[];
     const int tiles_m = (m + Cfg::BM - 1) / Cfg::BM;
     const int tiles_n = (n + Cfg::BN - 1) / Cfg::BN;
-    const mkrt::gemm::RasterWork work{tiles_m, tiles_n, group_m, (int)blockIdx.x, (int)gridDim.x};
-    if constexpr (Cfg::CLUSTER_M == 2) {
-        // pairs of tile rows; blockIdx.x / 2 is the cluster (clusters are consecutive CTAs)
-        const mkrt::gemm::PairedRasterWork pairs{
-            {(tiles_m + 1) / 2, tiles_n, group_m, (int)blockIdx.x / 2, (int)gridDim.x / 2},
-            tiles_n, (int)mkrt::cluster_rank()};
-        if constexpr (TMA_STORE) {
-            const mkrt::gemm::TmaStoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{&tma_out};
-            mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, pairs, store, dynamic_smem);
-        } else {
-            const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
-            mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, pairs, store, dynamic_smem);
-        }
-    } else if constexpr (TMA_STORE) {
+    const int rank = Cfg::CLUSTER_M == 2 ? (int)mkrt::cluster_rank() : 0;
+    const mkrt::gemm::RasterWork units{(tiles_m + Cfg::CLUSTER_M - 1) / Cfg::CLUSTER_M, tiles_n, group_m,
+                                       (int)blockIdx.x / Cfg::CLUSTER_M, (int)gridDim.x / Cfg::CLUSTER_M};
+    const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> direct{out, m, n, ld_out, pairs_aligned != 0};
+    if constexpr (TMA_STORE) {
         const mkrt::gemm::TmaStoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{&tma_out};
-        mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
-    } else if constexpr (SPLIT_K) {
-        const SplitKWork units{work, splits, (k + Cfg::BK - 1) / Cfg::BK};
-        const SplitKEpilogue store{{out, m, n, ld_out, pairs_aligned != 0}, partials, arrivals, splits};
-        mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, units, store, dynamic_smem);
+        run_units(&tma_a, &tma_b, k, units, rank, store, direct, partials, arrivals, whole_units,
+                  splits, dynamic_smem);
     } else {
-        const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
-        mkrt::gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+        run_units(&tma_a, &tma_b, k, units, rank, direct, direct, partials, arrivals, whole_units,
+                  splits, dynamic_smem);
     }
 }
 """, requires=("gemm_tile",), register=False)
 
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 B_LAYOUTS = ("kn", "nk")
-EPILOGUES = ("tma", "direct", "splitk")
+EPILOGUES = ("tma", "direct")
+SPLITS = ("", "splitk")
 CLUSTERS = ("", "m2")
 SMEM_LIMIT = 232448          # 227 KiB per block (opt-in), sm_90
 
@@ -181,8 +217,10 @@ def max_stages(block_m: int, block_n: int, epilogue: str, reserved: int = 0) -> 
 class GemmSpec(KernelSpec):
     """Compile-time shape of one GEMM kernel (URI e.g. ``gemm_bf16_nk_bm128_bn256_s3_tma_sm90a``).
 
-    epilogue "tma": tile staged in shared memory, written by TMA stores that overlap the
-    next tile (needs N % 8 == 0); "direct": bf16x2 stores from registers, any N.
+    epilogue "tma": whole tiles staged in shared memory, written by TMA stores that overlap
+    the next tile (needs N % 8 == 0); "direct": bf16x2 stores from registers, any N.
+    split "splitk": the kernel also runs split-K parts (the plan says which tiles are split:
+    all of them, or only the last partial wave's), added in a fixed order and stored directly.
     """
 
     family = "gemm"
@@ -196,6 +234,7 @@ class GemmSpec(KernelSpec):
     epilogue: str = "tma"
     cluster: str = ""                      # "": one CTA per tile; "m2": clusters of two CTAs
                                            # on adjacent tile rows sharing B (multicast)
+    split: str = ""                        # "": whole tiles only; "splitk": split-K parts too
 
     def __post_init__(self):
         super().__post_init__()
@@ -211,8 +250,9 @@ class GemmSpec(KernelSpec):
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected 64, 128, 192 or 256")
         if self.epilogue not in EPILOGUES:
-            raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma', 'direct' "
-                             "or 'splitk'")
+            raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma' or 'direct'")
+        if self.split not in SPLITS:
+            raise ValueError(f"mkrt.gemm: split={self.split!r}; expected '' or 'splitk'")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.gemm: {self.stages} stages of {self.block_m}x{self.block_n} "
                              f"with the {self.epilogue} epilogue need {self.smem_bytes} bytes of "
@@ -221,8 +261,6 @@ class GemmSpec(KernelSpec):
             raise ValueError(f"mkrt.gemm: stages={self.stages}; at least 2")
         if self.cluster not in CLUSTERS:
             raise ValueError(f"mkrt.gemm: cluster={self.cluster!r}; expected '' or 'm2'")
-        if self.cluster and self.epilogue == "splitk":
-            raise ValueError("mkrt.gemm: cluster='m2' does not take split-K")
 
     # -- what the host needs to know about the compiled kernel (mirrors gemm::Config) --
     @property
@@ -247,7 +285,7 @@ class GemmSpec(KernelSpec):
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
-                "TMA_STORE": self.epilogue == "tma", "SPLIT_K": self.epilogue == "splitk",
+                "TMA_STORE": self.epilogue == "tma", "SPLIT_K": self.split == "splitk",
                 "CLUSTER_M": self.cluster_m,
                 "CLUSTER_DIMS": "__cluster_dims__(2, 1, 1)" if self.cluster_m == 2 else ""}
 
@@ -272,7 +310,8 @@ class OnEngine:
 
 def default_specs() -> list[GemmSpec]:
     """The configurations ``mkrt.gemm`` may use (compiled ahead by ``python -m mkrt compile
-    --all``): every tile the rule chooses from, every epilogue, and the clusters of two."""
+    --all``): every tile the rule chooses from, every epilogue, with and without clusters
+    of two and split-K."""
     from mkrt.kernels.gemm_rule import TILES
     specs = []
     for dtype in ("bf16", "f16"):
@@ -280,9 +319,10 @@ def default_specs() -> list[GemmSpec]:
             for block_m, block_n in TILES:
                 for epilogue in EPILOGUES:
                     stages = max_stages(block_m, block_n, epilogue)
-                    specs.append(GemmSpec(dtype, layout, block_m, block_n, stages, epilogue))
-                    if epilogue != "splitk":
-                        specs.append(GemmSpec(dtype, layout, block_m, block_n, stages, epilogue, "m2"))
+                    for cluster in CLUSTERS:
+                        for split in SPLITS:
+                            specs.append(GemmSpec(dtype, layout, block_m, block_n, stages,
+                                                  epilogue, cluster, split))
     return specs
 
 
@@ -299,11 +339,33 @@ class GemmPlan:
     grid: int
     group_m: int
     pad_n: int        # kn layout only: columns of B after padding to a multiple of 8
-    splits: int = 1   # split-K parts per tile (epilogue "splitk")
+    splits: int = 1   # split-K parts per split tile (spec.split "splitk")
+    split_tail: bool = False   # split only the tiles of the last, partial wave
 
     @property
     def tiles(self) -> int:
         return self.tiles_m * self.tiles_n
+
+    @property
+    def units(self) -> int:
+        """Raster units: tiles, or with clusters of two, pairs of tile rows."""
+        return -(-self.tiles_m // self.spec.cluster_m) * self.tiles_n
+
+    @property
+    def whole_units(self) -> int:
+        """Units run whole before the split ones: none when every tile is split, those of
+        the full waves of the grid when only the tail is (all of them without split-K)."""
+        if self.splits == 1:
+            return self.units
+        if not self.split_tail:
+            return 0
+        per_wave = self.grid // self.spec.cluster_m
+        return self.units // per_wave * per_wave
+
+    @property
+    def split_slots(self) -> int:
+        """Split tiles (the partial-sum slots of split-K): per split unit, one per CTA of it."""
+        return (self.units - self.whole_units) * self.spec.cluster_m
 
     @property
     def flops(self) -> int:
@@ -312,13 +374,14 @@ class GemmPlan:
 
 def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
          sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int | None = None,
-         group_m: int = 8, epilogue: str = "auto", split_k: int = 1,
+         group_m: int = 8, epilogue: str = "auto", split_k: int = 1, split_tail: bool = False,
          cluster: str = "") -> GemmPlan:
     """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses.
-    ``split_k`` > 1: each tile's K in that many parts (at most one per 64-wide k-block), run
-    by different CTAs and added in a fixed order (the "splitk" epilogue). ``cluster="m2"``:
-    clusters of two CTAs on adjacent tile rows share each B load (TMA multicast); the grid
-    is even."""
+    ``split_k`` > 1: a tile's K in that many parts (at most one per 64-wide k-block), run
+    by different CTAs and added in a fixed order; every tile, or with ``split_tail`` only
+    the tiles of the last, partial wave (the full waves run whole tiles), which fills the
+    SMs that wave would leave idle. ``cluster="m2"``: clusters of two CTAs on adjacent tile
+    rows share each B load (TMA multicast); the grid is even."""
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, (int, np.integer)) or value < 1 or value >= 2**31:
             raise ValueError(f"mkrt.gemm: {name}={value!r} must be an integer in [1, 2**31)")
@@ -331,36 +394,37 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
         raise ValueError(f"mkrt.gemm: group_m={group_m!r} must be a positive integer")
     if not isinstance(split_k, (int, np.integer)) or isinstance(split_k, bool) or not 1 <= split_k <= 64:
         raise ValueError(f"mkrt.gemm: split_k={split_k!r} must be an integer in [1, 64]")
-    if split_k > 1 and epilogue not in ("auto", "splitk"):
-        raise ValueError(f"mkrt.gemm: split_k={split_k} adds its parts in the 'splitk' epilogue; "
-                         f"got epilogue={epilogue!r}")
-    if epilogue == "splitk" and split_k == 1:
-        raise ValueError("mkrt.gemm: epilogue='splitk' needs split_k > 1")
-    if split_k > 1:
-        epilogue = "splitk"
-    if epilogue == "auto":   # TMA stores need 16-byte rows of C
-        epilogue = "tma" if n % 8 == 0 else "direct"
+    if not isinstance(split_tail, (bool, np.bool_)):
+        raise ValueError(f"mkrt.gemm: split_tail={split_tail!r} must be True or False")
+    if split_tail and split_k == 1:
+        raise ValueError("mkrt.gemm: split_tail=True splits the last wave's tiles in split_k "
+                         "parts; it needs split_k > 1")
+    if epilogue == "auto":   # TMA stores need 16-byte rows of C; split parts store directly
+        epilogue = "tma" if n % 8 == 0 and (split_k == 1 or split_tail) else "direct"
     elif epilogue == "tma" and n % 8:
         raise ValueError(f"mkrt.gemm: epilogue='tma' needs n % 8 == 0; got n={n}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"mkrt.gemm: epilogue={epilogue!r}; expected 'auto', 'tma' or 'direct'")
     if stages is None:
         stages = max_stages(block_m, block_n, epilogue)
-    if cluster and split_k > 1:
-        raise ValueError(f"mkrt.gemm: cluster={cluster!r} does not take split_k={split_k}")
-    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages, epilogue, cluster)
+    cluster_m = 2 if cluster == "m2" else 1
     tiles_m = -(-m // block_m)
     tiles_n = -(-n // block_n)
+    units = -(-tiles_m // cluster_m) * tiles_n
     pad_n = n if b_layout == "nk" else -(-n // 8) * 8
     splits = int(min(split_k, -(-k // 64)))           # every part gets a k-block
-    if spec.cluster_m == 2:
-        if sms < 2:
-            raise ValueError(f"mkrt.gemm: cluster='m2' needs sms >= 2; got {sms}")
-        grid = 2 * min(sms // 2, -(-tiles_m // 2) * tiles_n)      # whole clusters
-    else:
-        grid = min(sms, tiles_m * tiles_n * splits)
+    if cluster_m == 2 and sms < 2:
+        raise ValueError(f"mkrt.gemm: cluster='m2' needs sms >= 2; got {sms}")
+    per_wave = sms // cluster_m
+    if split_tail and units % per_wave == 0 and units >= per_wave:
+        splits = 1                                    # whole waves: no tail to split
+    work_units = units * splits if not split_tail else \
+        units // per_wave * per_wave + units % per_wave * splits
+    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages, epilogue, cluster,
+                    "splitk" if splits > 1 else "")
+    grid = cluster_m * min(per_wave, work_units)      # whole clusters
     return GemmPlan(spec, int(m), int(n), int(k), tiles_m, tiles_n, int(grid), int(group_m),
-                    pad_n, splits)
+                    pad_n, splits, bool(split_tail and splits > 1))
 
 
 def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None, out_dtype=None):
@@ -485,8 +549,8 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
-         epilogue: str = "auto", split_k: int | None = None, cluster: str | None = None,
-         stream=None):
+         epilogue: str = "auto", split_k: int | None = None, split_tail: bool | None = None,
+         cluster: str | None = None, stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
@@ -496,9 +560,11 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     or 128; default:
     :func:`mkrt.kernels.gemm_rule.choose_tile`, a tuned table or the rule),
     ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
-    depth (default: as many as fit), ``split_k`` > 1 (default: the rule's): each tile's K in that many parts
-    on different CTAs, added in a fixed order (results identical between calls; for shapes
-    with fewer tiles than SMs; uses a float32 workspace of tiles x parts x tile).
+    depth (default: as many as fit), ``split_k`` > 1 (default: the rule's): a tile's K in that
+    many parts on different CTAs, added in a fixed order (results identical between calls;
+    uses a float32 workspace of split tiles x parts x tile), for every tile, or with
+    ``split_tail=True`` only for the tiles of the last, partial wave (the waves before it
+    run whole tiles; this fills the SMs that wave would leave idle).
     ``cluster="m2"``: clusters of two CTAs on adjacent tile rows load the B tile they
     share once, by TMA multicast; ``""``: one CTA per tile; default: the rule's, when the
     rule also chose the tile.
@@ -516,12 +582,13 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     device = a_view.data.device_id
     key = (a_view.shape, a_view.dtype, b_view.shape, b_view.dtype,
            None if out_view is None else (out_view.shape, out_view.dtype),
-           b_layout, sms, group_m, block_m, block_n, stages, epilogue, split_k, cluster, device)
+           b_layout, sms, group_m, block_m, block_n, stages, epilogue, split_k, split_tail,
+           cluster, device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, a_view, b_view, out_view):
         p = _gemm_plan(a_view, b_view, out_view, b_layout=b_layout, sms=sms, group_m=group_m,
                        block_m=block_m, block_n=block_n, stages=stages, epilogue=epilogue,
-                       split_k=split_k, cluster=cluster)
+                       split_k=split_k, split_tail=split_tail, cluster=cluster)
         if p.spec.b_layout == "kn" and p.pad_n != p.n:
             return _gemm_padded(a, a_view, b_view, out_view, p, stream)
         call = _prepared_gemm(key, p, device)
@@ -542,14 +609,14 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
 
 def call_plan(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
               block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
-              epilogue: str = "auto", split_k: int | None = None,
+              epilogue: str = "auto", split_k: int | None = None, split_tail: bool | None = None,
               cluster: str | None = None) -> GemmPlan:
     """The plan :func:`gemm` runs for these arguments (the tile the rule chooses where none
     is given, split-K, the grid), after the same checks; launches nothing."""
     return _gemm_plan(as_cupy(a, "a"), as_cupy(b, "b"), None if out is None else as_cupy(out, "out"),
                       b_layout=b_layout, sms=sms, group_m=group_m, block_m=block_m,
                       block_n=block_n, stages=stages, epilogue=epilogue, split_k=split_k,
-                      cluster=cluster)
+                      split_tail=split_tail, cluster=cluster)
 
 
 def _quick_checks(device, *arrays) -> bool:
@@ -577,17 +644,18 @@ class _PreparedGemm:
                              ("k", np.int32, 4), ("ld_out", np.int32, 4),
                              ("group_m", np.int32, 4), ("pairs_aligned", np.int32, 4),
                              ("partials", np.uint64, 8), ("arrivals", np.uint64, 8),
-                             ("splits", np.int32, 4)])
+                             ("whole_units", np.int32, 4), ("splits", np.int32, 4)])
         params.set(m=p.m, n=p.n, k=p.k, ld_out=p.n, group_m=p.group_m,
-                   pairs_aligned=int(p.n % 2 == 0), splits=p.splits)
+                   pairs_aligned=int(p.n % 2 == 0), whole_units=p.whole_units, splits=p.splits)
         self._workspace = None
-        if p.splits > 1:
+        if p.split_slots:
             import cupy
-            # float32 parts of every tile, and per tile a counter that is zero between calls
+            # float32 parts of every split tile, and per split tile a counter that is zero
+            # between calls
             with cupy.cuda.Device(device):
-                partials = cupy.empty(p.tiles * p.splits * p.spec.block_m * p.spec.block_n,
+                partials = cupy.empty(p.split_slots * p.splits * p.spec.block_m * p.spec.block_n,
                                       dtype=np.float32)
-                arrivals = cupy.zeros(p.tiles, dtype=np.int32)
+                arrivals = cupy.zeros(p.split_slots, dtype=np.int32)
             self._workspace = (partials, arrivals)
             params.set(partials=partials.data.ptr, arrivals=arrivals.data.ptr)
         self.launch = KernelLaunch(function, p.grid, p.spec.threads, p.spec.smem_bytes, params)
@@ -630,7 +698,7 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
-               epilogue, split_k=None, cluster=None):
+               epilogue, split_k=None, split_tail=None, cluster=None):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
@@ -641,15 +709,19 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
         rule_tile = block_m is None and block_n is None
         block_m = rule.block_m if block_m is None else block_m
         block_n = rule.block_n if block_n is None else block_n
-        # the rule's split-K goes with its tile and the automatic epilogue only
-        split_k = split_k if split_k is not None else \
-            (rule.split_k if epilogue == "auto" and not cluster else 1)
-        # and its cluster with its tile, where nothing asks for split-K
+        # the rule's cluster goes with its tile; its split-K with its tile and cluster and
+        # the automatic epilogue
         if cluster is None:
-            cluster = rule.cluster if rule_tile and split_k == 1 and epilogue != "splitk" else ""
+            cluster = rule.cluster if rule_tile else ""
+        if split_k is None:
+            rule_split = rule_tile and epilogue == "auto" and cluster == rule.cluster
+            split_k = rule.split_k if rule_split else 1
+            if split_tail is None and rule_split:
+                split_tail = rule.split_tail
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
-             epilogue=epilogue, split_k=split_k, cluster=cluster)
+             epilogue=epilogue, split_k=split_k, split_tail=False if split_tail is None else split_tail,
+             cluster=cluster)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
     return p

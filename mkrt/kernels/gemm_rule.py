@@ -5,24 +5,28 @@
    measured tile (and split-K parts) per exact (M, N, K, dtype, B layout, SMs).
 2. Otherwise the rule, from (M, N, K, SMs) alone: a wave model,
 
-       time(tile, split) = waves * (block_m * block_n * K / split) / rate[tile]
+       time(tile, split) = waves * (block_m * block_n * K) / rate[tile]
                            + (split - 1) * split_cost * block_m * block_n * tiles / SMs,
-       waves = ceil(tiles * split / SMs),
+       waves = ceil(tiles * split / SMs) * ceil(k_blocks / split) / k_blocks,
 
-   and for clusters of two CTAs sharing B (``cluster="m2"``, no split-K), pairs of tile
-   rows on SMs / 2 clusters: waves = ceil(ceil(tiles_m / 2) * tiles_n / (SMs / 2)), with
-   a rate of their own (``rates["128x256_m2"]``). Rows of A or B that start an odd multiple
-   of 16 bytes off a 32-byte sector (K, or N of a [K, N] B, = 8 mod 16 elements) make the
-   TMA loads slower (4096 x 4096 x 4040 took 1.45x the time of 4032 and 4048):
+   and for clusters of two CTAs sharing B (``cluster="m2"``), pairs of tile rows on
+   SMs / 2 clusters (units of a wave), with a rate of their own (``rates["128x256_m2"]``).
+   With the split only on the last, partial wave's tiles (``split_tail``; the waves before
+   it run whole tiles): waves = whole waves + ceil(tail * split / SMs) x the part's share
+   of K, the fix-up counts the tail's tiles, and the last part of each tail tile adds the
+   parts up (``+ tail_cost * split * block_m * block_n``: it does so alone, at the end).
+   Rows of A or B that start an odd multiple of 16 bytes off a 32-byte sector (K, or N of
+   a [K, N] B, = 8 mod 16 elements) make the TMA loads slower (4096 x 4096 x 4040 took
+   1.45x the time of 4032 and 4048):
 
        + row_cost * waves * k_blocks * (block_m [A's rows odd] + block_n / cluster [B's])
 
    counts the rows a CTA loads per k-block; clusters load half of B each. The per-tile
-   rates, the row cost and the split-K fix-up cost are fitted on the sweep's FIT shapes only
+   rates, the row cost and the split-K costs are fitted on the sweep's FIT shapes only
    (``experiments/gemm_tune.py --fit`` writes ``gemm_rule_fit.json`` beside this module;
    its HELD_OUT shapes judge the fit). Split-K part counts that never won a FIT shape are
-   left out (the fit's ``splits``). Without a fit the rule is the engine's one measured
-   tile, 128 x 256, for every shape.
+   left out (the fit's ``splits``, and ``tail_splits`` for the tail). Without a fit the
+   rule is the engine's one measured tile, 128 x 256, for every shape.
 
 There is no call-time autotuning: the choice is a lookup and a few comparisons, made once
 per prepared signature.
@@ -44,11 +48,13 @@ CLUSTERS = ("", "m2")
 
 
 class Choice(NamedTuple):
-    """A configuration of the engine: tile, split-K parts, cluster."""
+    """A configuration of the engine: tile, split-K parts, cluster, and whether split-K
+    cuts only the last partial wave's tiles (``split_tail``) or every tile."""
     block_m: int
     block_n: int
     split_k: int = 1
     cluster: str = ""
+    split_tail: bool = False
 
 
 def rate_key(tile: tuple[int, int], cluster: str = "") -> str:
@@ -60,21 +66,43 @@ def table_key(m: int, n: int, k: int, dtype: str, b_layout: str, sms: int) -> st
     return f"{m}x{n}x{k}:{dtype}:{b_layout}:{sms}"
 
 
+def config_name(choice: Choice, group_m: int = 8) -> str:
+    """The sweep's name of a configuration: "128x256_g8", with "_sk4" (every tile in 4
+    parts), "_tk3" (the last wave's tiles in 3 parts) and "_m2" (clusters of two)."""
+    split = ""
+    if choice.split_k > 1:
+        split = f"_{'tk' if choice.split_tail else 'sk'}{choice.split_k}"
+    return (f"{choice.block_m}x{choice.block_n}_g{group_m}{split}"
+            + (f"_{choice.cluster}" if choice.cluster else ""))
+
+
+def parse_config(config: str) -> Choice | None:
+    """config_name's inverse (None for a tile the engine does not build); ValueError on
+    a malformed name."""
+    parts = config.split("_")
+    tile = tuple(int(x) for x in parts[0].split("x"))
+    split_k, split_tail = 1, False
+    for part in parts[1:]:
+        if part[:2] in ("sk", "tk"):
+            split_k, split_tail = int(part[2:]), part[:2] == "tk"
+    cluster = "m2" if "m2" in parts[1:] else ""
+    if tile not in TILES or not 1 <= split_k <= 64:
+        return None
+    return Choice(*tile, split_k, cluster, split_tail and split_k > 1)
+
+
 @functools.lru_cache(maxsize=4)
 def _load_table(path: str, mtime: float) -> dict:
     with open(path) as handle:
         raw = json.load(handle)
     table = {}
-    for key, config in raw.items():       # "128x256_g8", "..._sk4", "..._m2" as the sweep writes it
-        parts = str(config).split("_")
+    for key, config in raw.items():       # "128x256_g8", "..._sk4", "..._tk3", "..._m2" as the sweep writes it
         try:
-            tile = tuple(int(x) for x in parts[0].split("x"))
-            split_k = next((int(p[2:]) for p in parts[1:] if p.startswith("sk")), 1)
+            choice = parse_config(str(config))
         except ValueError:
             continue
-        cluster = "m2" if "m2" in parts[1:] else ""
-        if tile in TILES and 1 <= split_k <= 64 and not (cluster and split_k > 1):
-            table[key] = Choice(*tile, split_k, cluster)
+        if choice is not None:
+            table[key] = choice
     return table
 
 
@@ -92,8 +120,10 @@ def tuned_table() -> dict:
 
 #: the fitted wave model (experiments/gemm_tune.py --fit), if one was committed
 FIT_PATH = Path(__file__).with_name("gemm_rule_fit.json")
-#: split-K parts the model may choose (the sweep measures these)
+#: split-K part counts the model may choose (the sweep measures these), for every tile
 SPLITS = (1, 2, 4, 8)
+#: and for the last partial wave's tiles only (split_tail)
+TAIL_SPLITS = (2, 3, 4)
 
 
 def odd_rows(n: int, k: int, b_layout: str) -> tuple[bool, bool]:
@@ -104,50 +134,64 @@ def odd_rows(n: int, k: int, b_layout: str) -> tuple[bool, bool]:
 
 
 def wave_terms(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
-               cluster: str = "", b_layout: str = "nk") -> tuple[float, float, float] | None:
+               cluster: str = "", b_layout: str = "nk",
+               split_tail: bool = False) -> tuple[float, float, float, float] | None:
     """The wave model's terms of one configuration: (waves x work per CTA and wave, the
-    split-K fix-up's element count per SM, the odd rows each CTA loads over its waves);
-    None where the engine cannot run it."""
+    split-K fix-up's element count per SM, the odd rows each CTA loads over its waves, the
+    elements the last part of a tail-split tile adds up); None where the engine cannot
+    run it. A split wave counts the longest part (ceil of the k-blocks over the parts)."""
     block_m, block_n = tile
     tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
     k_blocks = -(-k // 64)
-    if split > k_blocks or (cluster and (split > 1 or sms < 2)):
-        return None                     # at most one part per 64-wide k-block; no split clusters
-    if cluster:
-        waves = -(-(-(-tiles_m // 2) * tiles_n) // (sms // 2))
+    cluster_m = 2 if cluster else 1
+    if split > k_blocks or (cluster and sms < 2) or (split_tail and split == 1):
+        return None                     # at most one part per 64-wide k-block
+    units, per_wave = -(-tiles_m // cluster_m) * tiles_n, sms // cluster_m
+    part = math.ceil(k_blocks / split) / k_blocks          # a part's share of K
+    if split_tail:
+        whole, tail = units // per_wave, units % per_wave
+        if not whole or not tail:
+            return None                 # no full wave, or no tail: the same as a plain split
+        waves = whole + -(-tail * split // per_wave) * part
+        fixup = (split - 1) * block_m * block_n * tail * cluster_m / sms
+        tail_sum = split * block_m * block_n
     else:
-        waves = -(-tiles_m * tiles_n * split // sms)
+        waves = -(-units * split // per_wave) * (part if split > 1 else 1.0)
+        fixup = (split - 1) * block_m * block_n * tiles_m * tiles_n / sms
+        tail_sum = 0.0
     a_odd, b_odd = odd_rows(n, k, b_layout)
-    odd_per_block = block_m * a_odd + block_n // (2 if cluster else 1) * b_odd
-    return (waves * block_m * block_n * (k / split),
-            (split - 1) * block_m * block_n * tiles_m * tiles_n / sms,
-            waves * (k_blocks / split) * odd_per_block)
+    odd_per_block = block_m * a_odd + block_n // cluster_m * b_odd
+    return (waves * block_m * block_n * k, fixup, waves * k_blocks * odd_per_block, tail_sum)
 
 
 def predicted_us(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
-                 fit: dict, cluster: str = "", b_layout: str = "nk") -> float:
+                 fit: dict, cluster: str = "", b_layout: str = "nk",
+                 split_tail: bool = False) -> float:
     """The wave model's time of one configuration (see the module docstring)."""
     rate = fit["rates"].get(rate_key(tile, cluster))
-    terms = wave_terms(m, n, k, sms, tile, split, cluster, b_layout)
+    terms = wave_terms(m, n, k, sms, tile, split, cluster, b_layout, split_tail)
     if not rate or terms is None:
         return math.inf
-    work, fixup, odd = terms
+    work, fixup, odd, tail_sum = terms
     return (work / rate + fixup * fit.get("split_cost", 0.0) + odd * fit.get("row_cost", 0.0)
-            + fit.get("launch_us", 0.0))
+            + tail_sum * fit.get("tail_cost", 0.0) + fit.get("launch_us", 0.0))
 
 
 def best_configuration(m: int, n: int, k: int, sms: int, fit: dict,
                        b_layout: str = "nk") -> Choice:
     """The configuration with the least predicted time (ties: the earlier tile, no split,
-    no cluster), among the split-K part counts the fit allows (``splits``: those that won
-    a FIT shape) and the tiles and clusters it rates."""
-    splits = [s for s in fit.get("splits", SPLITS) if s in SPLITS]
-    options = [(predicted_us(m, n, k, sms, tile, split, fit, cluster, b_layout), i, split, c,
-                tile, cluster)
-               for i, tile in enumerate(TILES) for split in splits or (1,)
-               for c, cluster in enumerate(CLUSTERS)]
-    _, _, split, _, tile, cluster = min(options)
-    return Choice(*tile, split, cluster)
+    no cluster), among the split-K part counts the fit allows for every tile (``splits``)
+    and for the last wave's tiles (``tail_splits``: those that won a FIT shape), and the
+    tiles and clusters it rates."""
+    options = [(1, False)]
+    options += [(s, False) for s in fit.get("splits", SPLITS) if s in SPLITS and s > 1]
+    options += [(s, True) for s in fit.get("tail_splits", ()) if s in TAIL_SPLITS]
+    scored = [(predicted_us(m, n, k, sms, tile, split, fit, cluster, b_layout, tail), i, split,
+               tail, c, tile, cluster)
+              for i, tile in enumerate(TILES) for split, tail in options
+              for c, cluster in enumerate(CLUSTERS)]
+    _, _, split, tail, _, tile, cluster = min(scored)
+    return Choice(*tile, split, cluster, tail and split > 1)
 
 
 def fused_tile_width(m: int, n: int, k: int, sms: int, widths: tuple[int, ...],

@@ -95,7 +95,7 @@ struct Config {
 // One output tile: its coordinates in tiles, and its index in the tile grid
 // (m * tiles_n + n), which fused kernels use to name flags.
 // A work item: an output tile, and which of its k-blocks (kb_end < 0: all of them; split:
-// which part of a split-K tile this is).
+// which part of a split-K tile this is; slot >= 0 only for split-K parts).
 // a_row / b_row >= 0: the first row of A / of B ([N, K] storage) the tile reads, where it
 // is not m * BM / n * BN (a grouped GEMM's tiles start where their group does).
 struct Tile {
@@ -104,6 +104,7 @@ struct Tile {
     int a_row = -1, b_row = -1;
     int group = -1;                                  // a grouped GEMM's group
     int a_map = 0;                                   // 1: A from run_tiles' second map (tma_a2)
+    int slot = -1;                                   // split-K: the tile's partial-sum slot
     __device__ __forceinline__ int k_first() const { return kb_begin; }
     __device__ __forceinline__ int k_last(int k_blocks) const { return kb_end < 0 ? k_blocks : kb_end; }
     __device__ __forceinline__ int a_first(int bm) const { return a_row >= 0 ? a_row : m * bm; }
