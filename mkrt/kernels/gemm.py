@@ -74,40 +74,19 @@ struct SplitKWork {
     __device__ __forceinline__ bool wait(const mkrt::gemm::Tile&) const { return true; }
 };
 
-// The sum of a tile's parts, read pair by pair as the store walks the fragments (no
-// second accumulator in registers), added in part order 0, 1, ... Rows past the matrix
-// (rows_left) were never written: they are not read either.
-template <int THREADS>
-struct SummedParts {
-    const float* parts;     // part 0 of the tile; part p at parts + p * part_words
-    long long part_words;
-    int splits, rows_left;
-
-    template <int CONSUMERS, class F>
-    __device__ __forceinline__ void for_each_pair(const mkrt::gemm::ConsumerThread<CONSUMERS>& who,
-                                                  F&& f) const {
-        mkrt::gemm::Accumulator<Cfg::BN, Cfg::SUBTILES>::each_pair_slot(who, [&](int row, int col, int i) {
-            float v0 = 0.f, v1 = 0.f;
-            for (int part = 0; part < (row < rows_left ? splits : 0); ++part) {
-                const float* p = parts + part * part_words + who.thread;
-                v0 += __ldcg(p + i * THREADS);
-                v1 += __ldcg(p + (i + 1) * THREADS);
-            }
-            f(row, col, v0, v1);
-        });
-    }
-};
-
 // Whole tiles go to `whole` (TMA or direct stores). A split tile's part stores its fp32
 // partial in the tile's slot (every consumer thread its own fragment, coalesced; only
-// rows inside the matrix: a 16-row problem in 64-row tiles writes a quarter); the last
-// part of a tile to arrive adds the parts in order 0, 1, ... (so the sum does not depend
-// on which came last: bit-identical between calls), stores the tile directly, and
-// re-arms the slot's arrival counter for the next call.
+// rows inside the matrix: a 16-row problem in 64-row tiles writes a quarter). The last
+// part of a tile to arrive reads the parts back into its accumulators, part by part in
+// order 0, 1, ... (so the sum does not depend on which came last: bit-identical between
+// calls; and a part's loads are all in flight at once), stores the tile through `whole`,
+// and re-arms the slot's arrival counter for the next call. Rows past the matrix were
+// never written and are not read (their accumulators hold this part's values, clipped
+// by the store).
 template <class Whole>
 struct SplitKEpilogue {
     Whole whole;
-    mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store;
+    int rows;
     float* partials;        // [slots][splits][fragment words x consumer threads]
     int* arrivals;          // [slots], zero between calls
     int splits;
@@ -121,8 +100,10 @@ struct SplitKEpilogue {
         whole.complete(who);
     }
 
+    // acc is the engine's accumulator, free to overwrite: the next tile's first MMA
+    // does not read it.
     template <class Acc, int CONSUMERS>
-    __device__ __forceinline__ void operator()(const mkrt::gemm::Tile& tile, const Acc& acc,
+    __device__ __forceinline__ void operator()(const mkrt::gemm::Tile& tile, Acc& acc,
                                                const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
         if (tile.slot < 0) {
             whole(tile, acc, who);
@@ -130,12 +111,13 @@ struct SplitKEpilogue {
         }
         constexpr int THREADS = 128 * CONSUMERS;
         constexpr long long PART = (long long)Acc::COUNT * THREADS;
-        float* mine = partials + ((long long)tile.slot * splits + tile.split) * PART;
-        const int rows_left = store.rows - tile.m * Cfg::BM;
+        float* const parts = partials + (long long)tile.slot * splits * PART + who.thread;
+        float* const mine = parts + tile.split * PART;
+        const int rows_left = rows - tile.m * Cfg::BM;
         Acc::each_pair_slot(who, [&](int row, int, int i) {
             if (row >= rows_left) return;
-            mine[i * THREADS + who.thread] = acc.d[i];
-            mine[(i + 1) * THREADS + who.thread] = acc.d[i + 1];
+            mine[i * THREADS] = acc.d[i];
+            mine[(i + 1) * THREADS] = acc.d[i + 1];
         });
         __shared__ int last_part;
         __threadfence();                                     // the partial, before the count
@@ -144,24 +126,30 @@ struct SplitKEpilogue {
         who.sync();
         if (!last_part) return;
         __threadfence();
-        store(tile, SummedParts<THREADS>{partials + (long long)tile.slot * splits * PART, PART,
-                                         splits, rows_left}, who);
+        for (int part = 0; part < splits; ++part) {
+            const float* p = parts + part * PART;
+            Acc::each_pair_slot(who, [&](int row, int, int i) {
+                if (row >= rows_left) return;
+                const float v0 = __ldcg(p + i * THREADS), v1 = __ldcg(p + (i + 1) * THREADS);
+                acc.d[i] = part == 0 ? v0 : acc.d[i] + v0;
+                acc.d[i + 1] = part == 0 ? v1 : acc.d[i + 1] + v1;
+            });
+        }
+        whole(tile, acc, who);
         if (who.thread == 0) arrivals[tile.slot] = 0;
     }
 };
 
 // Run the engine over the units with whole tiles stored by `whole` (and, SPLIT_K, the
-// split parts added by SplitKEpilogue).
+// split parts added up by SplitKEpilogue, then stored by `whole`).
 template <class Whole>
 __device__ __forceinline__ void run_units(const mkrt::TmaDescriptor* tma_a, const mkrt::TmaDescriptor* tma_b,
                                           int k, const mkrt::gemm::RasterWork& units, int rank,
-                                          const Whole& whole,
-                                          const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN>& direct,
-                                          float* partials, int* arrivals, int whole_units, int splits,
-                                          char* dynamic_smem) {
+                                          const Whole& whole, int m, float* partials, int* arrivals,
+                                          int whole_units, int splits, char* dynamic_smem) {
     if constexpr (SPLIT_K) {
         const SplitKWork work{units, whole_units, splits, (k + Cfg::BK - 1) / Cfg::BK, rank};
-        const SplitKEpilogue<Whole> store{whole, direct, partials, arrivals, splits};
+        const SplitKEpilogue<Whole> store{whole, m, partials, arrivals, splits};
         mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, work, store, dynamic_smem);
     } else if constexpr (Cfg::CLUSTER_M == 2) {
         const mkrt::gemm::PairedRasterWork pairs{units, units.tiles_n, rank};
@@ -186,14 +174,14 @@ gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
     const int rank = Cfg::CLUSTER_M == 2 ? (int)mkrt::cluster_rank() : 0;
     const mkrt::gemm::RasterWork units{(tiles_m + Cfg::CLUSTER_M - 1) / Cfg::CLUSTER_M, tiles_n, group_m,
                                        (int)blockIdx.x / Cfg::CLUSTER_M, (int)gridDim.x / Cfg::CLUSTER_M};
-    const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> direct{out, m, n, ld_out, pairs_aligned != 0};
     if constexpr (TMA_STORE) {
         const mkrt::gemm::TmaStoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{&tma_out};
-        run_units(&tma_a, &tma_b, k, units, rank, store, direct, partials, arrivals, whole_units,
-                  splits, dynamic_smem);
+        run_units(&tma_a, &tma_b, k, units, rank, store, m, partials, arrivals, whole_units, splits,
+                  dynamic_smem);
     } else {
-        run_units(&tma_a, &tma_b, k, units, rank, direct, direct, partials, arrivals, whole_units,
-                  splits, dynamic_smem);
+        const mkrt::gemm::StoreEpilogue<$CTYPE, Cfg::BM, Cfg::BN> store{out, m, n, ld_out, pairs_aligned != 0};
+        run_units(&tma_a, &tma_b, k, units, rank, store, m, partials, arrivals, whole_units, splits,
+                  dynamic_smem);
     }
 }
 """, requires=("gemm_tile",), register=False)
@@ -220,7 +208,8 @@ class GemmSpec(KernelSpec):
     epilogue "tma": whole tiles staged in shared memory, written by TMA stores that overlap
     the next tile (needs N % 8 == 0); "direct": bf16x2 stores from registers, any N.
     split "splitk": the kernel also runs split-K parts (the plan says which tiles are split:
-    all of them, or only the last partial wave's), added in a fixed order and stored directly.
+    all of them, or only the last partial wave's), added in a fixed order and stored by the
+    whole tiles' epilogue.
     """
 
     family = "gemm"
@@ -399,7 +388,8 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
     if split_tail and split_k == 1:
         raise ValueError("mkrt.gemm: split_tail=True splits the last wave's tiles in split_k "
                          "parts; it needs split_k > 1")
-    if epilogue == "auto":   # TMA stores need 16-byte rows of C; split parts store directly
+    if epilogue == "auto":   # TMA stores need 16-byte rows of C; split-K of every tile takes
+                             # the direct stores (their staging area would cost stages)
         epilogue = "tma" if n % 8 == 0 and (split_k == 1 or split_tail) else "direct"
     elif epilogue == "tma" and n % 8:
         raise ValueError(f"mkrt.gemm: epilogue='tma' needs n % 8 == 0; got n={n}")
