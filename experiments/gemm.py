@@ -4,8 +4,10 @@ Measures the Hopper GEMM engine (TMA + wgmma, persistent, warp-specialised) on t
 issue's suite, on the full chip and with the grid capped at 116 and 100 CTAs (the
 compute role's share in fused kernels), against torch.matmul (cuBLASLt; the faster
 baseline: mkrt/DESIGN.md, "Machine facts") and cupy.matmul. Every case is checked against a float32 result
-first (relative Frobenius error), then timed with CUDA events (warm-up, median of
---repeats batches of --iterations launches).
+first (relative Frobenius error), then timed with CUDA events: per shape, the baselines
+and every grid cap take turns in --repeats rounds of --iterations launches after
+warm-up (median per call; in turns, because timed one after the other the first timed
+ran up to 17% faster: the GPU's clocks drift under sustained load).
 
 Launch line (GPU machine, repository root):
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -90,6 +93,7 @@ def main():
     args = parse()
     import cupy
     from mkrt.arrays import bfloat16
+    from mkrt.bench import interleaved_ms
     from mkrt.kernels import gemm as G
     try:
         import torch
@@ -126,29 +130,23 @@ def main():
             out = cupy.empty((m, n), dtype=dtype)
             flops = 2.0 * m * n * k
 
-            # baselines, full chip, same run
-            cupy_fn = (lambda: cupy.matmul(a, b)) if layout == "kn" else (lambda: cupy.matmul(a, b.T))
-            cupy_ms = time_ms(cupy_fn, args.iterations, args.repeats, args.warmup)
-            torch_ms = None
+            # baselines, full chip, and every grid cap, checked, then timed in turns
+            calls = {"cupy": (lambda: cupy.matmul(a, b)) if layout == "kn" else (lambda: cupy.matmul(a, b.T))}
             if torch is not None:
                 ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
                 tb = tb if layout == "kn" else tb.t()
-                torch_ms = time_ms(lambda: torch.matmul(ta, tb), args.iterations, args.repeats,
-                                   args.warmup)
-            base_ms = torch_ms if torch_ms is not None else cupy_ms
-            baseline_name = "torch.matmul" if torch_ms is not None else "cupy.matmul"
-
+                calls["torch"] = lambda: torch.matmul(ta, tb)
+            baseline_name = "torch.matmul" if torch is not None else "cupy.matmul"
+            checked = {}
             for cap in sm_caps:
                 options = dict(b_layout=layout, sms=cap, group_m=args.group_m,
                                block_m=args.block_m, block_n=args.block_n, stages=args.stages,
                                epilogue=args.epilogue)
-                call = lambda: G.gemm(a, b, out, **options)  # noqa: E731
                 p = G.call_plan(a, b, out, **options)      # the tile the call runs, recorded
-                tile = (p.spec.block_m, p.spec.block_n, p.splits, p.spec.cluster, p.split_tail)
                 why = choose_tile(m, n, k, sms=cap or full_sms, dtype=args.dtype,
                                   b_layout=layout)[1]
                 G.poison(out)
-                call()
+                G.gemm(a, b, out, **options)
                 ref = G.reference(a, b, b_layout=layout)
                 got = G.to_float32(out)
                 error = float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref))
@@ -157,7 +155,15 @@ def main():
                     print(f"FAILED correctness {layout} {m}x{n}x{k} sms={cap}: error {error}")
                     ratios.setdefault(cap, []).append(float("nan"))
                     continue
-                ms = time_ms(call, args.iterations, args.repeats, args.warmup)
+                calls[cap] = functools.partial(G.gemm, a, b, out, **options)
+                checked[cap] = (p, why, error)
+            ms_of = interleaved_ms(calls, iterations=args.iterations, rounds=args.repeats,
+                                   warmup=args.warmup)
+            cupy_ms = ms_of.pop("cupy")
+            base_ms = ms_of.pop("torch", cupy_ms)
+            for cap, (p, why, error) in checked.items():
+                ms = ms_of[cap]
+                tile = (p.spec.block_m, p.spec.block_n, p.splits, p.spec.cluster, p.split_tail)
                 tflops = flops / ms / 1e9
                 ratio = base_ms / ms
                 ratios.setdefault(cap, []).append(ratio)
@@ -172,12 +178,14 @@ def main():
                                  ratio=round(ratio, 4), unit="TFLOP/s", us=round(ms * 1e3, 2),
                                  error=error, sms=cap or full_sms, gpu=gpu, date=date,
                                  commit=commit, tag=args.tag, command=command,
+                                 timing="interleaved rounds",
                                  config=dict(block_m=tile[0], block_n=tile[1], split_k=tile[2],
                                              cluster=tile[3], split_tail=tile[4],
                                              chosen_by=why if args.block_m is None and
                                              args.block_n is None else "given",
                                              stages=args.stages, group_m=args.group_m,
                                              epilogue=args.epilogue)))
+            calls = ta = tb = None
             del a, b, out
             cupy.get_default_memory_pool().free_all_blocks()
 

@@ -4,9 +4,12 @@ same run: the data a tile-selection rule is fitted on (FIT) and judged on (HELD_
 The two sets never mix: a rule's parameters come from FIT rows only; HELD_OUT rows say
 how the rule does on shapes it was not fitted on (every configuration is timed on every
 shape, so any rule's pick can be scored from the same run). Each (shape, configuration)
-is checked against a float32 result on fresh random data (output poisoned first), then
-timed with CUDA events after warm-up (median of --repeats batches of --iterations
-launches); torch.matmul (cuBLASLt) is timed on the same operands in the same run.
+is checked against a float32 result on fresh random data (output poisoned first); then
+every configuration of the shape and torch.matmul (cuBLASLt) on the same operands are
+timed with CUDA events after warm-up, taking turns in --repeats rounds of --iterations
+launches (median per configuration; rounds, because timed one after the other the first
+configuration of a shape ran up to 17% faster than in rounds: the GPU's clocks drift
+under sustained load).
 
     MKRT_JIT_CACHE_DIR=/tmp/mkrt-cache PYTHONPATH=$PWD python3 experiments/gemm_tune.py \\
         --out experiments/results/gemm_tune.jsonl [--table]
@@ -15,6 +18,7 @@ launches); torch.matmul (cuBLASLt) is timed on the same operands in the same run
 JIT cache folder (``MKRT_JIT_CACHE_DIR``). ``--compile-only`` builds every configuration
 for sm_90a (no GPU needed) and prints registers, spills and shared memory.
 
+``--fit --judge-only`` judges the committed fit on the rows instead (writes nothing).
 ``--fit`` (no GPU) fits the rule's wave model (mkrt/kernels/gemm_rule.py) on the FIT rows
 of ``--out`` (of ``--commit`` if given), writes ``mkrt/kernels/gemm_rule_fit.json``, and
 judges it on the HELD_OUT rows: per shape, the measured time of the model's pick against
@@ -24,6 +28,7 @@ the fastest configuration measured and against torch.matmul.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -32,7 +37,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm import time_ms  # noqa: E402  (experiments/gemm.py: CUDA events, median of batches)
 
 #: shapes (M, N, K) the rule is fitted on: the issue's measured shapes and LLM projections
 FIT = [(8192, 8192, 8192), (6144, 6144, 6144), (4096, 14336, 4096), (2048, 2048, 2048),
@@ -75,6 +79,8 @@ def parse():
                         help="write the fastest configuration per shape to the JIT cache folder")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--fit", action="store_true", help="fit and judge the rule (no GPU)")
+    parser.add_argument("--judge-only", action="store_true",
+                        help="with --fit: judge the committed fit on the rows, write nothing")
     parser.add_argument("--commit", default=None, help="--fit: rows of this commit only")
     parser.add_argument("--out", default="experiments/results/gemm_tune.jsonl")
     return parser.parse_args()
@@ -103,7 +109,7 @@ def sweep(args) -> None:
     import torch
 
     from mkrt import envs
-    from mkrt.bench import append_jsonl, record
+    from mkrt.bench import append_jsonl, interleaved_ms, record
     from mkrt.kernels import gemm as G
     from mkrt.kernels import gemm_rule
     torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -117,11 +123,10 @@ def sweep(args) -> None:
         ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
         tb = tb if args.b_layout == "kn" else tb.t()
         torch_out = torch.empty((m, n), dtype=torch_dtype, device="cuda")
-        torch_us = 1e3 * time_ms(lambda: torch.matmul(ta, tb, out=torch_out), args.iterations,
-                                 args.repeats, args.warmup)
+        calls = {"torch": lambda: torch.matmul(ta, tb, out=torch_out)}
         reference = G.reference(a, b, b_layout=args.b_layout, dtype=np.float32)
         case = f"{m}x{n}x{k}"
-        times = {}
+        checked = {}
         tiles = [(bm, bn) for bm, bn in CONFIGS if not args.configs or f"{bm}x{bn}" in args.configs]
         clusters = ("", "m2") if args.cluster else ("",)
         variants = [(bm, bn, g, 1, c, False) for c in clusters for bm, bn in tiles
@@ -139,9 +144,9 @@ def sweep(args) -> None:
         for (block_m, block_n, group_m, split_k, cluster, split_tail) in variants:
             config = gemm_rule.config_name(
                 gemm_rule.Choice(block_m, block_n, split_k, cluster, split_tail), group_m)
-            call = lambda: G.gemm(a, b, out, b_layout=args.b_layout, sms=args.sms,  # noqa: E731
-                                  group_m=group_m, block_m=block_m, block_n=block_n,
-                                  split_k=split_k, split_tail=split_tail, cluster=cluster)
+            call = functools.partial(G.gemm, a, b, out, b_layout=args.b_layout, sms=args.sms,
+                                     group_m=group_m, block_m=block_m, block_n=block_n,
+                                     split_k=split_k, split_tail=split_tail, cluster=cluster)
             G.poison(out)
             call()
             error = float(cupy.linalg.norm(G.to_float32(out) - reference)
@@ -154,24 +159,29 @@ def sweep(args) -> None:
                     config=config, block_m=block_m, block_n=block_n, group_m=group_m,
                     error=error)])
                 continue
-            us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
-            times[config] = us
-            flops = 2.0 * m * n * k
+            calls[config] = call
+            checked[config] = dict(block_m=block_m, block_n=block_n, group_m=group_m,
+                                   split_k=split_k, split_tail=split_tail, cluster=cluster,
+                                   error=error)
+        measured = interleaved_ms(calls, iterations=args.iterations, rounds=args.repeats,
+                                  warmup=args.warmup)
+        torch_us = 1e3 * measured.pop("torch")
+        times = {config: 1e3 * ms for config, ms in measured.items()}
+        flops = 2.0 * m * n * k
+        for config, us in times.items():
             print(f"{set_name:8s} {case:18s} {config:12s} {us:9.1f} us "
                   f"{flops / us / 1e6:6.1f} TFLOP/s  x torch {torch_us / us:5.3f}", flush=True)
             append_jsonl(args.out, [record(
                 "gemm_tune", case, "us", us, torch_us, "us", higher_is_better=False,
-                set=set_name, config=config, block_m=block_m, block_n=block_n,
-                group_m=group_m, split_k=split_k, split_tail=split_tail, cluster=cluster,
-                sms=sms, dtype=args.dtype,
-                b_layout=args.b_layout, tflops=flops / us / 1e6, error=error,
-                baseline_name="torch.matmul")])
+                set=set_name, config=config, sms=sms, dtype=args.dtype,
+                b_layout=args.b_layout, tflops=flops / us / 1e6, timing="interleaved rounds",
+                baseline_name="torch.matmul", **checked[config])])
         if times:
             winner = min(times, key=times.get)
             best[gemm_rule.table_key(m, n, k, args.dtype, args.b_layout, sms)] = winner
             print(f"{set_name:8s} {case:18s} best {winner} x torch "
                   f"{torch_us / times[winner]:.3f}", flush=True)
-        a = b = out = ta = tb = torch_out = reference = None   # free this shape's memory
+        a = b = out = ta = tb = torch_out = reference = calls = None   # free this shape's memory
         cupy.get_default_memory_pool().free_all_blocks()
     if args.table:
         path = envs.get("MKRT_JIT_CACHE_DIR") / "gemm_table.json"
@@ -274,13 +284,17 @@ def fit_and_judge(args) -> None:
     if not fit_rows:
         raise SystemExit(f"gemm_tune --fit: no FIT rows in {args.out}")
     from mkrt.kernels import gemm_rule
-    fit = fit_model(fit_rows)
-    fit["commit"] = args.commit or fit_rows[-1].get("commit")
-    gemm_rule.FIT_PATH.write_text(json.dumps(fit, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {gemm_rule.FIT_PATH}: rates {fit['rates']}, split cost {fit['split_cost']:.3g}, "
-          f"row cost {fit['row_cost']:.3g} us, tail cost {fit['tail_cost']:.3g} us, "
-          f"tail splits {fit['tail_splits']}, "
-          f"launch {fit['launch_us']:.1f} us ({fit['rows']} FIT rows)")
+    if args.judge_only:
+        fit = gemm_rule.fitted_model()
+        print(f"the committed fit ({fit.get('commit')}) judged on these rows")
+    else:
+        fit = fit_model(fit_rows)
+        fit["commit"] = args.commit or fit_rows[-1].get("commit")
+        gemm_rule.FIT_PATH.write_text(json.dumps(fit, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {gemm_rule.FIT_PATH}: rates {fit['rates']}, split cost {fit['split_cost']:.3g}, "
+              f"row cost {fit['row_cost']:.3g} us, tail cost {fit['tail_cost']:.3g} us, "
+              f"tail splits {fit['tail_splits']}, "
+              f"launch {fit['launch_us']:.1f} us ({fit['rows']} FIT rows)")
     for name, subset in (("FIT", fit_rows), ("HELD_OUT", held)):
         lines = judge(subset, fit)
         scored = [x for x in lines if x["pick_us"]]

@@ -53,6 +53,32 @@ def batch_ms(call, *, iterations: int = 10, repeats: int = 5, warmup: int = 3) -
     return median(samples)
 
 
+def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
+                   warmup: int = 2) -> dict:
+    """Per name of `calls`, the median over `rounds` of the milliseconds per call of
+    `iterations` back-to-back calls, the calls taking turns round by round: clock and
+    power drift (a GPU fresh from idle runs its first long kernels faster) falls on every
+    call alike instead of favouring the first timed. Timed one after the other, a GEMM
+    sweep saw its first configuration up to 17% faster than in rounds."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    stream.synchronize()
+    samples: dict = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(iterations):
+                call()
+            stop.record(stream)
+            stop.synchronize()
+            samples[name].append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
+    return {name: median(values) for name, values in samples.items()}
+
+
 def median_ms(call, **kwargs) -> float:
     return median(time_calls(call, **kwargs))
 
