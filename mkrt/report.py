@@ -603,11 +603,14 @@ def _gemm_tune_text(run):
     ratios = [r["baseline"] / r["value"] for r in best.values() if _number(r.get("baseline"))]
     if not ratios:
         return "no timed configurations"
-    split = sum(int(r.get("split_k") or 1) > 1 for r in best.values())
+    split = sum(int(r.get("split_k") or 1) > 1 and not r.get("split_tail") for r in best.values())
+    tail = sum(int(r.get("split_k") or 1) > 1 and bool(r.get("split_tail")) for r in best.values())
     paired = sum(bool(r.get("cluster")) for r in best.values())
     text = (f"fastest of the tiles per shape: {span(ratios, 'x')} of torch.matmul, same run; "
             f"{len(ratios)} shapes, geomean {fmt(geomean(ratios))}x; split-K fastest on "
             f"{split} of {len(best)}")
+    if any(r.get("split_tail") for r in run):
+        text += f", the last wave's tiles split on {tail}"
     if any(r.get("cluster") for r in run):
         text += f"; clusters of two fastest on {paired} of {len(best)}"
     return text
@@ -657,7 +660,8 @@ PIECES = [
     Piece("`mkrt.gemm`", "TMA + wgmma persistent engine, bf16/f16, both B layouts",
           "gemm", _gemm_lines),
     Piece("GEMM tiles", "six tiles (128x256, 128x192, 128x128, 64x256, 64x128, 256x128), clusters "
-          "of two CTAs sharing B by TMA multicast, and split-K, timed on 30 shapes "
+          "of two CTAs sharing B by TMA multicast, and split-K (of every tile, or of the last "
+          "partial wave's tiles only), timed on 30 shapes "
           "(`experiments/gemm_tune.py`); the tile rule's wave model (tiles, clusters, a cost per "
           "row loaded off a 32-byte sector) is fitted on 15 of them "
           "(`mkrt/kernels/gemm_rule_fit.json`) and judged on the other 15", "gemm_tune",
