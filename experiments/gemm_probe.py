@@ -9,6 +9,10 @@
   128-byte line) to see which offsets cost and how much.
 * ``kernels``: the names of the kernels torch.matmul runs on given shapes (cuBLAS names
   its tile, cluster shape and schedule), from torch.profiler.
+* ``odd_rows``: shapes whose rows start 16 bytes off a 32-byte sector (K = 8 mod 16)
+  stay below torch (3000x5000x7000 at 0.85). Time, in turns with torch.matmul, each tile
+  with and without clusters, with the TMA-store epilogue and with direct stores (which
+  leave room for one or two more pipeline stages), at raster groups of 8 and 16 tile rows.
 
     PYTHONPATH=$PWD python3 experiments/gemm_probe.py --probes grid k_offset kernels \\
         --out $OUT/gemm_probe.jsonl
@@ -29,7 +33,9 @@ from gemm import time_ms  # noqa: E402  (CUDA events, median of batches)
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probes", nargs="+", default=["grid", "k_offset", "kernels"],
-                        choices=("grid", "k_offset", "kernels"))
+                        choices=("grid", "k_offset", "kernels", "odd_rows"))
+    parser.add_argument("--odd-shapes", nargs="+",
+                        default=["3000x5000x7000", "4096x4096x4040", "8192x2048x3000"])
     parser.add_argument("--grid-shapes", nargs="+", default=["8192x8192x8192", "3000x5000x7000"])
     parser.add_argument("--grid-configs", nargs="+", default=["128x256", "64x128"])
     parser.add_argument("--grids", type=int, nargs="+", default=[8, 32, 64, 96, 128, 132])
@@ -157,6 +163,51 @@ def probe_kernels(args) -> None:
         print(f"torch.matmul {shape} (B [N, K]): {names}", flush=True)
 
 
+def probe_odd_rows(args, rows) -> None:
+    import cupy
+    import torch
+
+    from mkrt.bench import interleaved_ms, record
+    from mkrt.kernels import gemm as G
+    for shape in args.odd_shapes:
+        m, n, k = (int(x) for x in shape.split("x"))
+        a, b = operands(m, n, k)
+        out = cupy.empty((m, n), dtype=a.dtype)
+        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b).t()
+        reference = G.reference(a, b, b_layout="nk")
+        calls = {"torch": lambda: torch.matmul(ta, tb)}
+        configs = {}
+        for block_m, block_n in ((128, 256), (128, 192), (256, 128)):
+            for cluster in ("", "m2"):
+                for epilogue in ("tma", "direct"):
+                    for group_m in (8, 16):
+                        options = dict(b_layout="nk", block_m=block_m, block_n=block_n,
+                                       cluster=cluster, epilogue=epilogue, group_m=group_m,
+                                       split_k=1)
+                        p = G.call_plan(a, b, out, **options)
+                        name = (f"{block_m}x{block_n}{'_m2' if cluster else ''}_{epilogue}"
+                                f"_s{p.spec.stages}_g{group_m}")
+                        G.poison(out)
+                        G.gemm(a, b, out, **options)
+                        error = float(cupy.linalg.norm(G.to_float32(out) - reference)
+                                      / cupy.linalg.norm(reference))
+                        if not math.isfinite(error) or error > 1e-2:
+                            print(f"{shape} {name}: WRONG, error {error}", flush=True)
+                            continue
+                        calls[name] = (lambda o=options: G.gemm(a, b, out, **o))
+                        configs[name] = dict(options, stages=p.spec.stages, error=error)
+        us = {name: 1e3 * ms for name, ms in interleaved_ms(
+            calls, iterations=args.iterations, rounds=args.repeats, warmup=args.warmup).items()}
+        base = us.pop("torch")
+        for name, value in sorted(us.items(), key=lambda item: item[1]):
+            print(f"{shape} {name:28s} {value:8.1f} us  x torch {base / value:5.3f}", flush=True)
+            rows.append(record("gemm_odd_rows", f"{shape} {name}", "us", value, base, "us",
+                               higher_is_better=False, probe="odd_rows", timing="interleaved rounds",
+                               baseline_name="torch.matmul", **configs[name]))
+        a = b = out = ta = tb = reference = calls = None
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main():
     args = parse()
     from mkrt.bench import append_jsonl
@@ -167,6 +218,8 @@ def main():
         probe_grid(args, rows)
     if "k_offset" in args.probes:
         probe_k_offset(args, rows)
+    if "odd_rows" in args.probes:
+        probe_odd_rows(args, rows)
     append_jsonl(args.out, rows)
 
 
