@@ -210,21 +210,38 @@ def _by_case(rows) -> dict:
     return by_case
 
 
+#: how much faster than every configuration without split-K a split must have been on a
+#: shape to count as a win (two configurations of one shape differ by 1-3% between runs)
+SPLIT_MARGIN = 0.03
+
+
 def winning_splits(rows, split_tail: bool = False) -> list[int]:
     """The split-K part counts (of every tile, or with split_tail of the last wave's
-    tiles) that were the fastest configuration of at least one shape of `rows` (and 1 for
-    every tile): the only ones the rule may choose."""
-    winners = [_configuration(min(measured, key=lambda r: float(r["value"])))
-               for measured in _by_case(rows).values()]
-    won = {c.split_k for c in winners if c.split_tail == split_tail and c.split_k > 1}
+    tiles) that were the fastest configuration of at least one shape of `rows` by more
+    than SPLIT_MARGIN over the fastest configuration without split-K (and 1 for every
+    tile): the only ones the rule may choose."""
+    won = set()
+    for measured in _by_case(rows).values():
+        fastest = min(measured, key=lambda r: float(r["value"]))
+        c = _configuration(fastest)
+        plain = [float(r["value"]) for r in measured if _configuration(r).split_k == 1]
+        if (c.split_k > 1 and c.split_tail == split_tail
+                and (not plain or float(fastest["value"]) < (1 - SPLIT_MARGIN) * min(plain))):
+            won.add(c.split_k)
     return sorted(won if split_tail else won | {1})
 
 
-def fit_model(rows) -> dict:
+#: the partial-wave costs fit_model tries (1: a partial wave as long as a full one)
+PARTIAL_COSTS = tuple(i / 20 for i in range(21))
+
+
+def fit_model(rows, partial_costs=PARTIAL_COSTS) -> dict:
     """Least squares (relative errors) of the wave model's terms on `rows` (measured times
     of (shape, configuration)): 1 / rate per tile (and per tile with clusters, where rows
     have them), the split-K cost, the cost of a row loaded an odd 16 bytes off a sector,
-    the tail split's summing cost, a fixed launch cost.
+    the tail split's summing cost, a fixed launch cost; for each of `partial_costs` (what
+    a last partial wave costs, the model's one nonlinear parameter), keeping the one with
+    the least squared error.
     Split-K part counts that never won a shape of `rows` are left out of the fit and of
     the rule (``splits``, ``tail_splits``): a measured split-K far slower than the model's
     linear fix-up cost would otherwise pull every tile's rate."""
@@ -236,27 +253,34 @@ def fit_model(rows) -> dict:
     tiles = [key for key in (gemm_rule.rate_key(tile, cluster) for cluster in gemm_rule.CLUSTERS
                              for tile in gemm_rule.TILES) if key in measured]
     columns = tiles + ["split_cost", "row_cost", "tail_cost", "launch_us"]
-    matrix, target = [], []
-    for row in rows:
-        m, n, k = (int(x) for x in row["case"].split("x"))
-        c = _configuration(row)
-        terms = gemm_rule.wave_terms(m, n, k, int(row["sms"]), c[:2], c.split_k, c.cluster,
-                                     row.get("b_layout", "nk"), c.split_tail)
-        if terms is None:
-            continue
-        x = [0.0] * len(columns)
-        work, x[-4], x[-3], x[-2] = terms
-        x[tiles.index(gemm_rule.rate_key(c[:2], c.cluster))] = work
-        x[-1] = 1.0
-        us = float(row["value"])
-        matrix.append([v / us for v in x])       # relative: every shape counts alike
-        target.append(1.0)
-    solution = np.linalg.lstsq(np.array(matrix), np.array(target), rcond=None)[0]
+    best = None
+    for partial_cost in partial_costs:
+        matrix = []
+        for row in rows:
+            m, n, k = (int(x) for x in row["case"].split("x"))
+            c = _configuration(row)
+            terms = gemm_rule.wave_terms(m, n, k, int(row["sms"]), c[:2], c.split_k, c.cluster,
+                                         row.get("b_layout", "nk"), c.split_tail, partial_cost)
+            if terms is None:
+                continue
+            x = [0.0] * len(columns)
+            work, x[-4], x[-3], x[-2] = terms
+            x[tiles.index(gemm_rule.rate_key(c[:2], c.cluster))] = work
+            x[-1] = 1.0
+            us = float(row["value"])
+            matrix.append([v / us for v in x])       # relative: every shape counts alike
+        matrix = np.array(matrix)
+        solution = np.linalg.lstsq(matrix, np.ones(len(matrix)), rcond=None)[0]
+        error = float(np.sum((matrix @ solution - 1.0) ** 2))
+        if best is None or error < best[0]:
+            best = (error, partial_cost, solution, len(matrix))
+    _, partial_cost, solution, count = best
     inverse = {t: float(v) for t, v in zip(tiles, solution)}
     return {"rates": {t: 1.0 / v for t, v in inverse.items() if v > 0},
             "split_cost": max(0.0, float(solution[-4])), "row_cost": max(0.0, float(solution[-3])),
             "tail_cost": max(0.0, float(solution[-2])), "launch_us": max(0.0, float(solution[-1])),
-            "splits": splits, "tail_splits": tail_splits, "rows": len(rows)}
+            "partial_cost": partial_cost, "splits": splits, "tail_splits": tail_splits,
+            "rows": count}
 
 
 def judge(rows, fit) -> list[dict]:
@@ -294,7 +318,7 @@ def fit_and_judge(args) -> None:
         gemm_rule.FIT_PATH.write_text(json.dumps(fit, indent=1, sort_keys=True) + "\n")
         print(f"wrote {gemm_rule.FIT_PATH}: rates {fit['rates']}, split cost {fit['split_cost']:.3g}, "
               f"row cost {fit['row_cost']:.3g} us, tail cost {fit['tail_cost']:.3g} us, "
-              f"tail splits {fit['tail_splits']}, "
+              f"tail splits {fit['tail_splits']}, partial wave {fit['partial_cost']:.2f}, "
               f"launch {fit['launch_us']:.1f} us ({fit['rows']} FIT rows)")
     for name, subset in (("FIT", fit_rows), ("HELD_OUT", held)):
         lines = judge(subset, fit)

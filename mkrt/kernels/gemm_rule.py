@@ -7,7 +7,11 @@
 
        time(tile, split) = waves * (block_m * block_n * K) / rate[tile]
                            + (split - 1) * split_cost * block_m * block_n * tiles / SMs,
-       waves = ceil(tiles * split / SMs) * ceil(k_blocks / split) / k_blocks,
+       waves = waves(tiles * split over SMs) * ceil(k_blocks / split) / k_blocks,
+
+   where a last partial wave running on a fraction f of the SMs counts as
+   partial_cost + (1 - partial_cost) * f of a full wave (``partial_cost`` fitted; 1, a
+   full wave, without it: a partly idle GPU runs its last tiles faster),
 
    and for clusters of two CTAs sharing B (``cluster="m2"``), pairs of tile rows on
    SMs / 2 clusters (units of a wave), with a rate of their own (``rates["128x256_m2"]``).
@@ -133,13 +137,25 @@ def odd_rows(n: int, k: int, b_layout: str) -> tuple[bool, bool]:
     return a_odd, a_odd if b_layout == "nk" else (-(-n // 8) * 8) % 16 == 8
 
 
+def waves(units: int, per_wave: int, partial_cost: float = 1.0) -> float:
+    """Waves of `units` over `per_wave` at a time: the full ones, and a last partial wave
+    of a fraction f of the SMs counted as partial_cost + (1 - partial_cost) * f of a full
+    one (1: as long as a full wave; below 1: a partly idle GPU runs its few tiles faster,
+    on clocks and memory bandwidth the idle SMs leave)."""
+    full, left = divmod(units, per_wave)
+    if not left:
+        return float(full)
+    return full + partial_cost + (1.0 - partial_cost) * left / per_wave
+
+
 def wave_terms(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
-               cluster: str = "", b_layout: str = "nk",
-               split_tail: bool = False) -> tuple[float, float, float, float] | None:
+               cluster: str = "", b_layout: str = "nk", split_tail: bool = False,
+               partial_cost: float = 1.0) -> tuple[float, float, float, float] | None:
     """The wave model's terms of one configuration: (waves x work per CTA and wave, the
     split-K fix-up's element count per SM, the odd rows each CTA loads over its waves, the
     elements the last part of a tail-split tile adds up); None where the engine cannot
-    run it. A split wave counts the longest part (ceil of the k-blocks over the parts)."""
+    run it. A split wave counts the longest part (ceil of the k-blocks over the parts); a
+    last partial wave counts as :func:`waves` says."""
     block_m, block_n = tile
     tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
     k_blocks = -(-k // 64)
@@ -152,16 +168,16 @@ def wave_terms(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: i
         whole, tail = units // per_wave, units % per_wave
         if not whole or not tail:
             return None                 # no full wave, or no tail: the same as a plain split
-        waves = whole + -(-tail * split // per_wave) * part
+        count = whole + waves(tail * split, per_wave, partial_cost) * part
         fixup = (split - 1) * block_m * block_n * tail * cluster_m / sms
         tail_sum = split * block_m * block_n
     else:
-        waves = -(-units * split // per_wave) * (part if split > 1 else 1.0)
+        count = waves(units * split, per_wave, partial_cost) * (part if split > 1 else 1.0)
         fixup = (split - 1) * block_m * block_n * tiles_m * tiles_n / sms
         tail_sum = 0.0
     a_odd, b_odd = odd_rows(n, k, b_layout)
     odd_per_block = block_m * a_odd + block_n // cluster_m * b_odd
-    return (waves * block_m * block_n * k, fixup, waves * k_blocks * odd_per_block, tail_sum)
+    return (count * block_m * block_n * k, fixup, count * k_blocks * odd_per_block, tail_sum)
 
 
 def predicted_us(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split: int,
@@ -169,7 +185,8 @@ def predicted_us(m: int, n: int, k: int, sms: int, tile: tuple[int, int], split:
                  split_tail: bool = False) -> float:
     """The wave model's time of one configuration (see the module docstring)."""
     rate = fit["rates"].get(rate_key(tile, cluster))
-    terms = wave_terms(m, n, k, sms, tile, split, cluster, b_layout, split_tail)
+    terms = wave_terms(m, n, k, sms, tile, split, cluster, b_layout, split_tail,
+                       fit.get("partial_cost", 1.0))
     if not rate or terms is None:
         return math.inf
     work, fixup, odd, tail_sum = terms
