@@ -100,6 +100,11 @@ def main():
                     torch.matmul(x[a:b], wt[g], out=out[a:b])
         calls = {"mkrt": lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out),
                  "grouped_mm": lambda: torch._grouped_mm(x, wt, offs=ends), "loop": loop}
+        # the same tile with TMA stores of the tiles inside one group (checked first)
+        out.fill_(float("nan"))
+        mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="tma")
+        tma_error = error_of_out()
+        calls["mkrt_tma"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="tma")
         tile_errors = {}
         if args.sweep_tiles:
             for block_m, block_n in TILES:
@@ -132,10 +137,13 @@ def main():
                      flops / best_ms / 1e9, "TFLOP/s", ms=ours_ms, grouped_mm_ms=grouped_ms,
                      cublas_loop_ms=loop_ms, groups=groups, n=n, k=k, rows=rows, skew=skew,
                      max_rel_error=error, correct=error < 1e-2, timing="interleaved rounds",
+                     tma_ms=ms_of["mkrt_tma"], tma_ratio=best_ms / ms_of["mkrt_tma"],
+                     tma_max_rel_error=tma_error,
                      baseline_name="best of torch._grouped_mm and a per-group cuBLAS loop")
         print(f"{label} rows={rows}: mkrt {flops / ours_ms / 1e9:.0f} TFLOP/s, _grouped_mm "
               f"{flops / grouped_ms / 1e9:.0f}, loop {flops / loop_ms / 1e9:.0f}; x best "
-              f"{row['ratio']:.3f}; err {error:.4f}", flush=True)
+              f"{row['ratio']:.3f}; TMA stores x best {best_ms / ms_of['mkrt_tma']:.3f} "
+              f"(err {tma_error:.4f}); err {error:.4f}", flush=True)
         if args.out:
             append_jsonl(args.out, [row])
 

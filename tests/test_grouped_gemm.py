@@ -125,14 +125,17 @@ def _error(out, ref, offsets):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GG.test_cases(), ids=lambda c: f"{len(c[0])}groups-{c[1]}x{c[2]}-{c[3]}")
 @pytest.mark.parametrize("block_m,block_n", [(64, 256), (128, 256), (64, 128), (128, 128)])
-def test_matches_the_reference(case, block_m, block_n):
+@pytest.mark.parametrize("epilogue", ["direct", "tma"])
+def test_matches_the_reference(case, block_m, block_n, epilogue):
     import cupy
 
     from mkrt.kernels.gemm import poison
     sizes, n, k, dtype = case
+    if epilogue == "tma" and n % 8:
+        pytest.skip("TMA stores need N % 8 == 0")
     x, w, offsets = _operands(cupy, sizes, n, k, dtype, seed=len(sizes) + n)
     out = poison(cupy.empty((x.shape[0], n), x.dtype))
-    GG.grouped_gemm(x, w, offsets, out=out, block_m=block_m, block_n=block_n)
+    GG.grouped_gemm(x, w, offsets, out=out, block_m=block_m, block_n=block_n, epilogue=epilogue)
     cupy.cuda.Device().synchronize()
     from mkrt.kernels.gemm import to_float32
     assert bool(cupy.isfinite(to_float32(out)).all()), "rows left unwritten (still NaN)"
@@ -140,15 +143,18 @@ def test_matches_the_reference(case, block_m, block_n):
 
 
 @pytest.mark.gpu
-def test_device_offsets_rows_outside_untouched_and_repeatable():
+@pytest.mark.parametrize("epilogue", ["direct", "tma"])
+def test_device_offsets_rows_outside_untouched_and_repeatable(epilogue):
+    """Rows outside the groups keep their values (with TMA stores too: a tile that would
+    cross its group's end is stored directly, so the neighbours' rows stay as they are)."""
     import cupy
     x, w, offsets = _operands(cupy, [40, 0, 300, 7], 264, 128, "bf16", seed=3)
     inner = cupy.asarray(np.array([8, 40, 40, 300, 320], np.int32))    # rows 8..320 only
     out = cupy.full((x.shape[0], 264), 7, dtype=cupy.uint16).view(x.dtype)
-    first = GG.grouped_gemm(x, w, inner, out=out).copy()
+    first = GG.grouped_gemm(x, w, inner, out=out, epilogue=epilogue, block_m=64).copy()
     assert bool((first.view(cupy.uint16)[:8] == 7).all()) and bool((first.view(cupy.uint16)[320:] == 7).all())
     for _ in range(20):
-        again = GG.grouped_gemm(x, w, inner, out=out)
+        again = GG.grouped_gemm(x, w, inner, out=out, epilogue=epilogue, block_m=64)
     assert bool((again.view(cupy.uint16) == first.view(cupy.uint16)).all())
     assert _error(first, GG.reference(x, w, inner.get()), inner.get()) < 1e-2
 
@@ -192,6 +198,11 @@ def test_bad_arrays_raise_before_launch():
         GG.grouped_gemm(x, w, offsets, block_m=96)
     with pytest.raises(ValueError, match="block_n"):
         GG.grouped_gemm(x, w, offsets, block_n=192)
+    with pytest.raises(ValueError, match="epilogue"):
+        GG.grouped_gemm(x, w, offsets, epilogue="splitk")
+    x2, w2, offsets2 = _operands(cupy, [16, 16], 60, 64, "bf16", seed=1)
+    with pytest.raises(ValueError, match="N % 8"):
+        GG.grouped_gemm(x2, w2, offsets2, epilogue="tma")
 
 
 def test_every_tile_fits_beside_the_kernels_own_shared_memory():
@@ -200,8 +211,9 @@ def test_every_tile_fits_beside_the_kernels_own_shared_memory():
     from mkrt.kernels import gemm as gemm_module
     for block_m in (64, 128):
         for block_n in (128, 256):
-            spec = GG.spec_for("bf16", block_m, block_n)
-            assert spec.smem_bytes + GG.STATIC_SMEM_BYTES <= gemm_module.SMEM_LIMIT
-            assert spec.stages >= 4
+            for epilogue in GG.EPILOGUES:
+                spec = GG.spec_for("bf16", block_m, block_n, epilogue)
+                assert spec.smem_bytes + GG.STATIC_SMEM_BYTES <= gemm_module.SMEM_LIMIT
+                assert spec.stages >= (4 if epilogue == "direct" else 3)
     with pytest.raises(ValueError, match="shared memory"):
         GG.GroupedGemmSpec("bf16", "nk", 128, 128, 7)

@@ -281,12 +281,14 @@ class GemmSpec(KernelSpec):
 
 class OnEngine:
     """For the spec of a fused kernel whose compute role is this engine: with fields
-    ``dtype``, ``b_layout``, ``block_m``, ``block_n``, ``stages``, it gets the engine's spec
-    (and so its checks), threads and shared memory (direct-store epilogue)."""
+    ``dtype``, ``b_layout``, ``block_m``, ``block_n``, ``stages`` (and ``epilogue``, if it
+    has one; else direct stores), it gets the engine's spec (and so its checks), threads
+    and shared memory."""
 
     @property
     def engine(self) -> GemmSpec:
-        return GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n, self.stages, "direct")
+        return GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n, self.stages,
+                        getattr(self, "epilogue", "direct"))
 
     @property
     def threads(self) -> int:

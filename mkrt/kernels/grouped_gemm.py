@@ -46,7 +46,8 @@ STATIC_SMEM_BYTES = (MAX_GROUPS + 1) * 4 + 64
 GROUPED_GEMM = cuda_source("grouped_gemm", r"""
 using namespace mkrt;
 typedef $CTYPE T;
-typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, 0> Cfg;
+constexpr bool TMA_STORE = $TMA_STORE;
+typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0> Cfg;
 constexpr int MAX_GROUPS = $MAX_GROUPS;
 
 __device__ __forceinline__ int clamp_row(int v, int rows) { return min(max(v, 0), rows); }
@@ -87,22 +88,36 @@ struct GroupedWork {
 };
 
 // The engine's bounded store, moved to the tile's group: rows from a_row up to the group's
-// end, columns up to n.
+// end, columns up to n. TMA_STORE: a tile whose rows all lie in its group goes out by TMA
+// stores from shared memory (they overlap the next tile's k-loop); a tile that crosses
+// the group's end keeps the bounded direct stores (a TMA box would write the next
+// group's rows).
 struct GroupedStore {
     T* out;
     const int* offsets;
     int rows, n;
     bool pairs_aligned;
+    gemm::TmaStoreEpilogue<T, Cfg::BM, Cfg::BN> whole_tiles;
 
     template <int CONSUMERS>
-    __device__ __forceinline__ void finish(const gemm::ConsumerThread<CONSUMERS>&) const {}
+    __device__ __forceinline__ void finish(const gemm::ConsumerThread<CONSUMERS>& who) const {
+        if constexpr (TMA_STORE) whole_tiles.finish(who);
+    }
     template <int CONSUMERS>
-    __device__ __forceinline__ void complete(const gemm::ConsumerThread<CONSUMERS>&) const {}
+    __device__ __forceinline__ void complete(const gemm::ConsumerThread<CONSUMERS>& who) const {
+        if constexpr (TMA_STORE) whole_tiles.complete(who);
+    }
 
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const gemm::Tile& tile, const Acc& acc,
                                                const gemm::ConsumerThread<CONSUMERS>& who) const {
         const int end = clamp_row(offsets[tile.group + 1], rows);
+        if constexpr (TMA_STORE) {
+            if (tile.a_row + Cfg::BM <= end) {
+                whole_tiles.store_at(tile.a_row, tile.n * Cfg::BN, acc, who);
+                return;
+            }
+        }
         // StoreEpilogue puts tile row 0 at m * BM: shift the matrix so it lands at a_row
         const long long shift = (long long)(tile.a_row - tile.m * Cfg::BM) * n;
         const gemm::StoreEpilogue<T, Cfg::BM, Cfg::BN> store{
@@ -114,6 +129,7 @@ struct GroupedStore {
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
              const __grid_constant__ TmaDescriptor tma_b,
+             const __grid_constant__ TmaDescriptor tma_out,     // TMA_STORE only
              T* out, const int* offsets, int groups, int rows, int n, int k, int group_m) {
     extern __shared__ char dynamic_smem[];
     __shared__ int tile_prefix[MAX_GROUPS + 1];
@@ -141,7 +157,7 @@ grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
     __syncthreads();
     const GroupedWork work{offsets, tile_prefix, groups, rows, n, (n + Cfg::BN - 1) / Cfg::BN,
                            (int)blockIdx.x, (int)gridDim.x, group_m};
-    const GroupedStore store{out, offsets, rows, n, (n % 2) == 0};
+    const GroupedStore store{out, offsets, rows, n, (n % 2) == 0, {&tma_out}};
     gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
 }
 """, requires=("gemm_tile",), register=False)
@@ -151,7 +167,9 @@ _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
-    """URI e.g. ``grouped_gemm_bf16_nk_bm128_bn256_s4_sm90a`` (B is always [N, K] per group)."""
+    """URI e.g. ``grouped_gemm_bf16_nk_bm128_bn256_s4_direct_sm90a`` (B is always [N, K] per
+    group). epilogue "direct": every tile by bounded stores from registers; "tma": tiles
+    whose rows lie in one group by TMA stores (needs N % 8 == 0), the rest direct."""
 
     family = "grouped_gemm"
     entry_points = ("grouped_gemm",)
@@ -161,9 +179,12 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
     block_m: int = dataclasses.field(default=128, metadata={"short": "bm"})
     block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
     stages: int = dataclasses.field(default=4, metadata={"short": "s"})
+    epilogue: str = "direct"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"mkrt.grouped_gemm: epilogue={self.epilogue!r}; expected one of {EPILOGUES}")
         if self.b_layout != "nk":
             raise ValueError("mkrt.grouped_gemm: weights are [G, N, K] (b_layout 'nk'); "
                              f"got {self.b_layout!r}")
@@ -178,16 +199,22 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
 
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
-                "STAGES": self.stages, "MAX_GROUPS": MAX_GROUPS}
+                "STAGES": self.stages, "MAX_GROUPS": MAX_GROUPS,
+                "TMA_STORE": self.epilogue == "tma"}
 
 
-def spec_for(dtype: str, block_m: int, block_n: int = 256) -> GroupedGemmSpec:
+EPILOGUES = ("direct", "tma")
+
+
+def spec_for(dtype: str, block_m: int, block_n: int = 256, epilogue: str = "direct") -> GroupedGemmSpec:
     return GroupedGemmSpec(dtype, "nk", block_m, block_n,
-                           gemm_module.max_stages(block_m, block_n, "direct", STATIC_SMEM_BYTES))
+                           gemm_module.max_stages(block_m, block_n, epilogue, STATIC_SMEM_BYTES),
+                           epilogue)
 
 
 def default_specs() -> list[GroupedGemmSpec]:
-    return [spec_for(dtype, *tile) for dtype in _CTYPES for tile in TILE_EFFICIENCY]
+    return [spec_for(dtype, *tile, epilogue) for dtype in _CTYPES for tile in TILE_EFFICIENCY
+            for epilogue in EPILOGUES]
 
 
 def choose_block_m(rows: int, groups: int) -> int:
@@ -324,7 +351,8 @@ class _Prepared:
     def __init__(self, spec: GroupedGemmSpec, device: int, grid: int, rows: int, n: int, k: int,
                  groups: int):
         self.spec, self.rows, self.n, self.k, self.groups = spec, rows, n, k, groups
-        params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("out", np.uint64, 8),
+        params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_out", 128, 64),
+                             ("out", np.uint64, 8),
                              ("offsets", np.uint64, 8), ("groups", np.int32, 4),
                              ("rows", np.int32, 4), ("n", np.int32, 4), ("k", np.int32, 4),
                              ("group_m", np.int32, 4)])
@@ -333,10 +361,11 @@ class _Prepared:
         self.launch = KernelLaunch(function, grid, spec.threads, spec.smem_bytes, params)
         self._out, self._offsets = params.view("out"), params.view("offsets")
         self._pointers = None
+        self._out_pointer = None
 
     def patch(self, x_ptr: int, w_ptr: int, out_ptr: int, offsets_ptr: int) -> None:
+        spec, params = self.spec, self.launch.params
         if self._pointers != (x_ptr, w_ptr):
-            spec, params = self.spec, self.launch.params
             tma_a = gemm_module.tma_descriptor_2d(x_ptr, spec.dtype, self.k, self.rows, self.k * 2,
                                                   64, spec.block_m)
             tma_b = gemm_module.tma_descriptor_2d(w_ptr, spec.dtype, self.k, self.groups * self.n,
@@ -344,6 +373,11 @@ class _Prepared:
             ctypes.memmove(params.address("tma_a"), tma_a.address, 128)
             ctypes.memmove(params.address("tma_b"), tma_b.address, 128)
             self._pointers = (x_ptr, w_ptr)
+        if spec.epilogue == "tma" and self._out_pointer != out_ptr:
+            tma_out = gemm_module.tma_descriptor_2d(out_ptr, spec.dtype, self.n, self.rows,
+                                                    self.n * 2, 64, 64)
+            ctypes.memmove(params.address("tma_out"), tma_out.address, 128)
+            self._out_pointer = out_ptr
         self._out[()] = out_ptr
         self._offsets[()] = offsets_ptr
 
@@ -400,26 +434,40 @@ def _tile(rows: int, groups: int, n: int, sms: int, block_m: int | None,
             256 if block_n is None else block_n)
 
 
+def _epilogue(epilogue: str | None, n: int) -> str:
+    """The epilogue a call uses: "direct" unless "tma" is asked for (which needs N % 8 == 0)."""
+    if epilogue is None:
+        return "direct"
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"mkrt.grouped_gemm: epilogue={epilogue!r}; expected one of {EPILOGUES}")
+    if epilogue == "tma" and n % 8:
+        raise ValueError(f"mkrt.grouped_gemm: epilogue='tma' needs N % 8 == 0 (16-byte rows of "
+                         f"out); N={n}")
+    return epilogue
+
+
 def build(rows: int, groups: int, n: int, dtype: str, device: int, sms: int | None = None,
-          block_m: int | None = None, block_n: int | None = None) -> None:
+          block_m: int | None = None, block_n: int | None = None,
+          epilogue: str | None = None) -> None:
     """Compile and load the kernel :func:`grouped_gemm` will launch for `rows` rows in
     `groups` groups of `n` columns on `sms` SMs (callers that launch kernels waiting for
     each other, such as MoE's ranks, build first: a compile between two ranks' launches
     stalls the first one)."""
     sms = device_sm_count(device) if sms is None else sms
-    spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n))
+    spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n), _epilogue(epilogue, n))
     spec.function("grouped_gemm", device, spec.smem_bytes)
 
 
 def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n: int | None = None,
-                 sms: int | None = None, stream=None):
+                 sms: int | None = None, epilogue: str | None = None, stream=None):
     """``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g].T`` for every g.
 
     x: [R, K] device array; w: [G, N, K] (each group's weight as nn.Linear holds it);
     offsets: G + 1 group boundaries (a host sequence, checked; or a device int32 array,
     used as it is); out: optional [R, N]. ``block_m`` 64 or 128, ``block_n`` 128 or 256
     (default: :func:`choose_tile`'s, from the rows, groups, N and SMs). ``sms``: the SMs
-    the kernel may use (default all). Returns out in the type of ``x``.
+    the kernel may use (default all). ``epilogue`` "direct" (default) or "tma": tiles whose
+    rows lie in one group stored by TMA (N % 8 == 0). Returns out in the type of ``x``.
     """
     import cupy
 
@@ -449,17 +497,18 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     if block_n not in (None, 128, 256):
         raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
     block_m, block_n = _tile(rows, groups, n, int(sms), block_m, block_n)
+    epilogue = _epilogue(epilogue, n)
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
         if out_as_given:
             return out
         return like_input(as_cupy(out, "out") if out is not None else cupy.empty((0, n), xv.dtype), x)
-    key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), device)
+    key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), epilogue, device)
     call = _PREPARED.get(key)
     if call is None:
         # the grid: every SM, or fewer when even full groups could not fill them
         most_tiles = (-(-rows // block_m) + groups) * -(-n // block_n)
-        call = _PREPARED[key] = _Prepared(spec_for(dtype, block_m, block_n), device,
+        call = _PREPARED[key] = _Prepared(spec_for(dtype, block_m, block_n, epilogue), device,
                                           min(int(sms), most_tiles), rows, n, k, groups)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)

@@ -367,6 +367,14 @@ struct TmaStoreEpilogue {
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const Tile& tile, const Acc& acc,
                                                const ConsumerThread<CONSUMERS>& who) const {
+        store_at(tile.m * BM, tile.n * BN, acc, who);
+    }
+
+    // The tile with its first element at (row0, col0) of the map's matrix (a grouped
+    // GEMM's tiles start at their group's rows, not at multiples of BM).
+    template <class Acc, int CONSUMERS>
+    __device__ __forceinline__ void store_at(int row0, int col0, const Acc& acc,
+                                             const ConsumerThread<CONSUMERS>& who) const {
         constexpr int ROWS = BM / CONSUMERS;          // this warpgroup's rows (64 or 128)
         constexpr int BLOCK_BYTES = 64 * BN * 2;      // 64 of them: BN / 64 boxes
         char* const slice = who.smem + who.warpgroup * (ROWS / 64) * BLOCK_BYTES;
@@ -391,7 +399,7 @@ struct TmaStoreEpilogue {
                 #pragma unroll
                 for (int box = 0; box < BN / 64; ++box)
                     tma_store_2d(tma_out, slice + block * BLOCK_BYTES + box * BOX_BYTES,
-                                 tile.n * BN + box * 64, tile.m * BM + who.warpgroup * ROWS + block * 64);
+                                 col0 + box * 64, row0 + who.warpgroup * ROWS + block * 64);
             }
             tma_store_commit();
         }
