@@ -217,3 +217,15 @@ def test_every_tile_fits_beside_the_kernels_own_shared_memory():
                 assert spec.stages >= (4 if epilogue == "direct" else 3)
     with pytest.raises(ValueError, match="shared memory"):
         GG.GroupedGemmSpec("bf16", "nk", 128, 128, 7)
+
+
+def test_epilogue_rule():
+    """TMA stores where groups average 256 rows or more and N allows them, direct below."""
+    assert GG.choose_epilogue(4096, 32, 4096) == "direct"          # DeepSeek, 128 rows a group
+    assert GG.choose_epilogue(8192, 16, 768) == "tma"              # Qwen3, 512
+    assert GG.choose_epilogue(256 * 4, 4, 5120) == "tma"           # the threshold itself
+    assert GG.choose_epilogue(256 * 4 - 1, 4, 5120) == "direct"
+    assert GG.choose_epilogue(8192, 2, 4100) == "direct"           # N % 8: no TMA stores
+    with pytest.raises(ValueError, match="N % 8"):
+        GG._epilogue("tma", 8192, 2, 4100)
+    assert GG._epilogue("direct", 8192, 2, 4096) == "direct"       # what is asked for wins

@@ -434,10 +434,28 @@ def _tile(rows: int, groups: int, n: int, sms: int, block_m: int | None,
             256 if block_n is None else block_n)
 
 
-def _epilogue(epilogue: str | None, n: int) -> str:
-    """The epilogue a call uses: "direct" unless "tma" is asked for (which needs N % 8 == 0)."""
+#: average rows per group from which tiles go out by TMA stores. On the expert-GEMM suite
+#: (experiments/grouped_gemm.py, 4b502a3, timed in turns) groups of about 128 rows ran
+#: 1-6% slower with TMA stores (DeepSeek: more tiles cross a group's end and are stored
+#: directly anyway, and the staging area costs a pipeline stage), groups of 512 and more
+#: 2-22% faster (Qwen3, Mixtral); the threshold is the geometric middle of the two. On the
+#: 11 held-out expert GEMMs the rule's epilogue takes 1.010x the faster one's time
+#: (geomean; worst 1.046x), direct stores everywhere 1.059x (worst 1.363x), TMA stores
+#: everywhere 1.016x (worst 1.057x).
+TMA_STORE_ROWS_PER_GROUP = 256
+
+
+def choose_epilogue(rows: int, groups: int, n: int) -> str:
+    """"tma" where groups average TMA_STORE_ROWS_PER_GROUP rows or more (and N % 8 == 0),
+    else "direct"."""
+    return "tma" if n % 8 == 0 and rows >= TMA_STORE_ROWS_PER_GROUP * groups else "direct"
+
+
+def _epilogue(epilogue: str | None, rows: int, groups: int, n: int) -> str:
+    """The epilogue a call uses: the one asked for ("tma" needs N % 8 == 0), else
+    choose_epilogue's."""
     if epilogue is None:
-        return "direct"
+        return choose_epilogue(rows, groups, n)
     if epilogue not in EPILOGUES:
         raise ValueError(f"mkrt.grouped_gemm: epilogue={epilogue!r}; expected one of {EPILOGUES}")
     if epilogue == "tma" and n % 8:
@@ -454,7 +472,8 @@ def build(rows: int, groups: int, n: int, dtype: str, device: int, sms: int | No
     each other, such as MoE's ranks, build first: a compile between two ranks' launches
     stalls the first one)."""
     sms = device_sm_count(device) if sms is None else sms
-    spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n), _epilogue(epilogue, n))
+    spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n),
+                    _epilogue(epilogue, rows, groups, n))
     spec.function("grouped_gemm", device, spec.smem_bytes)
 
 
@@ -466,8 +485,9 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     offsets: G + 1 group boundaries (a host sequence, checked; or a device int32 array,
     used as it is); out: optional [R, N]. ``block_m`` 64 or 128, ``block_n`` 128 or 256
     (default: :func:`choose_tile`'s, from the rows, groups, N and SMs). ``sms``: the SMs
-    the kernel may use (default all). ``epilogue`` "direct" (default) or "tma": tiles whose
-    rows lie in one group stored by TMA (N % 8 == 0). Returns out in the type of ``x``.
+    the kernel may use (default all). ``epilogue`` "direct" or "tma": tiles whose rows lie in
+    one group stored by TMA (N % 8 == 0); default: :func:`choose_epilogue`'s, from the rows
+    per group. Returns out in the type of ``x``.
     """
     import cupy
 
@@ -497,7 +517,7 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     if block_n not in (None, 128, 256):
         raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
     block_m, block_n = _tile(rows, groups, n, int(sms), block_m, block_n)
-    epilogue = _epilogue(epilogue, n)
+    epilogue = _epilogue(epilogue, rows, groups, n)
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
         if out_as_given:
