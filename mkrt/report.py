@@ -552,6 +552,24 @@ def _grouped_tiles_text(run):
     return "; ".join(parts) or "no rows"
 
 
+def _grouped_epilogue_text(run):
+    """The grouped GEMM's epilogue rule against the faster of TMA and direct stores, per set."""
+    from mkrt.kernels.grouped_gemm import choose_epilogue
+    parts = []
+    for which in ("fit", "held_out"):
+        regrets = []
+        for r in run:
+            if r.get("set") == which and _number(r.get("value")) and _number(r.get("baseline")):
+                tma, direct = r["value"], r["baseline"]
+                pick = tma if choose_epilogue(r["rows"], r["groups"], r["n"]) == "tma" else direct
+                regrets.append(pick / min(tma, direct))
+        if regrets:
+            parts.append(f"{which.replace('_', '-')} set, {len(regrets)} expert GEMMs: the rule's "
+                         f"epilogue {geomean(regrets):.3f}x the faster one's time (geomean), worst "
+                         f"{max(regrets):.3f}x")
+    return "; ".join(parts) or "no rows"
+
+
 def _proxy_stall_text(run):
     parts = []
     words = {"unsynced": "first calls of each path unsynchronized",
@@ -755,7 +773,8 @@ PIECES = [
     Piece("`mkrt.grouped_gemm`", "the GEMM engine over every group's tiles in one launch "
           "(MoE's experts), group offsets from the host or the device; a group's weight too "
           "large for L2 is walked in bands of 8 m-tiles (since `932f011`); the tile by `choose_tile` "
-          "(since `5fc7f29`); timed back to back, "
+          "(since `5fc7f29`); TMA stores by `choose_epilogue` (since `6b4a793`); timed back to "
+          "back, in turns with the baselines (since `a45be3f`), "
           "host time included: the Qwen3 cases' kernels are 0.1-0.2 ms "
           "(`experiments/grouped_gemm.py`; GPU tests pass)", "grouped_gemm",
           lambda rows: family_lines(rows, lambda r: "expert GEMMs",
@@ -765,6 +784,10 @@ PIECES = [
           "--sweep-tiles`); the tile rule (`choose_tile`: whole waves over the grid, an efficiency "
           "per tile) is fitted on the suite (`experiments/grouped_tiles_fit.py`)", "grouped_gemm_tiles",
           _described("tiles", _grouped_tiles_text)),
+    Piece("grouped GEMM stores", "the rule's tile with TMA stores (tiles inside one group) "
+          "against direct stores, in turns, on the suite and the held-out expert GEMMs; the rule "
+          "(`choose_epilogue`: TMA stores where groups average 256 rows or more) is set on the "
+          "suite", "grouped_gemm_epilogue", _described("stores", _grouped_epilogue_text)),
     Piece("`mkrt.MoE`", "dispatch in the planned order (across nodes, each token once to each "
           "other node holding one of its experts, placed there by the rank with its local index), "
           "grouped GEMMs, SwiGLU, combine (rows that crossed are summed per token on their node in "
