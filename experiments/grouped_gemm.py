@@ -66,6 +66,8 @@ def sizes_for(groups, rows, skew, rng):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="")
+    parser.add_argument("--iterations", type=int, default=10, help="calls per timed batch")
+    parser.add_argument("--rounds", type=int, default=5, help="batches per call, in turns")
     parser.add_argument("--sweep-tiles", default="", metavar="JSONL",
                         help="also time each tile shape of TILES on SUITE and HELD_OUT, rows to JSONL")
     args = parser.parse_args()
@@ -114,7 +116,7 @@ def main():
                 tile_call()
                 tile_errors[(block_m, block_n)] = error_of_out()
                 calls[(block_m, block_n)] = tile_call
-        ms_of = interleaved_ms(calls)
+        ms_of = interleaved_ms(calls, iterations=args.iterations, rounds=args.rounds)
         ours_ms, grouped_ms, loop_ms = ms_of["mkrt"], ms_of["grouped_mm"], ms_of["loop"]
         best_ms = min(grouped_ms, loop_ms)
         if args.out:      # the default tile with TMA stores against direct stores, every case

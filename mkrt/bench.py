@@ -59,7 +59,9 @@ def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
     `iterations` back-to-back calls, the calls taking turns round by round: clock and
     power drift (a GPU fresh from idle runs its first long kernels faster) falls on every
     call alike instead of favouring the first timed. Timed one after the other, a GEMM
-    sweep saw its first configuration up to 17% faster than in rounds."""
+    sweep saw its first configuration up to 17% faster than in rounds. Each round starts one
+    call further on, so no call always follows the same one (a slow host-bound baseline
+    leaves the GPU at other clocks for whatever comes next)."""
     import cupy
     stream = cupy.cuda.get_current_stream()
     for call in calls.values():
@@ -67,8 +69,11 @@ def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
             call()
     stream.synchronize()
     samples: dict = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    names = list(calls)
+    for round_index in range(rounds):
+        start_at = round_index % len(names)
+        for name in names[start_at:] + names[:start_at]:
+            call = calls[name]
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(stream)
             for _ in range(iterations):
