@@ -81,7 +81,9 @@ def parse():
     parser.add_argument("--fit", action="store_true", help="fit and judge the rule (no GPU)")
     parser.add_argument("--judge-only", action="store_true",
                         help="with --fit: judge the committed fit on the rows, write nothing")
-    parser.add_argument("--commit", default=None, help="--fit: rows of this commit only")
+    parser.add_argument("--commit", default=None, nargs="+",
+                        help="--fit: rows of these commits only; with several, each (shape, "
+                             "configuration) is its median over them")
     parser.add_argument("--out", default="experiments/results/gemm_tune.jsonl")
     return parser.parse_args()
 
@@ -300,10 +302,30 @@ def judge(rows, fit) -> list[dict]:
     return out
 
 
+def pooled(rows) -> list[dict]:
+    """One row per (set, shape, configuration, SMs): the first, with the median time over
+    `rows` (sweeps of several runs; a median per configuration damps the run-to-run drift
+    that one sweep carries into the fit)."""
+    groups: dict = {}
+    for row in rows:
+        key = (row.get("set"), row["case"], row.get("config"), row.get("sms"))
+        groups.setdefault(key, []).append(row)
+    out = []
+    for members in groups.values():
+        row = dict(members[0])
+        row["value"] = float(np.median([float(r["value"]) for r in members]))
+        row["baseline"] = float(np.median([float(r["baseline"]) for r in members]))
+        row["runs"] = len(members)
+        out.append(row)
+    return out
+
+
 def fit_and_judge(args) -> None:
     rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("experiment") == "gemm_tune" and r.get("metric") == "us"
-            and (args.commit is None or r.get("commit") == args.commit)]
+            and (args.commit is None or r.get("commit") in args.commit)]
+    if args.commit and len(args.commit) > 1:
+        rows = pooled(rows)
     fit_rows = [r for r in rows if r.get("set") == "fit"]
     held = [r for r in rows if r.get("set") == "held_out"]
     if not fit_rows:
@@ -314,7 +336,7 @@ def fit_and_judge(args) -> None:
         print(f"the committed fit ({fit.get('commit')}) judged on these rows")
     else:
         fit = fit_model(fit_rows)
-        fit["commit"] = args.commit or fit_rows[-1].get("commit")
+        fit["commit"] = " ".join(args.commit) if args.commit else fit_rows[-1].get("commit")
         gemm_rule.FIT_PATH.write_text(json.dumps(fit, indent=1, sort_keys=True) + "\n")
         print(f"wrote {gemm_rule.FIT_PATH}: rates {fit['rates']}, split cost {fit['split_cost']:.3g}, "
               f"row cost {fit['row_cost']:.3g} us, tail cost {fit['tail_cost']:.3g} us, "
