@@ -55,7 +55,7 @@ def main():
                 prepared.launch.params.set(whole_units=prepared.plan.units)
                 prepared.patch(a.data.ptr, b.data.ptr, out.data.ptr)
                 stream = cupy.cuda.get_current_stream()
-                calls["split kernel, all whole"] = lambda: prepared.launch(stream.ptr)
+                calls["split kernel, all whole"] = lambda: prepared.run(stream.ptr)
             for splits in (2, 3, 4):
                 calls[f"tail {splits}"] = (lambda s=splits: G.gemm(
                     a, b, out, b_layout="nk", block_m=128, block_n=256, split_k=s,

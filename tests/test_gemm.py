@@ -263,6 +263,29 @@ def test_split_k_matches_the_reference_and_repeats_bit_for_bit(m, n, k, split_k,
     assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
 
 
+@pytest.mark.gpu
+def test_split_k_on_two_streams_at_once_keeps_the_parts_apart():
+    """One signature launched on two streams that run at once (an emulated world's ranks
+    on one GPU): each stream's parts meet in a workspace of its own, so neither adds the
+    other's parts."""
+    import cupy
+    m, n, k = 64, 4096, 4096
+    a1, a2 = _random((m, k), bfloat16, 21), _random((m, k), bfloat16, 22)
+    b = _random((n, k), bfloat16, 23)
+    want1, want2 = G.reference(a1, b, b_layout="nk"), G.reference(a2, b, b_layout="nk")
+    out1 = G.poison(cupy.empty((m, n), dtype=bfloat16))
+    out2 = G.poison(cupy.empty((m, n), dtype=bfloat16))
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for _ in range(50):
+        for stream, a, out in ((streams[0], a1, out1), (streams[1], a2, out2)):
+            G.gemm(a, b, out, b_layout="nk", block_m=64, block_n=128, split_k=4, stream=stream)
+    for stream in streams:
+        stream.synchronize()
+    for out, want in ((out1, want1), (out2, want2)):
+        got = G.to_float32(out)
+        assert float(cupy.abs(got - want).max()) <= 0.02 * float(cupy.abs(want).max())
+
+
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
 @pytest.mark.parametrize("block_m,block_n,epilogue", [(128, 256, "tma"), (128, 128, "direct"),
                                                       (64, 256, "tma")])

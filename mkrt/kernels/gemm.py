@@ -592,7 +592,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
         if out_view is None:
             out_view = cupy.empty(call.out_shape, dtype=a_view.dtype)
         call.patch(a_view.data.ptr, b_view.data.ptr, out_view.data.ptr)
-        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+        call.run((stream or cupy.cuda.get_current_stream()).ptr)
     finally:
         if switch:
             cupy.cuda.runtime.setDevice(previous)
@@ -639,20 +639,32 @@ class _PreparedGemm:
                              ("whole_units", np.int32, 4), ("splits", np.int32, 4)])
         params.set(m=p.m, n=p.n, k=p.k, ld_out=p.n, group_m=p.group_m,
                    pairs_aligned=int(p.n % 2 == 0), whole_units=p.whole_units, splits=p.splits)
-        self._workspace = None
-        if p.split_slots:
-            import cupy
-            # float32 parts of every split tile, and per split tile a counter that is zero
-            # between calls
-            with cupy.cuda.Device(device):
-                partials = cupy.empty(p.split_slots * p.splits * p.spec.block_m * p.spec.block_n,
-                                      dtype=np.float32)
-                arrivals = cupy.zeros(p.split_slots, dtype=np.int32)
-            self._workspace = (partials, arrivals)
-            params.set(partials=partials.data.ptr, arrivals=arrivals.data.ptr)
+        self.device = device
+        self._workspaces: dict = {}     # split-K: stream -> (partials, arrivals)
+        self._bound_stream = None
         self.launch = KernelLaunch(function, p.grid, p.spec.threads, p.spec.smem_bytes, params)
         self._out = params.view("out")
         self._pointers = None
+
+    def run(self, stream_ptr: int) -> None:
+        """Launch on a stream. Split-K parts meet in a workspace of their own per stream:
+        two streams running the same signature at once (an emulated world's ranks on one
+        GPU) must not add each other's parts."""
+        if self.plan.split_slots and self._bound_stream != stream_ptr:
+            workspace = self._workspaces.get(stream_ptr)
+            if workspace is None:
+                import cupy
+                p = self.plan
+                # float32 parts of every split tile, and per split tile a counter that is
+                # zero between calls (zeroed on this stream, before its first launch)
+                with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(stream_ptr):
+                    partials = cupy.empty(p.split_slots * p.splits * p.spec.block_m * p.spec.block_n,
+                                          dtype=np.float32)
+                    arrivals = cupy.zeros(p.split_slots, dtype=np.int32)
+                workspace = self._workspaces[stream_ptr] = (partials, arrivals)
+            self.launch.params.set(partials=workspace[0].data.ptr, arrivals=workspace[1].data.ptr)
+            self._bound_stream = stream_ptr
+        self.launch(stream_ptr)
 
     def patch(self, a_ptr: int, b_ptr: int, out_ptr: int) -> None:
         if self._pointers == (a_ptr, b_ptr, out_ptr):
@@ -753,7 +765,7 @@ def _gemm_padded(a, a_view, b_view, out_view, p: GemmPlan, stream):
         b_rows[:, :n] = b_view
         call = _PreparedGemm(p, spec.function("gemm", device, spec.smem_bytes), device)
         call.patch(a_view.data.ptr, b_rows.data.ptr, out_view.data.ptr)
-        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+        call.run((stream or cupy.cuda.get_current_stream()).ptr)
         # keep the padded copy alive until the kernel has read it
         (stream or cupy.cuda.get_current_stream()).synchronize()
     return like_input(out_view, a)
