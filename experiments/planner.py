@@ -25,7 +25,6 @@ import argparse
 import random
 import sys
 from pathlib import Path
-from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,8 +112,7 @@ def proxy_state(world) -> dict:
 
 def time_paths(world, paths: dict, rounds: int, batch: int) -> dict[str, float]:
     """Median microseconds per call of each path, the paths interleaved round by round."""
-    import cupy
-    stream = cupy.cuda.get_current_stream()
+    from mkrt.bench import interleaved_ms
     # Each path's first calls, synchronized: a first cuBLAS call of a shape waits for the
     # device, and must not while fused kernels wait for the proxy (mkrt/DESIGN.md,
     # "Runtime hazards"; before this, 8 of 101 shapes on 2x2 timed out here).
@@ -122,18 +120,10 @@ def time_paths(world, paths: dict, rounds: int, batch: int) -> dict[str, float]:
         call()
         call()
         world.synchronize()
-    samples = {name: [] for name in paths}
-    for _ in range(rounds):
-        for name, call in paths.items():
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            for _ in range(batch):
-                call()
-            end.record(stream)
-            end.synchronize()
-            samples[name].append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / batch)
+    # in turns, each round starting one path further on (mkrt.bench.interleaved_ms)
+    ms = interleaved_ms(paths, iterations=batch, rounds=rounds, warmup=0)
     world.check()
-    return {name: median(values) for name, values in samples.items()}
+    return {name: 1e3 * value for name, value in ms.items()}
 
 
 def operands(world, m, n, k):

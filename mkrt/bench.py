@@ -41,16 +41,19 @@ def batch_ms(call, *, iterations: int = 10, repeats: int = 5, warmup: int = 3) -
     for _ in range(warmup):
         call()
     stream.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        for _ in range(iterations):
-            call()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
-    return median(samples)
+    return median(_batch(call, iterations, stream) for _ in range(repeats))
+
+
+def _batch(call, iterations: int, stream) -> float:
+    """Milliseconds per call of `iterations` back-to-back calls, one event pair around them."""
+    import cupy
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    for _ in range(iterations):
+        call()
+    stop.record(stream)
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / iterations
 
 
 def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
@@ -73,14 +76,7 @@ def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
     for round_index in range(rounds):
         start_at = round_index % len(names)
         for name in names[start_at:] + names[:start_at]:
-            call = calls[name]
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            for _ in range(iterations):
-                call()
-            stop.record(stream)
-            stop.synchronize()
-            samples[name].append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
+            samples[name].append(_batch(calls[name], iterations, stream))
     return {name: median(values) for name, values in samples.items()}
 
 
