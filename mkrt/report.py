@@ -645,6 +645,27 @@ def _gemm_probe_text(run):
             f"({len(odd)} shapes); other offsets: {span(even, 'x')} ({len(even)} shapes)")
 
 
+def _gemm_odd_rows_text(run):
+    """Per shape, the fastest configuration on rows off a sector against torch.matmul."""
+    best: dict = {}
+    for row in run:
+        shape = str(row.get("case", "")).split()[0]
+        if _number(row.get("ratio")) and (shape not in best or row["ratio"] > best[shape]["ratio"]):
+            best[shape] = row
+    return "; ".join(f"{shape}: fastest {str(r['case']).split()[-1]} at {r['ratio']:.3f}x torch.matmul"
+                     for shape, r in best.items()) or "no rows"
+
+
+def _gemm_split_probe_text(run):
+    """The tail split and the split kernel running whole tiles, against whole tiles."""
+    whole = [r["ratio"] for r in run if r.get("variant") == "split kernel, all whole" and _number(r.get("ratio"))]
+    tail = [r["ratio"] for r in run if str(r.get("variant", "")).startswith("tail") and _number(r.get("ratio"))]
+    if not whole and not tail:
+        return "no rows"
+    return (f"the split kernel running every tile whole: {span(whole, 'x')} of the plain kernel's "
+            f"speed; the last wave's tiles split: {span(tail, 'x')} ({len(tail)} cases, interleaved)")
+
+
 def _fused_tile_text(run):
     """The GEMM rule's narrower tile in the fused gemm_allreduce, against the 256 tile."""
     narrower = [r for r in run if r.get("pick") != 256 and _number(r.get("vs_256"))]
@@ -687,6 +708,14 @@ PIECES = [
     Piece("GEMM probes", "the rule's tile on M x N x K with K stepped by 8 (rows 16 to 128 "
           "bytes off a 128-byte line), torch in the same run (`experiments/gemm_probe.py`)",
           "gemm_probe", _described("K offsets", _gemm_probe_text)),
+    Piece("GEMM rows off a sector", "shapes whose rows start 16 bytes off a 32-byte sector: "
+          "tiles x clusters x epilogues x raster groups in turns with torch.matmul "
+          "(`experiments/gemm_probe.py --probes odd_rows`)", "gemm_odd_rows",
+          _described("odd rows", _gemm_odd_rows_text)),
+    Piece("GEMM tail split", "split-K of the last partial wave's tiles only (`split_tail=True`), "
+          "against whole tiles of the same tile, in turns (`experiments/gemm_split_probe.py`); "
+          "the rule does not choose it", "gemm_split_probe",
+          _described("tail split", _gemm_split_probe_text)),
     Piece("`mkrt.allgather`", "world-wide and hierarchical: each block crosses to each other "
           "node once (proxy), then spreads inside the node over peer pointers; `group=\"node\"` "
           "gathers inside the node only", "allgather", _allgather_lines),
@@ -788,6 +817,11 @@ PIECES = [
           "against direct stores, in turns, on the suite and the held-out expert GEMMs; the rule "
           "(`choose_epilogue`: TMA stores where groups average 256 rows or more) is set on the "
           "suite", "grouped_gemm_epilogue", _described("stores", _grouped_epilogue_text)),
+    Piece("grouped GEMM stores, noise", "TMA stores against the rule's own choice, in turns: "
+          "where the rule picks TMA both sides are one configuration, so the spread is the "
+          "timing's noise", "grouped_gemm_epilogue_rule",
+          lambda rows: family_lines(rows, lambda r: f"rule picks {r.get('rule_epilogue')}",
+                                    against="of the same tile with the rule's stores")),
     Piece("`mkrt.MoE`", "dispatch in the planned order (across nodes, each token once to each "
           "other node holding one of its experts, placed there by the rank with its local index), "
           "grouped GEMMs, SwiGLU, combine (rows that crossed are summed per token on their node in "
