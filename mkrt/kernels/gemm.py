@@ -399,7 +399,9 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
         raise ValueError(f"mkrt.gemm: epilogue={epilogue!r}; expected 'auto', 'tma' or 'direct'")
     if stages is None:
         stages = max_stages(block_m, block_n, epilogue)
-    cluster_m = 2 if cluster == "m2" else 1
+    # the spec's checks (tile, stages, cluster) before anything divides by the tile
+    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages, epilogue, cluster)
+    cluster_m = spec.cluster_m
     tiles_m = -(-m // block_m)
     tiles_n = -(-n // block_n)
     units = -(-tiles_m // cluster_m) * tiles_n
@@ -412,8 +414,8 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
         splits = 1                                    # whole waves: no tail to split
     work_units = units * splits if not split_tail else \
         units // per_wave * per_wave + units % per_wave * splits
-    spec = GemmSpec(dtype, b_layout, block_m, block_n, stages, epilogue, cluster,
-                    "splitk" if splits > 1 else "")
+    if splits > 1:
+        spec = dataclasses.replace(spec, split="splitk")
     grid = cluster_m * min(per_wave, work_units)      # whole clusters
     return GemmPlan(spec, int(m), int(n), int(k), tiles_m, tiles_n, int(grid), int(group_m),
                     pad_n, splits, bool(split_tail and splits > 1))
