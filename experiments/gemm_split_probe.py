@@ -13,7 +13,6 @@ same rounds. Rows: experiments/results/gemm_split_probe.jsonl.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import numpy as np
 

@@ -538,36 +538,41 @@ def tile_regrets(cases: dict, which: str, choose) -> list[tuple]:
     return out
 
 
+def _set_regrets_text(regrets_of, what: str, against: str) -> str:
+    """Per set (fit, held-out): the geomean and worst of a rule's regrets (its pick's time
+    over the best's), `regrets_of(set name)` giving the list."""
+    parts = []
+    for which in ("fit", "held_out"):
+        regrets = regrets_of(which)
+        if regrets:
+            parts.append(f"{which.replace('_', '-')} set, {len(regrets)} expert GEMMs: the rule's "
+                         f"{what} {geomean(regrets):.3f}x {against} (geomean), worst "
+                         f"{max(regrets):.3f}x")
+    return "; ".join(parts) or "no rows"
+
+
 def _grouped_tiles_text(run):
     """The grouped GEMM's tile rule against the fastest tile of the same run, per set."""
     from mkrt.kernels.grouped_gemm import choose_tile
     cases = grouped_tile_cases(run)
-    parts = []
-    for which in ("fit", "held_out"):
-        regrets = [x[2] for x in tile_regrets(cases, which, lambda r, g, n: choose_tile(r, g, n, 132))]
-        if regrets:
-            parts.append(f"{which.replace('_', '-')} set, {len(regrets)} expert GEMMs: the rule's tile "
-                         f"{geomean(regrets):.3f}x the fastest tile's time (geomean), worst "
-                         f"{max(regrets):.3f}x")
-    return "; ".join(parts) or "no rows"
+    return _set_regrets_text(
+        lambda which: [x[2] for x in tile_regrets(cases, which, lambda r, g, n: choose_tile(r, g, n, 132))],
+        "tile", "the fastest tile's time")
 
 
 def _grouped_epilogue_text(run):
     """The grouped GEMM's epilogue rule against the faster of TMA and direct stores, per set."""
     from mkrt.kernels.grouped_gemm import choose_epilogue
-    parts = []
-    for which in ("fit", "held_out"):
+
+    def regrets_of(which):
         regrets = []
         for r in run:
             if r.get("set") == which and _number(r.get("value")) and _number(r.get("baseline")):
                 tma, direct = r["value"], r["baseline"]
                 pick = tma if choose_epilogue(r["rows"], r["groups"], r["n"]) == "tma" else direct
                 regrets.append(pick / min(tma, direct))
-        if regrets:
-            parts.append(f"{which.replace('_', '-')} set, {len(regrets)} expert GEMMs: the rule's "
-                         f"epilogue {geomean(regrets):.3f}x the faster one's time (geomean), worst "
-                         f"{max(regrets):.3f}x")
-    return "; ".join(parts) or "no rows"
+        return regrets
+    return _set_regrets_text(regrets_of, "epilogue", "the faster one's time")
 
 
 def _proxy_stall_text(run):

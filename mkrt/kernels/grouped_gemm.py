@@ -516,16 +516,17 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
         raise ValueError(f"mkrt.grouped_gemm: block_m={block_m!r}; expected 64 or 128")
     if block_n not in (None, 128, 256):
         raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
-    block_m, block_n = _tile(rows, groups, n, int(sms), block_m, block_n)
     epilogue = _epilogue(epilogue, rows, groups, n)
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
         if out_as_given:
             return out
         return like_input(as_cupy(out, "out") if out is not None else cupy.empty((0, n), xv.dtype), x)
+    # keyed by the tile as asked for: choose_tile runs once per signature, not per call
     key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), epilogue, device)
     call = _PREPARED.get(key)
     if call is None:
+        block_m, block_n = _tile(rows, groups, n, int(sms), block_m, block_n)
         # the grid: every SM, or fewer when even full groups could not fill them
         most_tiles = (-(-rows // block_m) + groups) * -(-n // block_n)
         call = _PREPARED[key] = _Prepared(spec_for(dtype, block_m, block_n, epilogue), device,
