@@ -70,6 +70,10 @@ def parse():
     parser.add_argument("--cluster", action="store_true",
                         help="also time each tile with clusters of two CTAs sharing B "
                              "(cluster='m2'; the fit rates them where rows have them)")
+    parser.add_argument("--trim", action="store_true",
+                        help="also time each shape's trimmed width (gemm_rule.trimmed_width: "
+                             "128-row tiles as narrow as take the waves of 128x256; direct "
+                             "stores; with --cluster, clustered too)")
     parser.add_argument("--configs", nargs="*", default=None,
                         help="only these tiles, e.g. 128x256 64x128 (default: every tile)")
     parser.add_argument("--iterations", type=int, default=10)
@@ -134,6 +138,11 @@ def sweep(args) -> None:
         clusters = ("", "m2") if args.cluster else ("",)
         variants = [(bm, bn, g, 1, c, False) for c in clusters for bm, bn in tiles
                     for g in args.group_m]
+        if args.trim and args.b_layout == "nk":
+            for c in clusters:
+                width = gemm_rule.trimmed_width(m, n, sms, c)
+                if width:
+                    variants.append((128, width, args.group_m[0], 1, c, False))
         for split_k in args.split_k:
             # split-K only where the default tile leaves SMs idle
             if split_k > 1 and G.plan(m, n, k, sms=sms).tiles < sms:
@@ -252,8 +261,9 @@ def fit_model(rows, partial_costs=PARTIAL_COSTS) -> dict:
     rows = [r for r in rows
             if _configuration(r).split_k in (tail_splits if _configuration(r).split_tail else splits)]
     measured = {gemm_rule.rate_key(c[:2], c.cluster) for c in map(_configuration, rows)}
+    named = list(gemm_rule.TILES) + [(128, gemm_rule.TRIM_WIDTHS[0])]    # and "128xT"
     tiles = [key for key in (gemm_rule.rate_key(tile, cluster) for cluster in gemm_rule.CLUSTERS
-                             for tile in gemm_rule.TILES) if key in measured]
+                             for tile in named) if key in measured]
     columns = tiles + ["split_cost", "row_cost", "tail_cost", "launch_us"]
     best = None
     for partial_cost in partial_costs:

@@ -20,7 +20,8 @@ def test_the_committed_fit_rates_every_tile_and_allows_only_measured_splits():
     assert fit is not None, gemm_rule.FIT_PATH
     # every tile the sweep measured when the fit was made (a tile added since has no rate
     # and is never chosen until the next sweep)
-    named = {gemm_rule.rate_key(tile, c) for tile in gemm_rule.TILES for c in gemm_rule.CLUSTERS}
+    named = {gemm_rule.rate_key(tile, c) for tile in [*gemm_rule.TILES, (128, 240)]
+             for c in gemm_rule.CLUSTERS}
     assert set(fit["rates"]) <= named and len(fit["rates"]) >= 5
     assert all(rate > 0 for rate in fit["rates"].values())
     assert 1 in fit["splits"] and set(fit["splits"]) <= set(gemm_rule.SPLITS)
@@ -84,9 +85,10 @@ def test_the_sweep_measures_every_tile_the_rule_may_choose():
     assert len(gemm_tune.FIT) + len(gemm_tune.HELD_OUT) == 30
 
 
-def _sweep_rows(shapes, set_name, truth, sms=132, noise=0.0, seed=0):
+def _sweep_rows(shapes, set_name, truth, sms=132, noise=0.0, seed=0, trim=False):
     """Rows as experiments/gemm_tune.py writes them (split-K of every tile without clusters,
-    of the last wave's tiles with and without), timed by the wave model with `truth`."""
+    of the last wave's tiles with and without; with `trim`, each shape's trimmed widths),
+    timed by the wave model with `truth`."""
     import random
     rng = random.Random(seed)
     rows = []
@@ -95,8 +97,12 @@ def _sweep_rows(shapes, set_name, truth, sms=132, noise=0.0, seed=0):
     options += [(split, True, cluster) for split in gemm_rule.TAIL_SPLITS
                 for cluster in gemm_rule.CLUSTERS]
     for m, n, k in shapes:
-        for block_m, block_n in gemm_rule.TILES:
-            for split, tail, cluster in options:
+        trimmed = [((128, width), 1, False, cluster) for cluster in gemm_rule.CLUSTERS
+                   for width in [gemm_rule.trimmed_width(m, n, sms, cluster)] if width and trim]
+        configurations = [(tile, split, tail, cluster) for tile in gemm_rule.TILES
+                          for split, tail, cluster in options] + trimmed
+        for (block_m, block_n), split, tail, cluster in configurations:
+            if True:
                 us = gemm_rule.predicted_us(m, n, k, sms, (block_m, block_n), split, truth,
                                             cluster, split_tail=tail)
                 if us == float("inf"):
@@ -264,3 +270,80 @@ def test_the_fit_finds_what_a_partial_wave_costs():
                  "partial_cost": partial_cost}
         fit = gemm_tune.fit_model(_sweep_rows(gemm_tune.FIT, "fit", truth, noise=0.01, seed=2))
         assert abs(fit["partial_cost"] - partial_cost) <= 0.1, fit
+
+
+def test_trimmed_widths_keep_the_waves_of_256_wide_tiles():
+    # 3000 x 5000: 24 tile rows (12 pairs); 256 wide: 20 columns, 240 pairs = 4 waves of 66
+    # clusters; 240 wide: 21 columns, 252 pairs, still 4; 224 wide: 23 columns, 276: 5
+    assert gemm_rule.trimmed_width(3000, 5000, 132, "m2") == 240
+    assert gemm_rule.trimmed_width(3000, 5000, 132) == 240        # 480 / 504 tiles: 4 waves
+    # 8192 x 8192 in pairs: 32 x 32 = 1024 units, 16 waves; 240 wide: 35 columns, 17 waves
+    assert gemm_rule.trimmed_width(8192, 8192, 132, "m2") is None
+    # one wave of few tiles: the narrowest width with no more columns than SMs allow
+    assert gemm_rule.trimmed_width(128, 4096, 132) == 144
+    for m, n, sms, cluster in [(3000, 5000, 132, "m2"), (2504, 2500, 132, "m2"), (96, 28672, 132, ""),
+                               (4096, 14336, 116, ""), (777, 3001, 100, "m2")]:
+        width = gemm_rule.trimmed_width(m, n, sms, cluster)
+        if width is None:
+            continue
+        c = 2 if cluster else 1
+
+        def waves(w):
+            return -(-(-(-(-(-m // 128)) // c) * -(-n // w)) // (sms // c))
+        assert width in gemm_rule.TRIM_WIDTHS and width < 256 and waves(width) == waves(256)
+        assert all(waves(w) > waves(256) for w in gemm_rule.TRIM_WIDTHS if w < width)
+
+
+def test_trimmed_widths_are_named_parsed_and_rated_as_one_family():
+    choice = gemm_rule.Choice(128, 240, 1, "m2")
+    assert gemm_rule.config_name(choice) == "128x240_g8_m2"
+    assert gemm_rule.parse_config("128x240_g8_m2") == choice
+    assert gemm_rule.parse_config("64x240_g8") is None           # 64-row tiles are not trimmed
+    assert gemm_rule.parse_config("128x250_g8") is None
+    assert gemm_rule.rate_key((128, 240), "m2") == gemm_rule.rate_key((128, 144), "m2") == "128xT_m2"
+    assert gemm_rule.rate_key((128, 256)) == "128x256"
+
+
+def test_the_rule_picks_a_trimmed_width_only_where_rated_and_b_is_n_by_k():
+    fit = {"rates": {"128x256": 5.0e6, "128x256_m2": 5.0e6, "128x192": 4.0e6}, "launch_us": 5.0}
+    shape = (3000, 5000, 7000)
+    assert gemm_rule.best_configuration(*shape, 132, fit).block_n == 256   # no "128xT" rate
+    fit["rates"]["128xT_m2"] = 5.0e6                      # as fast per element as 256
+    assert gemm_rule.best_configuration(*shape, 132, fit) == gemm_rule.Choice(128, 240, 1, "m2")
+    assert gemm_rule.best_configuration(*shape, 132, fit, b_layout="kn").block_n == 256
+    fit["rates"]["128xT_m2"] = 4.5e6                      # 10% slower per element: 6% less work loses
+    assert gemm_rule.best_configuration(*shape, 132, fit).block_n == 256
+
+
+def test_trimmed_widths_take_direct_stores_and_b_as_n_by_k():
+    from mkrt.kernels import gemm
+    p = gemm.plan(3000, 5000, 7000, block_m=128, block_n=240, cluster="m2")
+    assert p.spec.block_n == 240 and p.spec.epilogue == "direct" and p.tiles_n == 21
+    assert p.grid == 132
+    with pytest.raises(ValueError, match="trimmed width.*b_layout='nk' and epilogue='direct'"):
+        gemm.plan(3000, 5000, 7000, block_m=128, block_n=240, epilogue="tma")
+    with pytest.raises(ValueError, match="trimmed width"):
+        gemm.plan(3000, 5000, 7000, b_layout="kn", block_m=128, block_n=240)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemm.plan(3000, 5000, 7000, block_m=128, block_n=232)
+    # the fused kernels build multiples of 64 only
+    from mkrt.kernels import grouped_gemm
+    with pytest.raises(ValueError, match="fused kernels build tile widths"):
+        grouped_gemm.spec_for("bf16", 128, 240)
+    assert any(s.block_n == 240 and s.cluster == "m2" for s in gemm.default_specs())
+
+
+def test_the_fit_rates_trimmed_widths_from_the_sweeps_trimmed_rows():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import gemm_tune
+    truth = {"rates": {"128x256": 5.0e6, "128x192": 4.6e6, "128x128": 4.2e6, "64x256": 3.9e6,
+                       "64x128": 3.3e6, "128x256_m2": 5.4e6, "128xT": 4.7e6, "128xT_m2": 5.3e6},
+             "split_cost": 2e-4, "launch_us": 6.0}
+    rows = _sweep_rows(gemm_tune.FIT, "fit", truth, noise=0.01, seed=2, trim=True)
+    assert any(r["block_n"] == 240 and r["cluster"] == "m2" for r in rows)
+    fit = gemm_tune.fit_model(rows)
+    for key in ("128xT", "128xT_m2"):
+        assert abs(fit["rates"][key] / truth["rates"][key] - 1) < 0.03, (key, fit["rates"])
+    assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit) == gemm_rule.Choice(128, 240, 1, "m2")

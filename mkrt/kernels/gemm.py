@@ -41,6 +41,7 @@ constexpr bool TMA_STORE = $TMA_STORE;
 constexpr bool SPLIT_K = $SPLIT_K;
 typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR,
                            TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0, $CLUSTER_M> Cfg;
+static_assert(!TMA_STORE || Cfg::BN % 64 == 0, "TMA stores go out in boxes of 64 columns");
 
 // Split-K. Raster units (tiles; with clusters, pairs of tile rows) [0, whole) run whole;
 // every unit after them is cut into `splits` parts of its k-blocks: unit whole + j is
@@ -207,6 +208,9 @@ class GemmSpec(KernelSpec):
 
     epilogue "tma": whole tiles staged in shared memory, written by TMA stores that overlap
     the next tile (needs N % 8 == 0); "direct": bf16x2 stores from registers, any N.
+    block_n: 64, 128, 192 or 256; or, with B [N, K] and direct stores, a trimmed width (a
+    multiple of 16 between them, e.g. 240: as many waves as 256-wide tiles on N = 5000, less
+    work per tile; gemm_rule.trimmed_width).
     split "splitk": the kernel also runs split-K parts (the plan says which tiles are split:
     all of them, or only the last partial wave's), added in a fixed order and stored by the
     whole tiles' epilogue.
@@ -236,8 +240,14 @@ class GemmSpec(KernelSpec):
         if self.block_m == 256 and self.block_n > 128:
             raise ValueError(f"mkrt.gemm: a {self.block_m}x{self.block_n} tile needs more than 128 "
                              "accumulators per consumer thread; 256-row tiles take block_n <= 128")
-        if self.block_n % 64 or not 64 <= self.block_n <= 256:
-            raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected 64, 128, 192 or 256")
+        if self.block_n % 16 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected a multiple of 16 in "
+                             "[64, 256] (64, 128, 192 or 256 with every layout and epilogue)")
+        if self.block_n % 64 and (self.b_layout != "nk" or self.epilogue != "direct"):
+            raise ValueError(f"mkrt.gemm: block_n={self.block_n} (a trimmed width, not a multiple "
+                             f"of 64) needs b_layout='nk' and epilogue='direct'; got "
+                             f"b_layout={self.b_layout!r}, epilogue={self.epilogue!r} (B [K, N] "
+                             "loads and TMA stores go in 64-column boxes)")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma' or 'direct'")
         if self.split not in SPLITS:
@@ -287,6 +297,9 @@ class OnEngine:
 
     @property
     def engine(self) -> GemmSpec:
+        if self.block_n % 64:
+            raise ValueError(f"mkrt.{self.family}: block_n={self.block_n}; the fused kernels build "
+                             "tile widths that are multiples of 64 (trimmed widths are mkrt.gemm's)")
         return GemmSpec(self.dtype, self.b_layout, self.block_m, self.block_n, self.stages,
                         getattr(self, "epilogue", "direct"))
 
@@ -303,12 +316,13 @@ def default_specs() -> list[GemmSpec]:
     """The configurations ``mkrt.gemm`` may use (compiled ahead by ``python -m mkrt compile
     --all``): every tile the rule chooses from, every epilogue, with and without clusters
     of two and split-K."""
-    from mkrt.kernels.gemm_rule import TILES
+    from mkrt.kernels.gemm_rule import TILES, TRIM_WIDTHS
     specs = []
     for dtype in ("bf16", "f16"):
         for layout in B_LAYOUTS:
-            for block_m, block_n in TILES:
-                for epilogue in EPILOGUES:
+            tiles = list(TILES) + [(128, width) for width in TRIM_WIDTHS if layout == "nk"]
+            for block_m, block_n in tiles:
+                for epilogue in EPILOGUES if block_n % 64 == 0 else ("direct",):
                     stages = max_stages(block_m, block_n, epilogue)
                     for cluster in CLUSTERS:
                         for split in SPLITS:
@@ -390,9 +404,11 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
     if split_tail and split_k == 1:
         raise ValueError("mkrt.gemm: split_tail=True splits the last wave's tiles in split_k "
                          "parts; it needs split_k > 1")
-    if epilogue == "auto":   # TMA stores need 16-byte rows of C; split-K of every tile takes
-                             # the direct stores (their staging area would cost stages)
-        epilogue = "tma" if n % 8 == 0 and (split_k == 1 or split_tail) else "direct"
+    if epilogue == "auto":   # TMA stores need 16-byte rows of C and 64-column boxes; split-K
+                             # of every tile takes the direct stores (their staging area
+                             # would cost stages)
+        epilogue = "tma" if n % 8 == 0 and (split_k == 1 or split_tail) and block_n % 64 == 0 \
+            else "direct"
     elif epilogue == "tma" and n % 8:
         raise ValueError(f"mkrt.gemm: epilogue='tma' needs n % 8 == 0; got n={n}")
     if epilogue not in EPILOGUES:
@@ -551,9 +567,11 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     out: optional [M, N] of the same dtype (written in place and returned). ``sms`` caps the
     grid (default: every SM), ``group_m`` is the raster group (tile rows walked together),
     ``block_m`` x ``block_n`` the output tile (64 or 128 x 64, 128, 192 or 256, and 256 x 64
-    or 128; default:
+    or 128; with ``b_layout="nk"`` and direct stores also 128 x a trimmed width, a multiple
+    of 16 such as 240; default:
     :func:`mkrt.kernels.gemm_rule.choose_tile`, a tuned table or the rule),
-    ``epilogue`` "tma" (default when N % 8 == 0) or "direct", ``stages`` the pipeline
+    ``epilogue`` "tma" (default when N % 8 == 0 and the tile's width a multiple of 64) or
+    "direct", ``stages`` the pipeline
     depth (default: as many as fit), ``split_k`` > 1 (default: the rule's): a tile's K in that
     many parts on different CTAs, added in a fixed order (results identical between calls;
     uses a float32 workspace of split tiles x parts x tile), for every tile, or with

@@ -89,7 +89,10 @@ struct Config {
     static constexpr int CONSUMER_REGISTERS = CONSUMERS == 1 ? 240 : 232;
     static_assert(BM == 64 || BM == 128 || BM == 256, "BM is 64, 128 or 256");
     static_assert(SUBTILES * BN <= 256, "at most 128 fp32 accumulators per consumer thread");
-    static_assert(BN % 64 == 0 && BN <= 256, "BN is a multiple of 64, at most 256");
+    // B [K, N] is loaded in 64-column chunks; B [N, K] in rows, so its tiles may also be
+    // trimmed to a multiple of 16 (a pair multicasts half each: whole 8-row atoms)
+    static_assert(BN <= 256 && (BN % 64 == 0 || (B_K_MAJOR && BN % 16 == 0)),
+                  "BN is a multiple of 64 (or of 16 with B [N, K]), at most 256");
 };
 
 // One output tile: its coordinates in tiles, and its index in the tile grid
@@ -361,6 +364,8 @@ struct FlagEpilogue {
 // tma_out may describe a peer's buffer (the map only needs an address the GPU can write).
 template <class T, int BM, int BN>
 struct TmaStoreEpilogue {
+    // BN a multiple of 64 (the boxes); its users assert it where they choose TMA stores (a
+    // kernel choosing by `if constexpr` instantiates this type either way)
     const TmaDescriptor* tma_out;
     static constexpr int BOX_BYTES = 64 * 128;        // 64 rows x 64 columns
 

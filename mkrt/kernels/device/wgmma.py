@@ -31,8 +31,9 @@ from mkrt.jit.render import cuda_source
 
 #: C++ element type -> PTX type of wgmma's A/B operands
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
-#: N of the m64nNk16 shapes generated
-WIDTHS = (64, 128, 192, 256)
+#: N of the m64nNk16 shapes generated: the engine's tile widths (multiples of 64, and the
+#: trimmed widths between them, multiples of 16: gemm_rule.TRIM_WIDTHS)
+WIDTHS = (64, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 
 
 def _wrapper(ctype: str, ptx_type: str, width: int) -> str:
