@@ -9,6 +9,9 @@
   128-byte line) to see which offsets cost and how much.
 * ``kernels``: the names of the kernels torch.matmul runs on given shapes (cuBLAS names
   its tile, cluster shape and schedule), from torch.profiler.
+* ``l2``: the tensor maps' L2 promotion (none, 64, 128, 256 bytes; mkrt uses 256) on rows
+  off a sector and on aligned rows, each tile with and without clusters, in turns with
+  torch.matmul: cuBLAS runs 3000x5000x7000 at the speed of 3000x5000x7168, mkrt does not.
 * ``odd_rows``: shapes whose rows start 16 bytes off a 32-byte sector (K = 8 mod 16)
   stay below torch (3000x5000x7000 at 0.85). Time, in turns with torch.matmul, each tile
   with and without clusters, with the TMA-store epilogue and with direct stores (which
@@ -33,9 +36,12 @@ from gemm import time_ms  # noqa: E402  (CUDA events, median of batches)
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probes", nargs="+", default=["grid", "k_offset", "kernels"],
-                        choices=("grid", "k_offset", "kernels", "odd_rows"))
+                        choices=("grid", "k_offset", "kernels", "odd_rows", "l2"))
     parser.add_argument("--odd-shapes", nargs="+",
                         default=["3000x5000x7000", "4096x4096x4040", "8192x2048x3000"])
+    parser.add_argument("--l2-shapes", nargs="+",
+                        default=["3000x5000x7000", "3000x5000x7168", "4096x4096x4040",
+                                 "4096x4096x4096"])
     parser.add_argument("--grid-shapes", nargs="+", default=["8192x8192x8192", "3000x5000x7000"])
     parser.add_argument("--grid-configs", nargs="+", default=["128x256", "64x128"])
     parser.add_argument("--grids", type=int, nargs="+", default=[8, 32, 64, 96, 128, 132])
@@ -208,6 +214,51 @@ def probe_odd_rows(args, rows) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
 
 
+def probe_l2(args, rows) -> None:
+    import cupy
+    import torch
+
+    from mkrt.bench import interleaved_ms, record
+    from mkrt.kernels import gemm as G
+    stream = cupy.cuda.get_current_stream().ptr
+    default = G.L2_PROMOTION
+    for shape in args.l2_shapes:
+        m, n, k = (int(x) for x in shape.split("x"))
+        a, b = operands(m, n, k)
+        out = cupy.empty((m, n), dtype=a.dtype)
+        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b).t()
+        calls = {"torch": lambda: torch.matmul(ta, tb)}
+        configs = {}
+        for block_n, cluster in ((256, "m2"), (256, ""), (192, "m2")):
+            p = G.call_plan(a, b, out, b_layout="nk", block_m=128, block_n=block_n,
+                            cluster=cluster, split_k=1)
+            function = p.spec.function("gemm", 0, p.spec.smem_bytes)
+            for promotion in (0, 1, 2, 3):
+                G.L2_PROMOTION = promotion          # read when the maps are made (patch)
+                prepared = G._PreparedGemm(p, function, 0)
+                prepared.patch(a.data.ptr, b.data.ptr, out.data.ptr)
+                call = (lambda c=prepared: c.run(stream))
+                error = checked(call, out, a, b)
+                name = f"128x{block_n}{'_m2' if cluster else ''}_l2p{promotion}"
+                if not math.isfinite(error) or error > 1e-2:
+                    print(f"{shape} {name}: WRONG, error {error}", flush=True)
+                    continue
+                calls[name] = call
+                configs[name] = dict(block_m=128, block_n=block_n, cluster=cluster,
+                                     l2_promotion=promotion, stages=p.spec.stages, error=error)
+        G.L2_PROMOTION = default
+        us = {name: 1e3 * ms for name, ms in interleaved_ms(
+            calls, iterations=args.iterations, rounds=args.repeats, warmup=args.warmup).items()}
+        base = us.pop("torch")
+        for name, value in sorted(us.items(), key=lambda item: item[1]):
+            print(f"{shape} {name:24s} {value:8.1f} us  x torch {base / value:5.3f}", flush=True)
+            rows.append(record("gemm_l2_promotion", f"{shape} {name}", "us", value, base, "us",
+                               higher_is_better=False, probe="l2", timing="interleaved rounds",
+                               baseline_name="torch.matmul", **configs[name]))
+        a = b = out = ta = tb = calls = None
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main():
     args = parse()
     from mkrt.bench import append_jsonl
@@ -220,6 +271,8 @@ def main():
         probe_k_offset(args, rows)
     if "odd_rows" in args.probes:
         probe_odd_rows(args, rows)
+    if "l2" in args.probes:
+        probe_l2(args, rows)
     append_jsonl(args.out, rows)
 
 

@@ -467,7 +467,9 @@ def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None,
 
 _TMA_DTYPE = {"f16": 6, "bf16": 9}     # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _SWIZZLE_128B = 3
-_L2_PROMOTION_256B = 3
+#: L2 promotion of the tensor maps' loads (CU_TENSOR_MAP_L2_PROMOTION_: 0 none, 1 64 B,
+#: 2 128 B, 3 256 B); read when a map is made (experiments/gemm_probe.py's l2 probe varies it)
+L2_PROMOTION = 3
 
 
 @functools.cache
@@ -513,7 +515,7 @@ def tma_descriptor(pointer: int, dtype: str, dims: tuple, strides: tuple,
     contiguous), ``strides`` in bytes of dims 1.. (multiples of 16), ``box`` the elements
     one load brings (innermost 64 two-byte elements = one 128-byte swizzle row); 128B
     swizzle, zeros outside. Cached by its arguments."""
-    key = (pointer, dtype, tuple(dims), tuple(strides), tuple(box))
+    key = (pointer, dtype, tuple(dims), tuple(strides), tuple(box), L2_PROMOTION)
     descriptor = _DESCRIPTORS.get(key)
     if descriptor is not None:
         _DESCRIPTORS.move_to_end(key)
@@ -526,7 +528,7 @@ def tma_descriptor(pointer: int, dtype: str, dims: tuple, strides: tuple,
     element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
     result = _libcuda().cuTensorMapEncodeTiled(
         descriptor.address, _TMA_DTYPE[dtype], rank, pointer, c_dims, c_strides, c_box,
-        element_strides, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+        element_strides, 0, _SWIZZLE_128B, L2_PROMOTION, 0)
     if result != 0:
         raise RuntimeError(f"mkrt: cuTensorMapEncodeTiled failed with CUresult {result} "
                            f"for {pointer=:#x}, {dtype=}, {dims=}, strides={strides}, {box=}")
