@@ -9,7 +9,8 @@
   128-byte line) to see which offsets cost and how much.
 * ``kernels``: the names of the kernels torch.matmul runs on given shapes (cuBLAS names
   its tile, cluster shape and schedule), from torch.profiler.
-* ``l2``: the tensor maps' L2 promotion (none, 64, 128, 256 bytes; mkrt uses 256) on rows
+* ``l2``: the tensor maps' L2 promotion (none, 64, 128, 256 bytes; mkrt used 256 for every
+  map before this probe, now 128 on rows off a sector: gemm.l2_promotion) on rows
   off a sector and on aligned rows, each tile with and without clusters, in turns with
   torch.matmul: cuBLAS runs 3000x5000x7000 at the speed of 3000x5000x7168, mkrt does not.
 * ``odd_rows``: shapes whose rows start 16 bytes off a 32-byte sector (K = 8 mod 16)

@@ -376,3 +376,13 @@ def test_cluster_pairs_match_the_reference():
     result = subprocess.run([sys.executable, "-c", _CLUSTER_CHECK, *cases], env=child_env(),
                             capture_output=True, text=True, timeout=240)
     assert "CLUSTER_CHECK ok" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_l2_promotion_is_128_bytes_on_rows_off_a_sector_only(monkeypatch):
+    # K = 7000: rows of 14,000 bytes, every other one 16 bytes off a 32-byte sector
+    assert G.l2_promotion((7000 * 2,)) == 2
+    assert G.l2_promotion((4040 * 2,)) == 2 and G.l2_promotion((4048 * 2,)) == 3
+    assert G.l2_promotion((7168 * 2,)) == 3 and G.l2_promotion((8192 * 2, 8192 * 2 * 64)) == 3
+    assert G.l2_promotion((8192 * 2, 7000 * 2)) == 2           # any stride off a sector
+    monkeypatch.setattr(G, "L2_PROMOTION", 1)
+    assert G.l2_promotion((7000 * 2,)) == 1 == G.l2_promotion((8192 * 2,))

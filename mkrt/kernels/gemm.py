@@ -468,8 +468,20 @@ def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None,
 _TMA_DTYPE = {"f16": 6, "bf16": 9}     # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _SWIZZLE_128B = 3
 #: L2 promotion of the tensor maps' loads (CU_TENSOR_MAP_L2_PROMOTION_: 0 none, 1 64 B,
-#: 2 128 B, 3 256 B); read when a map is made (experiments/gemm_probe.py's l2 probe varies it)
-L2_PROMOTION = 3
+#: 2 128 B, 3 256 B), or None for l2_promotion's rule; read when a map is made
+#: (experiments/gemm_probe.py's l2 probe sets each in turn)
+L2_PROMOTION = None
+
+
+def l2_promotion(strides) -> int:
+    """The L2 promotion of a map with these row strides (bytes): 256 B, but 128 B where rows
+    start an odd multiple of 16 bytes off a 32-byte sector (a stride of 16 mod 32: K = 8
+    mod 16 for A and B [N, K]). There, 256-byte promotion took 1.10-1.15x the time of 128
+    (3000x5000x7000: 128x192 pairs 370 against 328 us, 0.89 against 1.005x torch); on
+    aligned rows the two are within 0.6% (gemm_l2_promotion.jsonl, 87377dd)."""
+    if L2_PROMOTION is not None:
+        return L2_PROMOTION
+    return 2 if any(stride % 32 == 16 for stride in strides) else 3
 
 
 @functools.cache
@@ -514,8 +526,9 @@ def tma_descriptor(pointer: int, dtype: str, dims: tuple, strides: tuple,
     """Tensor map of an up-to-5-D tensor: ``dims`` innermost first (the innermost
     contiguous), ``strides`` in bytes of dims 1.. (multiples of 16), ``box`` the elements
     one load brings (innermost 64 two-byte elements = one 128-byte swizzle row); 128B
-    swizzle, zeros outside. Cached by its arguments."""
-    key = (pointer, dtype, tuple(dims), tuple(strides), tuple(box), L2_PROMOTION)
+    swizzle, zeros outside, L2 promotion by :func:`l2_promotion`. Cached by its arguments."""
+    promotion = l2_promotion(strides)
+    key = (pointer, dtype, tuple(dims), tuple(strides), tuple(box), promotion)
     descriptor = _DESCRIPTORS.get(key)
     if descriptor is not None:
         _DESCRIPTORS.move_to_end(key)
@@ -528,7 +541,7 @@ def tma_descriptor(pointer: int, dtype: str, dims: tuple, strides: tuple,
     element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
     result = _libcuda().cuTensorMapEncodeTiled(
         descriptor.address, _TMA_DTYPE[dtype], rank, pointer, c_dims, c_strides, c_box,
-        element_strides, 0, _SWIZZLE_128B, L2_PROMOTION, 0)
+        element_strides, 0, _SWIZZLE_128B, promotion, 0)
     if result != 0:
         raise RuntimeError(f"mkrt: cuTensorMapEncodeTiled failed with CUresult {result} "
                            f"for {pointer=:#x}, {dtype=}, {dims=}, strides={strides}, {box=}")
