@@ -320,7 +320,9 @@ def test_trimmed_widths_take_direct_stores_and_b_as_n_by_k():
     p = gemm.plan(3000, 5000, 7000, block_m=128, block_n=240, cluster="m2")
     assert p.spec.block_n == 240 and p.spec.epilogue == "direct" and p.tiles_n == 21
     assert p.grid == 132
-    with pytest.raises(ValueError, match="trimmed width.*b_layout='nk' and epilogue='direct'"):
+    with pytest.raises(ValueError, match="trimmed width.*whole tiles"):
+        gemm.plan(3000, 5000, 7000, block_m=128, block_n=240, split_k=2)
+    with pytest.raises(ValueError, match="trimmed width.*b_layout='nk', epilogue='direct'"):
         gemm.plan(3000, 5000, 7000, block_m=128, block_n=240, epilogue="tma")
     with pytest.raises(ValueError, match="trimmed width"):
         gemm.plan(3000, 5000, 7000, b_layout="kn", block_m=128, block_n=240)
@@ -347,3 +349,19 @@ def test_the_fit_rates_trimmed_widths_from_the_sweeps_trimmed_rows():
     for key in ("128xT", "128xT_m2"):
         assert abs(fit["rates"][key] / truth["rates"][key] - 1) < 0.03, (key, fit["rates"])
     assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit) == gemm_rule.Choice(128, 240, 1, "m2")
+
+
+def test_a_rule_picked_trimmed_width_gives_way_to_asked_for_tma_stores(monkeypatch):
+    from mkrt.kernels import gemm
+    monkeypatch.setattr(gemm_rule, "choose_tile",
+                        lambda *a, **k: (gemm_rule.Choice(128, 240, 1, "m2"), "test"))
+
+    class View:           # what _gemm_plan reads of its arrays, after _full_checks
+        pass
+    monkeypatch.setattr(gemm, "_full_checks", lambda a, b, out, layout: (3000, 5000, 7000, "bf16", 0))
+    monkeypatch.setattr(gemm, "device_sm_count", lambda device: 132)
+    options = dict(b_layout="nk", sms=None, group_m=8, block_m=None, block_n=None, stages=None)
+    p = gemm._gemm_plan(View(), View(), None, epilogue="auto", **options)
+    assert (p.spec.block_n, p.spec.epilogue, p.spec.cluster) == (240, "direct", "m2")
+    p = gemm._gemm_plan(View(), View(), None, epilogue="tma", **options)
+    assert (p.spec.block_n, p.spec.epilogue, p.spec.cluster) == (256, "tma", "m2")

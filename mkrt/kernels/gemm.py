@@ -208,8 +208,8 @@ class GemmSpec(KernelSpec):
 
     epilogue "tma": whole tiles staged in shared memory, written by TMA stores that overlap
     the next tile (needs N % 8 == 0); "direct": bf16x2 stores from registers, any N.
-    block_n: 64, 128, 192 or 256; or, with B [N, K] and direct stores, a trimmed width (a
-    multiple of 16 between them, e.g. 240: as many waves as 256-wide tiles on N = 5000, less
+    block_n: 64, 128, 192 or 256; or, with B [N, K], direct stores and whole tiles, a trimmed
+    width (a multiple of 16 between them, e.g. 240: as many waves as 256-wide tiles on N = 5000, less
     work per tile; gemm_rule.trimmed_width).
     split "splitk": the kernel also runs split-K parts (the plan says which tiles are split:
     all of them, or only the last partial wave's), added in a fixed order and stored by the
@@ -243,11 +243,12 @@ class GemmSpec(KernelSpec):
         if self.block_n % 16 or not 64 <= self.block_n <= 256:
             raise ValueError(f"mkrt.gemm: block_n={self.block_n}; expected a multiple of 16 in "
                              "[64, 256] (64, 128, 192 or 256 with every layout and epilogue)")
-        if self.block_n % 64 and (self.b_layout != "nk" or self.epilogue != "direct"):
+        if self.block_n % 64 and (self.b_layout != "nk" or self.epilogue != "direct" or self.split):
             raise ValueError(f"mkrt.gemm: block_n={self.block_n} (a trimmed width, not a multiple "
-                             f"of 64) needs b_layout='nk' and epilogue='direct'; got "
-                             f"b_layout={self.b_layout!r}, epilogue={self.epilogue!r} (B [K, N] "
-                             "loads and TMA stores go in 64-column boxes)")
+                             f"of 64) needs b_layout='nk', epilogue='direct' and whole tiles; got "
+                             f"b_layout={self.b_layout!r}, epilogue={self.epilogue!r}, "
+                             f"split={self.split!r} (B [K, N] loads and TMA stores go in "
+                             "64-column boxes; split parts of some widths spill registers)")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma' or 'direct'")
         if self.split not in SPLITS:
@@ -325,7 +326,7 @@ def default_specs() -> list[GemmSpec]:
                 for epilogue in EPILOGUES if block_n % 64 == 0 else ("direct",):
                     stages = max_stages(block_m, block_n, epilogue)
                     for cluster in CLUSTERS:
-                        for split in SPLITS:
+                        for split in SPLITS if block_n % 64 == 0 else ("",):
                             specs.append(GemmSpec(dtype, layout, block_m, block_n, stages,
                                                   epilogue, cluster, split))
     return specs
@@ -747,7 +748,9 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
                               b_layout=b_layout)
         rule_tile = block_m is None and block_n is None
         block_m = rule.block_m if block_m is None else block_m
-        block_n = rule.block_n if block_n is None else block_n
+        if block_n is None:
+            # a trimmed width stores directly: asked for TMA stores, its family's 256
+            block_n = rule.block_n if rule.block_n % 64 == 0 or epilogue != "tma" else 256
         # the rule's cluster goes with its tile; its split-K with its tile and cluster and
         # the automatic epilogue
         if cluster is None:
