@@ -295,6 +295,9 @@ def test_split_k_on_two_streams_at_once_keeps_the_parts_apart():
     out1 = G.poison(cupy.empty((m, n), dtype=bfloat16))
     out2 = G.poison(cupy.empty((m, n), dtype=bfloat16))
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    # the operands, poison and references were made on the null stream, which streams
+    # created non-blocking do not wait for
+    cupy.cuda.Device().synchronize()
     for _ in range(50):
         for stream, a, out in ((streams[0], a1, out1), (streams[1], a2, out2)):
             G.gemm(a, b, out, b_layout="nk", block_m=64, block_n=128, split_k=4, stream=stream)
