@@ -10,7 +10,10 @@ timed one after the other, the first timed case ran up to 15% faster).
 
 ``--sweep-tiles JSONL`` also times each case of SUITE and HELD_OUT with each tile shape of
 TILES (rows of experiment grouped_gemm_tiles): the tile rule is fitted on SUITE's rows and
-judged on HELD_OUT's.
+judged on HELD_OUT's. ``--clusters-out JSONL`` times, on SUITE and HELD_OUT, the rule's tile
+and epilogue with clusters of two CTAs (pairs of m-tiles sharing each weight load) against
+one CTA per tile (rows of experiment grouped_gemm_cluster): the cluster rule is set on
+SUITE's rows and judged on HELD_OUT's.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def main():
     parser.add_argument("--out", default="")
     parser.add_argument("--iterations", type=int, default=10, help="calls per timed batch")
     parser.add_argument("--rounds", type=int, default=5, help="batches per call, in turns")
+    parser.add_argument("--clusters-out", default="", metavar="JSONL",
+                        help="clusters of two against single CTAs, SUITE and HELD_OUT, rows to JSONL "
+                             "(experiment grouped_gemm_cluster)")
     parser.add_argument("--sweep-tiles", default="", metavar="JSONL",
                         help="also time each tile shape of TILES on SUITE and HELD_OUT, rows to JSONL")
     args = parser.parse_args()
@@ -76,7 +82,7 @@ def main():
     import mkrt
     rng = np.random.default_rng(0)
     cases = [(case, "fit") for case in SUITE]
-    if args.sweep_tiles:
+    if args.sweep_tiles or args.clusters_out:
         cases += [(case, "held_out") for case in HELD_OUT]
     for (label, groups, n, k, rows, skew), role in cases:
         sizes = sizes_for(groups, rows, skew, rng)
@@ -111,6 +117,10 @@ def main():
         calls["mkrt_tma"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="tma")
         calls["mkrt_direct"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="direct")
         tma_error, direct_error = checked(calls["mkrt_tma"]), checked(calls["mkrt_direct"])
+        # the rule's tile and epilogue with each cluster shape, each checked first
+        calls["mkrt_m2"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, cluster="m2")
+        calls["mkrt_single"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, cluster="")
+        m2_error, single_error = checked(calls["mkrt_m2"]), checked(calls["mkrt_single"])
         tile_errors = {}
         if args.sweep_tiles:
             for block_m, block_n in TILES:
@@ -131,6 +141,20 @@ def main():
                 direct_max_rel_error=direct_error, groups=groups,
                 n=n, k=k, rows=rows, skew=skew, label=label, timing="interleaved rounds",
                 baseline_name="the same tile with direct stores")])
+        if args.clusters_out:     # clusters of two against one CTA per tile, every case
+            append_jsonl(args.clusters_out, [record(
+                "grouped_gemm_cluster", f"{label}_{rows}rows_{skew}", "ms", ms_of["mkrt_m2"],
+                ms_of["mkrt_single"], "ms", higher_is_better=False, set=role,
+                m2_ratio_vs_torch=best_ms / ms_of["mkrt_m2"],
+                single_ratio_vs_torch=best_ms / ms_of["mkrt_single"],
+                rule_ratio_vs_torch=best_ms / ours_ms, max_rel_error=m2_error,
+                single_max_rel_error=single_error, group_rows=[int(r) for r in sizes],
+                groups=groups, n=n, k=k, rows=rows, skew=skew, label=label,
+                timing="interleaved rounds",
+                baseline_name="the rule's tile and epilogue, one CTA per tile")])
+            print(f"  {role} {label} rows={rows} {skew}: pairs x torch {best_ms / ms_of['mkrt_m2']:.3f}, "
+                  f"single x torch {best_ms / ms_of['mkrt_single']:.3f} (errors {m2_error:.4f}, "
+                  f"{single_error:.4f})", flush=True)
         if args.sweep_tiles:
             sweep = []
             for (block_m, block_n), tile_error in tile_errors.items():
@@ -145,8 +169,8 @@ def main():
             print(f"  {role} {label} rows={rows} {skew}: {times} ms; default {ours_ms:.4f} ms, "
                   f"best torch {best_ms:.4f} ms", flush=True)
             append_jsonl(args.sweep_tiles, sweep)
-            if role == "held_out":
-                continue
+        if role == "held_out":
+            continue
         row = record("grouped_gemm", f"{label}_{rows}rows", "tflops", flops / ours_ms / 1e9,
                      flops / best_ms / 1e9, "TFLOP/s", ms=ours_ms, grouped_mm_ms=grouped_ms,
                      cublas_loop_ms=loop_ms, groups=groups, n=n, k=k, rows=rows, skew=skew,

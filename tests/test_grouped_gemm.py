@@ -72,6 +72,27 @@ def test_tile_order_covers_every_tile_once(group_m):
         assert [t[1:3] for t in order[:9]] == [(m, 0) for m in range(8)] + [(0, 1)]
 
 
+@pytest.mark.parametrize("group_m", [1, 4])
+def test_paired_tile_order_covers_every_tile_once_and_pairs_within_a_group(group_m):
+    rng = np.random.default_rng(7 + group_m)
+    for sizes in ([0, 1, 0, 300, 17], [1300, 0, 129], [256, 256], list(rng.integers(0, 2000, 12))):
+        order = GG.tile_order(sizes, 1000, 128, 256, group_m, cluster_m=2)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        real = [t for t in order if t[3] < starts[t[0] + 1]]
+        ghosts = [t for t in order if t[3] >= starts[t[0] + 1]]
+        expected = {(g, m, nt) for g, rows in enumerate(sizes) for m in range(-(-rows // 128))
+                    for nt in range(4)}
+        assert sorted(t[:3] for t in real) == sorted(expected) and len(real) == len(expected)
+        # a tile past its group's rows only as the second of a pair, in groups of odd m-tiles
+        odd = {g for g, rows in enumerate(sizes) if -(-rows // 128) % 2}
+        assert sorted(t[:3] for t in ghosts) == sorted(
+            (g, -(-sizes[g] // 128), nt) for g in odd for nt in range(4))
+        # the two CTAs of a cluster: one group, one n-tile (one weight tile), m-tiles 2p, 2p + 1
+        for first, second in zip(order[::2], order[1::2]):
+            assert (first[0], first[2]) == (second[0], second[2])
+            assert first[1] % 2 == 0 and second[1] == first[1] + 1
+
+
 def test_tile_rule_counts_whole_waves():
     # Mixtral's w2 on a rank: 2 experts, 2048 rows, N 4096: 128x256 tiles make about 17 x 16 =
     # 272 tiles, a third wave of 8 on 132 SMs; 64x256 tiles make 33 x 16 = 528, four waves
@@ -126,7 +147,8 @@ def _error(out, ref, offsets):
 @pytest.mark.parametrize("case", GG.test_cases(), ids=lambda c: f"{len(c[0])}groups-{c[1]}x{c[2]}-{c[3]}")
 @pytest.mark.parametrize("block_m,block_n", [(64, 256), (128, 256), (64, 128), (128, 128)])
 @pytest.mark.parametrize("epilogue", ["direct", "tma"])
-def test_matches_the_reference(case, block_m, block_n, epilogue):
+@pytest.mark.parametrize("cluster", ["", "m2"])
+def test_matches_the_reference(case, block_m, block_n, epilogue, cluster):
     import cupy
 
     from mkrt.kernels.gemm import poison
@@ -135,7 +157,8 @@ def test_matches_the_reference(case, block_m, block_n, epilogue):
         pytest.skip("TMA stores need N % 8 == 0")
     x, w, offsets = _operands(cupy, sizes, n, k, dtype, seed=len(sizes) + n)
     out = poison(cupy.empty((x.shape[0], n), x.dtype))
-    GG.grouped_gemm(x, w, offsets, out=out, block_m=block_m, block_n=block_n, epilogue=epilogue)
+    GG.grouped_gemm(x, w, offsets, out=out, block_m=block_m, block_n=block_n, epilogue=epilogue,
+                    cluster=cluster)
     cupy.cuda.Device().synchronize()
     from mkrt.kernels.gemm import to_float32
     assert bool(cupy.isfinite(to_float32(out)).all()), "rows left unwritten (still NaN)"
@@ -144,17 +167,21 @@ def test_matches_the_reference(case, block_m, block_n, epilogue):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("epilogue", ["direct", "tma"])
-def test_device_offsets_rows_outside_untouched_and_repeatable(epilogue):
+@pytest.mark.parametrize("cluster", ["", "m2"])
+def test_device_offsets_rows_outside_untouched_and_repeatable(epilogue, cluster):
     """Rows outside the groups keep their values (with TMA stores too: a tile that would
-    cross its group's end is stored directly, so the neighbours' rows stay as they are)."""
+    cross its group's end is stored directly, so the neighbours' rows stay as they are;
+    with clusters, a group's tile past its rows stores nothing)."""
     import cupy
     x, w, offsets = _operands(cupy, [40, 0, 300, 7], 264, 128, "bf16", seed=3)
     inner = cupy.asarray(np.array([8, 40, 40, 300, 320], np.int32))    # rows 8..320 only
     out = cupy.full((x.shape[0], 264), 7, dtype=cupy.uint16).view(x.dtype)
-    first = GG.grouped_gemm(x, w, inner, out=out, epilogue=epilogue, block_m=64).copy()
+    first = GG.grouped_gemm(x, w, inner, out=out, epilogue=epilogue, block_m=64,
+                            cluster=cluster).copy()
     assert bool((first.view(cupy.uint16)[:8] == 7).all()) and bool((first.view(cupy.uint16)[320:] == 7).all())
     for _ in range(20):
-        again = GG.grouped_gemm(x, w, inner, out=out, epilogue=epilogue, block_m=64)
+        again = GG.grouped_gemm(x, w, inner, out=out, epilogue=epilogue, block_m=64,
+                                cluster=cluster)
     assert bool((again.view(cupy.uint16) == first.view(cupy.uint16)).all())
     assert _error(first, GG.reference(x, w, inner.get()), inner.get()) < 1e-2
 
@@ -200,6 +227,10 @@ def test_bad_arrays_raise_before_launch():
         GG.grouped_gemm(x, w, offsets, block_n=192)
     with pytest.raises(ValueError, match="epilogue"):
         GG.grouped_gemm(x, w, offsets, epilogue="splitk")
+    with pytest.raises(ValueError, match="cluster"):
+        GG.grouped_gemm(x, w, offsets, cluster="m4")
+    with pytest.raises(ValueError, match="sms >= 2"):
+        GG.grouped_gemm(x, w, offsets, cluster="m2", sms=1)
     x2, w2, offsets2 = _operands(cupy, [16, 16], 60, 64, "bf16", seed=1)
     with pytest.raises(ValueError, match="N % 8"):
         GG.grouped_gemm(x2, w2, offsets2, epilogue="tma")

@@ -47,7 +47,8 @@ GROUPED_GEMM = cuda_source("grouped_gemm", r"""
 using namespace mkrt;
 typedef $CTYPE T;
 constexpr bool TMA_STORE = $TMA_STORE;
-typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0> Cfg;
+typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0,
+                     $CLUSTER_M> Cfg;
 constexpr int MAX_GROUPS = $MAX_GROUPS;
 
 __device__ __forceinline__ int clamp_row(int v, int rows) { return min(max(v, 0), rows); }
@@ -57,12 +58,17 @@ __device__ __forceinline__ int clamp_row(int v, int rows) { return min(max(v, 0)
 // m-tile-major order (n-tiles fastest: each row block of x is read once); a wider band
 // makes the CTAs running at once share each weight tile, for weights too large to stay in
 // L2 between m-tiles (see band_m_tiles). CTA c takes c, c + ctas, ...
-// tile_prefix[g]: m-tiles before group g, so group g's tiles are
+// With clusters of two (Cfg::CLUSTER_M == 2) the units are pairs of m-tiles of one group
+// (sharing each weight load, gemm::PairedRasterWork's way): cluster c of ctas clusters
+// takes units c, c + ctas, ..., its CTA of rank r m-tile 2p + r of the pair p. A group
+// with an odd m-tile count gives its last pair a tile past the group's rows: it loads
+// rows of the next group (or zeros), and its stores are all clipped.
+// tile_prefix[g]: units (m-tiles or pairs) before group g, so group g's units are
 // [tile_prefix[g] * tiles_n, tile_prefix[g + 1] * tiles_n).
 struct GroupedWork {
     const int* offsets;
     const int* tile_prefix;             // shared memory
-    int groups, rows, n, tiles_n, cta, ctas, group_m;
+    int groups, rows, n, tiles_n, cta, ctas, group_m, rank;
 
     __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
         const int t = cta + i * ctas;
@@ -76,11 +82,12 @@ struct GroupedWork {
         }
         const gemm::RasterWork raster{tile_prefix[lo + 1] - tile_prefix[lo], tiles_n, group_m, 0, 1};
         const gemm::Tile local = raster.tile_at(t - tile_prefix[lo] * tiles_n);
-        tile.m = tile_prefix[lo] + local.m;
+        const int m_tile = local.m * Cfg::CLUSTER_M + rank;          // within the group
+        tile.m = tile_prefix[lo] * Cfg::CLUSTER_M + m_tile;
         tile.n = local.n;
-        tile.index = t;
+        tile.index = t * Cfg::CLUSTER_M + rank;
         tile.group = lo;
-        tile.a_row = clamp_row(offsets[lo], rows) + local.m * Cfg::BM;
+        tile.a_row = clamp_row(offsets[lo], rows) + m_tile * Cfg::BM;
         tile.b_row = lo * n + local.n * Cfg::BN;
         return true;
     }
@@ -126,7 +133,7 @@ struct GroupedStore {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+extern "C" __global__ void $CLUSTER_DIMS __launch_bounds__(Cfg::THREADS, 1)
 grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
              const __grid_constant__ TmaDescriptor tma_b,
              const __grid_constant__ TmaDescriptor tma_out,     // TMA_STORE only
@@ -138,9 +145,10 @@ grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x, per = (groups + 31) / 32;
         const int g0 = min(groups, lane * per), g1 = min(groups, g0 + per);
-        auto m_tiles = [&](int g) {
+        auto m_tiles = [&](int g) {        // units: m-tiles, or pairs of them
             const int count = clamp_row(offsets[g + 1], rows) - clamp_row(offsets[g], rows);
-            return count > 0 ? (count + Cfg::BM - 1) / Cfg::BM : 0;
+            const int tiles = count > 0 ? (count + Cfg::BM - 1) / Cfg::BM : 0;
+            return (tiles + Cfg::CLUSTER_M - 1) / Cfg::CLUSTER_M;
         };
         int local = 0;
         for (int g = g0; g < g1; ++g) local += m_tiles(g);
@@ -155,8 +163,10 @@ grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
         if (lane == 31) tile_prefix[groups] = inclusive;
     }
     __syncthreads();
+    const int rank = Cfg::CLUSTER_M == 2 ? (int)cluster_rank() : 0;
     const GroupedWork work{offsets, tile_prefix, groups, rows, n, (n + Cfg::BN - 1) / Cfg::BN,
-                           (int)blockIdx.x, (int)gridDim.x, group_m};
+                           (int)blockIdx.x / Cfg::CLUSTER_M, (int)gridDim.x / Cfg::CLUSTER_M,
+                           group_m, rank};
     const GroupedStore store{out, offsets, rows, n, (n % 2) == 0, {&tma_out}};
     gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
 }
@@ -169,7 +179,9 @@ _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
     """URI e.g. ``grouped_gemm_bf16_nk_bm128_bn256_s4_direct_sm90a`` (B is always [N, K] per
     group). epilogue "direct": every tile by bounded stores from registers; "tma": tiles
-    whose rows lie in one group by TMA stores (needs N % 8 == 0), the rest direct."""
+    whose rows lie in one group by TMA stores (needs N % 8 == 0), the rest direct.
+    cluster "m2": clusters of two CTAs on pairs of one group's m-tiles, each loading half
+    of the weight tile they share (TMA multicast); "": one CTA per tile."""
 
     family = "grouped_gemm"
     entry_points = ("grouped_gemm",)
@@ -180,9 +192,12 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
     block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
     stages: int = dataclasses.field(default=4, metadata={"short": "s"})
     epilogue: str = "direct"
+    cluster: str = ""
 
     def __post_init__(self):
         super().__post_init__()
+        if self.cluster not in CLUSTERS:
+            raise ValueError(f"mkrt.grouped_gemm: cluster={self.cluster!r}; expected one of {CLUSTERS}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"mkrt.grouped_gemm: epilogue={self.epilogue!r}; expected one of {EPILOGUES}")
         if self.b_layout != "nk":
@@ -200,21 +215,28 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "MAX_GROUPS": MAX_GROUPS,
-                "TMA_STORE": self.epilogue == "tma"}
+                "TMA_STORE": self.epilogue == "tma", "CLUSTER_M": self.cluster_m,
+                "CLUSTER_DIMS": "__cluster_dims__(2, 1, 1)" if self.cluster_m == 2 else ""}
+
+    @property
+    def cluster_m(self) -> int:
+        return 2 if self.cluster == "m2" else 1
 
 
 EPILOGUES = ("direct", "tma")
+CLUSTERS = ("", "m2")
 
 
-def spec_for(dtype: str, block_m: int, block_n: int = 256, epilogue: str = "direct") -> GroupedGemmSpec:
+def spec_for(dtype: str, block_m: int, block_n: int = 256, epilogue: str = "direct",
+             cluster: str = "") -> GroupedGemmSpec:
     return GroupedGemmSpec(dtype, "nk", block_m, block_n,
                            gemm_module.max_stages(block_m, block_n, epilogue, STATIC_SMEM_BYTES),
-                           epilogue)
+                           epilogue, cluster)
 
 
 def default_specs() -> list[GroupedGemmSpec]:
-    return [spec_for(dtype, *tile, epilogue) for dtype in _CTYPES for tile in TILE_EFFICIENCY
-            for epilogue in EPILOGUES]
+    return [spec_for(dtype, *tile, epilogue, cluster) for dtype in _CTYPES
+            for tile in TILE_EFFICIENCY for epilogue in EPILOGUES for cluster in CLUSTERS]
 
 
 def choose_block_m(rows: int, groups: int) -> int:
@@ -258,12 +280,15 @@ def choose_tile(rows: int, groups: int, n: int, sms: int,
     return min(efficiency, key=expected_time)
 
 
-def tile_order(group_rows, n: int, block_m: int, block_n: int, group_m: int) -> list[tuple]:
+def tile_order(group_rows, n: int, block_m: int, block_n: int, group_m: int,
+               cluster_m: int = 1) -> list[tuple]:
     """The tiles GroupedWork hands out, in order, in Python (a CPU test checks them): for
-    t = 0, 1, ... (group, m-tile within the group, n-tile, first row of x)."""
+    units t = 0, 1, ... and, with clusters of two, ranks 0 and 1 of each: (group, m-tile
+    within the group, n-tile, first row of x). With clusters a group of an odd m-tile
+    count ends with a tile past its rows (its stores are clipped)."""
     offsets = np.concatenate([[0], np.cumsum(group_rows)]).astype(int)
-    m_tiles = [-(-int(r) // block_m) for r in group_rows]
-    prefix = np.concatenate([[0], np.cumsum(m_tiles)]).astype(int)
+    units_m = [-(-(-(-int(r) // block_m)) // cluster_m) for r in group_rows]
+    prefix = np.concatenate([[0], np.cumsum(units_m)]).astype(int)
     tiles_n = -(-n // block_n)
     order = []
     for t in range(int(prefix[-1]) * tiles_n):
@@ -275,8 +300,10 @@ def tile_order(group_rows, n: int, block_m: int, block_n: int, group_m: int) -> 
         first_m = band * group_m
         band_rows = min(group_m, rows_in_group - first_m)
         within = local - band * group_m * tiles_n
-        m_tile, n_tile = first_m + within % band_rows, within // band_rows
-        order.append((group, m_tile, n_tile, int(offsets[group]) + m_tile * block_m))
+        unit_m, n_tile = first_m + within % band_rows, within // band_rows
+        for rank in range(cluster_m):
+            m_tile = unit_m * cluster_m + rank
+            order.append((group, m_tile, n_tile, int(offsets[group]) + m_tile * block_m))
     return order
 
 
@@ -356,8 +383,20 @@ class _Prepared:
                              ("offsets", np.uint64, 8), ("groups", np.int32, 4),
                              ("rows", np.int32, 4), ("n", np.int32, 4), ("k", np.int32, 4),
                              ("group_m", np.int32, 4)])
-        params.set(groups=groups, rows=rows, n=n, k=k, group_m=band_m_tiles(n, k))
+        # bands of m-tiles, in the work list's units (pairs of m-tiles with clusters)
+        params.set(groups=groups, rows=rows, n=n, k=k,
+                   group_m=max(1, band_m_tiles(n, k) // spec.cluster_m))
         function = spec.function("grouped_gemm", device, spec.smem_bytes)
+        if spec.cluster_m > 1:
+            from mkrt.cuda import max_active_clusters
+            import cupy
+            with cupy.cuda.Device(device):       # the occupancy query uses the current context
+                clusters = max_active_clusters(function.kernel.ptr if hasattr(function, "kernel")
+                                               else function.ptr, grid, spec.threads, spec.smem_bytes)
+            if clusters < 1:
+                raise ValueError(f"mkrt.grouped_gemm: {spec.uri} fits no cluster of two CTAs on "
+                                 "this GPU")
+            grid = min(grid, 2 * clusters)
         self.launch = KernelLaunch(function, grid, spec.threads, spec.smem_bytes, params)
         self._out, self._offsets = params.view("out"), params.view("offsets")
         self._pointers = None
@@ -368,8 +407,9 @@ class _Prepared:
         if self._pointers != (x_ptr, w_ptr):
             tma_a = gemm_module.tma_descriptor_2d(x_ptr, spec.dtype, self.k, self.rows, self.k * 2,
                                                   64, spec.block_m)
+            # with clusters each CTA of a pair loads (and multicasts) half of the tile's rows
             tma_b = gemm_module.tma_descriptor_2d(w_ptr, spec.dtype, self.k, self.groups * self.n,
-                                                  self.k * 2, 64, spec.block_n)
+                                                  self.k * 2, 64, spec.block_n // spec.cluster_m)
             ctypes.memmove(params.address("tma_a"), tma_a.address, 128)
             ctypes.memmove(params.address("tma_b"), tma_b.address, 128)
             self._pointers = (x_ptr, w_ptr)
@@ -464,21 +504,35 @@ def _epilogue(epilogue: str | None, rows: int, groups: int, n: int) -> str:
     return epilogue
 
 
+def choose_cluster(rows: int, groups: int, n: int, k: int) -> str:
+    """"m2" (pairs of m-tiles sharing each weight load) or "" for a call."""
+    return ""
+
+
+def _cluster(cluster: str | None, rows: int, groups: int, n: int, k: int) -> str:
+    if cluster is None:
+        return choose_cluster(rows, groups, n, k)
+    if cluster not in CLUSTERS:
+        raise ValueError(f"mkrt.grouped_gemm: cluster={cluster!r}; expected one of {CLUSTERS}")
+    return cluster
+
+
 def build(rows: int, groups: int, n: int, dtype: str, device: int, sms: int | None = None,
           block_m: int | None = None, block_n: int | None = None,
-          epilogue: str | None = None) -> None:
+          epilogue: str | None = None, cluster: str | None = None, k: int = 0) -> None:
     """Compile and load the kernel :func:`grouped_gemm` will launch for `rows` rows in
     `groups` groups of `n` columns on `sms` SMs (callers that launch kernels waiting for
     each other, such as MoE's ranks, build first: a compile between two ranks' launches
     stalls the first one)."""
     sms = device_sm_count(device) if sms is None else sms
     spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n),
-                    _epilogue(epilogue, rows, groups, n))
+                    _epilogue(epilogue, rows, groups, n), _cluster(cluster, rows, groups, n, k))
     spec.function("grouped_gemm", device, spec.smem_bytes)
 
 
 def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n: int | None = None,
-                 sms: int | None = None, epilogue: str | None = None, stream=None):
+                 sms: int | None = None, epilogue: str | None = None, cluster: str | None = None,
+                 stream=None):
     """``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g].T`` for every g.
 
     x: [R, K] device array; w: [G, N, K] (each group's weight as nn.Linear holds it);
@@ -487,7 +541,9 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     (default: :func:`choose_tile`'s, from the rows, groups, N and SMs). ``sms``: the SMs
     the kernel may use (default all). ``epilogue`` "direct" or "tma": tiles whose rows lie in
     one group stored by TMA (N % 8 == 0); default: :func:`choose_epilogue`'s, from the rows
-    per group. Returns out in the type of ``x``.
+    per group. ``cluster`` "m2": clusters of two CTAs on pairs of a group's m-tiles share
+    each weight load (TMA multicast); "": one CTA per tile; default: :func:`choose_cluster`'s.
+    Returns out in the type of ``x``.
     """
     import cupy
 
@@ -517,20 +573,27 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     if block_n not in (None, 128, 256):
         raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
     epilogue = _epilogue(epilogue, rows, groups, n)
+    cluster = _cluster(cluster, rows, groups, n, k)
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
         if out_as_given:
             return out
         return like_input(as_cupy(out, "out") if out is not None else cupy.empty((0, n), xv.dtype), x)
     # keyed by the tile as asked for: choose_tile runs once per signature, not per call
-    key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), epilogue, device)
+    key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), epilogue, cluster, device)
     call = _PREPARED.get(key)
     if call is None:
         block_m, block_n = _tile(rows, groups, n, int(sms), block_m, block_n)
         # the grid: every SM, or fewer when even full groups could not fill them
         most_tiles = (-(-rows // block_m) + groups) * -(-n // block_n)
-        call = _PREPARED[key] = _Prepared(spec_for(dtype, block_m, block_n, epilogue), device,
-                                          min(int(sms), most_tiles), rows, n, k, groups)
+        spec = spec_for(dtype, block_m, block_n, epilogue, cluster)
+        # clusters: whole pairs, their pair units (a group's last pair may hold one tile)
+        units = ((-(-rows // block_m) + 1) // spec.cluster_m + groups) * -(-n // block_n)
+        grid = min(int(sms), most_tiles) if spec.cluster_m == 1 else \
+            2 * min(int(sms) // 2, units)
+        if grid < 1:
+            raise ValueError(f"mkrt.grouped_gemm: cluster='m2' needs sms >= 2; got {sms}")
+        call = _PREPARED[key] = _Prepared(spec, device, grid, rows, n, k, groups)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)
     with cupy.cuda.Device(device):
