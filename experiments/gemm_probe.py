@@ -13,6 +13,9 @@
   map before this probe, now 128 on rows off a sector: gemm.l2_promotion) on rows
   off a sector and on aligned rows, each tile with and without clusters, in turns with
   torch.matmul: cuBLAS runs 3000x5000x7000 at the speed of 3000x5000x7168, mkrt does not.
+* ``small``: shapes of one wave or less (1536^3 ran at 0.82-1.29x torch between runs, torch's
+  time moving, not mkrt's): each side eager, as CUDA graphs of --graph-calls calls (GPU time
+  without the host), and the host's time to enqueue one call without waiting, in turns.
 * ``odd_rows``: shapes whose rows start 16 bytes off a 32-byte sector (K = 8 mod 16)
   stay below torch (3000x5000x7000 at 0.85). Time, in turns with torch.matmul, each tile
   with and without clusters, with the TMA-store epilogue and with direct stores (which
@@ -37,12 +40,16 @@ from gemm import time_ms  # noqa: E402  (CUDA events, median of batches)
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probes", nargs="+", default=["grid", "k_offset", "kernels"],
-                        choices=("grid", "k_offset", "kernels", "odd_rows", "l2"))
+                        choices=("grid", "k_offset", "kernels", "odd_rows", "l2", "small"))
     parser.add_argument("--odd-shapes", nargs="+",
                         default=["3000x5000x7000", "4096x4096x4040", "8192x2048x3000"])
     parser.add_argument("--l2-shapes", nargs="+",
                         default=["3000x5000x7000", "3000x5000x7168", "4096x4096x4040",
                                  "4096x4096x4096"])
+    parser.add_argument("--small-shapes", nargs="+",
+                        default=["1536x1536x1536", "2048x2048x2048", "1000x1000x1000",
+                                 "4096x1024x1024", "128x4096x4096", "16x8192x8192"])
+    parser.add_argument("--graph-calls", type=int, default=20)
     parser.add_argument("--grid-shapes", nargs="+", default=["8192x8192x8192", "3000x5000x7000"])
     parser.add_argument("--grid-configs", nargs="+", default=["128x256", "64x128"])
     parser.add_argument("--grids", type=int, nargs="+", default=[8, 32, 64, 96, 128, 132])
@@ -260,6 +267,68 @@ def probe_l2(args, rows) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
 
 
+def probe_small(args, rows) -> None:
+    import time
+
+    import cupy
+    import numpy as np
+    import torch
+
+    from mkrt.bench import interleaved_ms, record
+    from mkrt.kernels import gemm as G
+    stream = cupy.cuda.Stream(non_blocking=True)
+    torch_stream = torch.cuda.ExternalStream(stream.ptr)
+    for shape in args.small_shapes:
+        m, n, k = (int(x) for x in shape.split("x"))
+        a, b = operands(m, n, k)
+        out = cupy.empty((m, n), dtype=a.dtype)
+        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b).t()
+        t_out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        error = checked(lambda: G.gemm(a, b, out, b_layout="nk"), out, a, b)
+        with stream, torch.cuda.stream(torch_stream):
+            ours = lambda: G.gemm(a, b, out, b_layout="nk", stream=stream)   # noqa: E731
+            theirs = lambda: torch.matmul(ta, tb, out=t_out)                  # noqa: E731
+            for _ in range(3):
+                ours(), theirs()
+            stream.synchronize()
+            graphs = {}
+            for name, call in (("mkrt", ours), ("torch", theirs)):
+                stream.begin_capture()
+                for _ in range(args.graph_calls):
+                    call()
+                graphs[name] = stream.end_capture()
+            host = {}
+            for name, call in (("mkrt", ours), ("torch", theirs)):
+                samples = []
+                for _ in range(5):
+                    stream.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(200):
+                        call()
+                    samples.append((time.perf_counter() - start) / 200 * 1e6)
+                host[name] = float(np.median(samples))
+                stream.synchronize()
+            calls = {"mkrt": ours, "torch": theirs,
+                     "mkrt_graph": lambda: graphs["mkrt"].launch(stream),
+                     "torch_graph": lambda: graphs["torch"].launch(stream)}
+            ms = interleaved_ms(calls, iterations=args.iterations, rounds=args.repeats,
+                                warmup=args.warmup)          # on `stream`: the current one
+        per_call = {name: 1e3 * v / (args.graph_calls if name.endswith("graph") else 1)
+                    for name, v in ms.items()}
+        print(f"{shape}: eager mkrt {per_call['mkrt']:.1f} us, torch {per_call['torch']:.1f}; "
+              f"graphs mkrt {per_call['mkrt_graph']:.1f}, torch {per_call['torch_graph']:.1f}; "
+              f"host enqueue mkrt {host['mkrt']:.1f}, torch {host['torch']:.1f} us", flush=True)
+        for what, ours_us, theirs_us in (("eager", per_call["mkrt"], per_call["torch"]),
+                                         ("graph", per_call["mkrt_graph"], per_call["torch_graph"]),
+                                         ("host_enqueue", host["mkrt"], host["torch"])):
+            rows.append(record("gemm_small", f"{shape} {what}", "us", ours_us, theirs_us, "us",
+                               higher_is_better=False, probe="small", timing="interleaved rounds",
+                               graph_calls=args.graph_calls, error=error,
+                               baseline_name="torch.matmul (out=)"))
+        a = b = out = ta = tb = t_out = graphs = calls = None
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main():
     args = parse()
     from mkrt.bench import append_jsonl
@@ -274,6 +343,8 @@ def main():
         probe_odd_rows(args, rows)
     if "l2" in args.probes:
         probe_l2(args, rows)
+    if "small" in args.probes:
+        probe_small(args, rows)
     append_jsonl(args.out, rows)
 
 

@@ -505,7 +505,11 @@ def _epilogue(epilogue: str | None, rows: int, groups: int, n: int) -> str:
 
 
 def choose_cluster(rows: int, groups: int, n: int, k: int) -> str:
-    """"m2" (pairs of m-tiles sharing each weight load) or "" for a call."""
+    """One CTA per tile (""), for every call: with the rule's tile and epilogue, pairs of
+    m-tiles sharing each weight load ran slower than single CTAs on all 7 suite cases
+    (0.743-0.992x torch against 0.873-1.437x) and on 10 of the 11 held-out expert GEMMs,
+    tying on the eleventh (Mixtral w2, 8192 rows: 1.001 against 1.000;
+    grouped_gemm_cluster.jsonl, 308fa51). ``cluster="m2"`` stays an option."""
     return ""
 
 
