@@ -15,6 +15,7 @@ launch serves every call, also while a CUDA graph is being captured.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -69,10 +70,36 @@ class Parameters:
             self.view(name)[()] = value
 
 
-class KernelLaunch:
-    """One kernel on one device with prepared parameters: ``launch(stream_ptr)``."""
+@functools.cache
+def _launch_ex():
+    """The driver's cuLaunchKernelEx and ctypes mirrors of CUlaunchConfig and
+    CUlaunchAttribute (cuda.h), loaded once."""
+    class Attribute(ctypes.Structure):
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint8 * 64)]
 
-    def __init__(self, function, grid: int, block: int, shared_mem: int, params: Parameters):
+    from mkrt.cuda import _cluster_occupancy
+    config_type = _cluster_occupancy()[1]
+    launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    launch.restype = ctypes.c_int
+    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return launch, config_type, Attribute
+
+
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class KernelLaunch:
+    """One kernel on one device with prepared parameters: ``launch(stream_ptr)``.
+
+    ``programmatic=True`` launches it as a programmatic dependent of the stream's previous
+    kernel (cuLaunchKernelEx, programmatic stream serialisation): it may start while that
+    kernel finishes, so its set-up overlaps the other's tail. The kernel must wait
+    (``griddepcontrol.wait``, the GEMM engine's ``grid_dependency_wait``) before it loads
+    or stores anything another kernel touches."""
+
+    def __init__(self, function, grid: int, block: int, shared_mem: int, params: Parameters,
+                 programmatic: bool = False):
         from cupy_backends.cuda.api import driver
         self.function = function                 # keeps the module (and the CUfunction) alive
         self.handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
@@ -84,8 +111,23 @@ class KernelLaunch:
         # eleven arguments per call (about a microsecond less per launch than ctypes).
         self._launch = driver.launchKernel
         self._error = driver.CUDADriverError
+        self.programmatic = bool(programmatic)
+        if self.programmatic:
+            launch_ex, config_type, attribute_type = _launch_ex()
+            self._attribute = attribute_type(_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+            self._attribute.value[0] = 1                    # programmaticStreamSerializationAllowed
+            self._config = config_type(self.grid, 1, 1, self.block, 1, 1, self.shared_mem, None,
+                                       ctypes.addressof(self._attribute), 1)
+            self._launch_ex, self._config_address = launch_ex, ctypes.addressof(self._config)
 
     def __call__(self, stream_ptr: int) -> None:
+        if self.programmatic:
+            self._config.hStream = stream_ptr
+            code = self._launch_ex(self._config_address, self.handle, self._pointers, None)
+            if code:
+                raise RuntimeError(f"mkrt.launch: cuLaunchKernelEx failed (CUresult {code}; grid "
+                                   f"{self.grid}, block {self.block}, shared {self.shared_mem})")
+            return
         try:
             self._launch(self.handle, self.grid, 1, 1, self.block, 1, 1, self.shared_mem,
                          stream_ptr, self._pointers, 0)

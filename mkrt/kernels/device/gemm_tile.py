@@ -581,6 +581,10 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
     // With clusters, the partner's barriers must be initialised before this CTA's first
     // multicast or remote arrival reaches them.
     if (Cfg::CLUSTER_M > 1) cluster_sync(); else __syncthreads();
+    // Launched as a programmatic dependent (KernelLaunch(programmatic=True)), the set-up
+    // above overlaps the previous kernel's tail; nothing is loaded or stored before that
+    // kernel has finished. Launched plainly, this returns at once.
+    grid_dependency_wait();
 
     if (warpgroup == 0) {
         warpgroup_registers_decrease<Cfg::PRODUCER_REGISTERS>();

@@ -76,6 +76,12 @@ __device__ __forceinline__ void cluster_sync() {
                  "barrier.cluster.wait.acquire;" ::: "memory");
 }
 
+// Programmatic dependent launch (sm_90): wait until the kernels this one was launched to
+// overlap have completed and their memory is visible; at once when launched plainly.
+__device__ __forceinline__ void grid_dependency_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // Wait until the phase with this parity has completed. A fresh barrier is in phase 0,
 // so waiting for parity 1 returns at once ("the phase before the first" counts as done):
 // that is how a producer starts on empty slots without a special case.
