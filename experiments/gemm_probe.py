@@ -15,7 +15,8 @@
   torch.matmul: cuBLAS runs 3000x5000x7000 at the speed of 3000x5000x7168, mkrt does not.
 * ``small``: shapes of one wave or less (1536^3 ran at 0.82-1.29x torch between runs, torch's
   time moving, not mkrt's): each side eager, as CUDA graphs of --graph-calls calls (GPU time
-  without the host), and the host's time to enqueue one call without waiting, in turns.
+  without the host), and the host's time to enqueue one call without waiting, in turns;
+  mkrt also as its prepared launch alone, programmatic (PDL) and plain.
 * ``odd_rows``: shapes whose rows start 16 bytes off a 32-byte sector (K = 8 mod 16)
   stay below torch (3000x5000x7000 at 0.85). Time, in turns with torch.matmul, each tile
   with and without clusters, with the TMA-store epilogue and with direct stores (which
@@ -285,31 +286,39 @@ def probe_small(args, rows) -> None:
         ta, tb = torch.from_dlpack(a), torch.from_dlpack(b).t()
         t_out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
         error = checked(lambda: G.gemm(a, b, out, b_layout="nk"), out, a, b)
-        # the rule's launch again, as a programmatic dependent launch (its set-up overlaps
-        # the previous kernel's tail)
+        # the rule's launch prepared twice and run without mkrt.gemm's checks: as a
+        # programmatic dependent launch (its set-up overlaps the previous kernel's tail) and
+        # plainly, to tell the launch's part from the host path's
         from mkrt.kernels.launcher import KernelLaunch
         p = G.call_plan(a, b, out, b_layout="nk")
-        pdl = G._PreparedGemm(p, p.spec.function("gemm", 0, p.spec.smem_bytes), 0)
-        plain = pdl.launch
-        pdl.launch = KernelLaunch(plain.function, plain.grid, plain.block, plain.shared_mem,
-                                  plain.params, programmatic=True)
-        pdl.patch(a.data.ptr, b.data.ptr, out.data.ptr)
+        prepared = {}
+        for programmatic in (True, False):
+            call = G._PreparedGemm(p, p.spec.function("gemm", 0, p.spec.smem_bytes), 0)
+            launch = call.launch
+            call.launch = KernelLaunch(launch.function, launch.grid, launch.block,
+                                       launch.shared_mem, launch.params, programmatic=programmatic)
+            call.patch(a.data.ptr, b.data.ptr, out.data.ptr)
+            prepared[programmatic] = call
+        pdl, plain = prepared[True], prepared[False]
         pdl_error = checked(lambda: pdl.run(stream.ptr), out, a, b)
         with stream, torch.cuda.stream(torch_stream):
             ours = lambda: G.gemm(a, b, out, b_layout="nk", stream=stream)   # noqa: E731
             theirs = lambda: torch.matmul(ta, tb, out=t_out)                  # noqa: E731
             ours_pdl = lambda: pdl.run(stream.ptr)                            # noqa: E731
+            ours_plain = lambda: plain.run(stream.ptr)                        # noqa: E731
             for _ in range(3):
-                ours(), theirs(), ours_pdl()
+                ours(), theirs(), ours_pdl(), ours_plain()
             stream.synchronize()
             graphs = {}
-            for name, call in (("mkrt", ours), ("torch", theirs), ("mkrt_pdl", ours_pdl)):
+            for name, call in (("mkrt", ours), ("torch", theirs), ("mkrt_pdl", ours_pdl),
+                               ("mkrt_plain", ours_plain)):
                 stream.begin_capture()
                 for _ in range(args.graph_calls):
                     call()
                 graphs[name] = stream.end_capture()
             host = {}
-            for name, call in (("mkrt", ours), ("torch", theirs), ("mkrt_pdl", ours_pdl)):
+            for name, call in (("mkrt", ours), ("torch", theirs), ("mkrt_pdl", ours_pdl),
+                               ("mkrt_plain", ours_plain)):
                 samples = []
                 for _ in range(5):
                     stream.synchronize()
@@ -319,30 +328,35 @@ def probe_small(args, rows) -> None:
                     samples.append((time.perf_counter() - start) / 200 * 1e6)
                 host[name] = float(np.median(samples))
                 stream.synchronize()
-            calls = {"mkrt": ours, "torch": theirs, "mkrt_pdl": ours_pdl,
-                     "mkrt_graph": lambda: graphs["mkrt"].launch(stream),
-                     "torch_graph": lambda: graphs["torch"].launch(stream),
-                     "mkrt_pdl_graph": lambda: graphs["mkrt_pdl"].launch(stream)}
+            calls = {"mkrt": ours, "torch": theirs, "mkrt_pdl": ours_pdl, "mkrt_plain": ours_plain}
+            calls.update({f"{name}_graph": (lambda g=graph: g.launch(stream))
+                          for name, graph in graphs.items()})
             ms = interleaved_ms(calls, iterations=args.iterations, rounds=args.repeats,
                                 warmup=args.warmup)          # on `stream`: the current one
         per_call = {name: 1e3 * v / (args.graph_calls if name.endswith("graph") else 1)
                     for name, v in ms.items()}
-        print(f"{shape}: eager mkrt {per_call['mkrt']:.1f} us (PDL {per_call['mkrt_pdl']:.1f}), "
-              f"torch {per_call['torch']:.1f}; graphs mkrt {per_call['mkrt_graph']:.1f} (PDL "
-              f"{per_call['mkrt_pdl_graph']:.1f}), torch {per_call['torch_graph']:.1f}; host enqueue "
-              f"mkrt {host['mkrt']:.1f} (PDL {host['mkrt_pdl']:.1f}), torch {host['torch']:.1f} us; "
+        print(f"{shape}: eager mkrt.gemm {per_call['mkrt']:.1f} us (prepared: PDL "
+              f"{per_call['mkrt_pdl']:.1f}, plain {per_call['mkrt_plain']:.1f}), torch "
+              f"{per_call['torch']:.1f}; graphs mkrt.gemm {per_call['mkrt_graph']:.1f} (PDL "
+              f"{per_call['mkrt_pdl_graph']:.1f}, plain {per_call['mkrt_plain_graph']:.1f}), torch "
+              f"{per_call['torch_graph']:.1f}; host enqueue mkrt.gemm {host['mkrt']:.1f} (PDL "
+              f"{host['mkrt_pdl']:.1f}, plain {host['mkrt_plain']:.1f}), torch {host['torch']:.1f} us; "
               f"PDL error {pdl_error:.1e}", flush=True)
         for what, ours_us, theirs_us in (("eager", per_call["mkrt"], per_call["torch"]),
                                          ("graph", per_call["mkrt_graph"], per_call["torch_graph"]),
                                          ("host_enqueue", host["mkrt"], host["torch"]),
                                          ("eager_pdl", per_call["mkrt_pdl"], per_call["torch"]),
                                          ("graph_pdl", per_call["mkrt_pdl_graph"], per_call["torch_graph"]),
-                                         ("host_enqueue_pdl", host["mkrt_pdl"], host["torch"])):
+                                         ("host_enqueue_pdl", host["mkrt_pdl"], host["torch"]),
+                                         ("eager_prepared_plain", per_call["mkrt_plain"], per_call["torch"]),
+                                         ("graph_prepared_plain", per_call["mkrt_plain_graph"],
+                                          per_call["torch_graph"]),
+                                         ("host_enqueue_prepared_plain", host["mkrt_plain"], host["torch"])):
             rows.append(record("gemm_small", f"{shape} {what}", "us", ours_us, theirs_us, "us",
                                higher_is_better=False, probe="small", timing="interleaved rounds",
                                graph_calls=args.graph_calls, error=error,
                                baseline_name="torch.matmul (out=)"))
-        a = b = out = ta = tb = t_out = graphs = calls = pdl = None
+        a = b = out = ta = tb = t_out = graphs = calls = pdl = plain = prepared = None
         cupy.get_default_memory_pool().free_all_blocks()
 
 

@@ -387,3 +387,36 @@ def test_l2_promotion_is_128_bytes_on_rows_off_a_sector_only(monkeypatch):
     assert G.l2_promotion((8192 * 2, 7000 * 2)) == 2           # any stride off a sector
     monkeypatch.setattr(G, "L2_PROMOTION", 1)
     assert G.l2_promotion((7000 * 2,)) == 1 == G.l2_promotion((8192 * 2,))
+
+
+@pytest.mark.gpu
+def test_programmatic_launches_wait_for_the_kernels_before_them(monkeypatch):
+    """mkrt.gemm launches as a programmatic dependent (PDL): a chain of GEMMs, each reading
+    the one before's output, and GEMMs reading what a CuPy kernel just wrote, give the same
+    bits as plain launches."""
+    import cupy
+    m, n = 1536, 1536
+    rng = cupy.random.default_rng(31)
+    w = G.from_float32(rng.standard_normal((n, n), dtype=cupy.float32) / 40, bfloat16)
+    seeds = [_random((m, n), bfloat16, 32 + i) for i in range(3)]
+
+    def chain():
+        results = []
+        for seed in seeds:
+            x = cupy.empty_like(seed)
+            x.view(cupy.uint16)[...] = seed.view(cupy.uint16)   # a CuPy kernel writes it
+            for _ in range(8):
+                x = G.gemm(x, w, b_layout="nk")      # each reads the output before it
+            results.append(x)
+        cupy.cuda.Device().synchronize()
+        return results
+    G._PREPARED.clear()
+    monkeypatch.setattr(G, "PROGRAMMATIC_LAUNCH", False)
+    plain = chain()
+    G._PREPARED.clear()
+    monkeypatch.setattr(G, "PROGRAMMATIC_LAUNCH", True)
+    programmatic = chain()
+    assert all(call.launch.programmatic for call in G._PREPARED.values())
+    for p_out, q_out in zip(plain, programmatic):
+        assert bool(cupy.isfinite(G.to_float32(p_out)).all())
+        assert bool((p_out.view(cupy.uint16) == q_out.view(cupy.uint16)).all())

@@ -656,6 +656,13 @@ def _quick_checks(device, *arrays) -> bool:
     return True
 
 
+#: mkrt.gemm launches as a programmatic dependent of the stream's previous kernel (read when
+#: a signature is prepared): its set-up overlaps that kernel's tail, and it loads nothing
+#: before that kernel has finished (the engine's grid_dependency_wait). Back to back, the
+#: prepared launch took 16.2 us per 1536^3 call instead of 18.8 (gemm_small.jsonl, 3111383).
+PROGRAMMATIC_LAUNCH = True
+
+
 class _PreparedGemm:
     """One signature of :func:`gemm`: its plan, kernel and packed parameters. With clusters
     the grid is cut to the clusters the device holds at once (:func:`cluster_grid`)."""
@@ -678,7 +685,8 @@ class _PreparedGemm:
         self.device = device
         self._workspaces: dict = {}     # split-K: stream -> (partials, arrivals)
         self._bound_stream = None
-        self.launch = KernelLaunch(function, p.grid, p.spec.threads, p.spec.smem_bytes, params)
+        self.launch = KernelLaunch(function, p.grid, p.spec.threads, p.spec.smem_bytes, params,
+                                   programmatic=PROGRAMMATIC_LAUNCH)
         self._out = params.view("out")
         self._pointers = None
 
