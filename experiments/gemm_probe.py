@@ -17,6 +17,8 @@
   time moving, not mkrt's): each side eager, as CUDA graphs of --graph-calls calls (GPU time
   without the host), and the host's time to enqueue one call without waiting, in turns;
   mkrt also as its prepared launch alone, programmatic (PDL) and plain.
+* ``host``: a cProfile of 2000 back-to-back mkrt.gemm calls on the first --small-shapes
+  shape, by own time (where the host path's microseconds go).
 * ``odd_rows``: shapes whose rows start 16 bytes off a 32-byte sector (K = 8 mod 16)
   stay below torch (3000x5000x7000 at 0.85). Time, in turns with torch.matmul, each tile
   with and without clusters, with the TMA-store epilogue and with direct stores (which
@@ -41,7 +43,7 @@ from gemm import time_ms  # noqa: E402  (CUDA events, median of batches)
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probes", nargs="+", default=["grid", "k_offset", "kernels"],
-                        choices=("grid", "k_offset", "kernels", "odd_rows", "l2", "small"))
+                        choices=("grid", "k_offset", "kernels", "odd_rows", "l2", "small", "host"))
     parser.add_argument("--odd-shapes", nargs="+",
                         default=["3000x5000x7000", "4096x4096x4040", "8192x2048x3000"])
     parser.add_argument("--l2-shapes", nargs="+",
@@ -360,6 +362,32 @@ def probe_small(args, rows) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
 
 
+def profile_host(args) -> None:
+    """Where mkrt.gemm's host time goes: cProfile of back-to-back calls (no sync), by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupy
+
+    from mkrt.kernels import gemm as G
+    m, n, k = (int(x) for x in args.small_shapes[0].split("x"))
+    a, b = operands(m, n, k)
+    out = cupy.empty((m, n), dtype=a.dtype)
+    for _ in range(10):
+        G.gemm(a, b, out, b_layout="nk")
+    cupy.cuda.Device().synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2000):
+        G.gemm(a, b, out, b_layout="nk")
+    profiler.disable()
+    cupy.cuda.Device().synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    print(f"cProfile of 2000 mkrt.gemm calls at {args.small_shapes[0]}:\n{text.getvalue()}", flush=True)
+
+
 def main():
     args = parse()
     from mkrt.bench import append_jsonl
@@ -376,6 +404,8 @@ def main():
         probe_l2(args, rows)
     if "small" in args.probes:
         probe_small(args, rows)
+    if "host" in args.probes:
+        profile_host(args)
     append_jsonl(args.out, rows)
 
 
