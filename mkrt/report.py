@@ -671,6 +671,72 @@ def _gemm_split_probe_text(run):
             f"speed; the last wave's tiles split: {span(tail, 'x')} ({len(tail)} cases, interleaved)")
 
 
+def _gemm_l2_text(run):
+    """128-byte against 256-byte L2 promotion, per shape and configuration, by row offset."""
+    times: dict = {}
+    for row in run:
+        shape, config = str(row.get("case", "")).split()[:2]
+        if _number(row.get("value")) and row.get("l2_promotion") in (2, 3):
+            times.setdefault((shape, config.rsplit("_l2p", 1)[0]), {})[row["l2_promotion"]] = row["value"]
+    odd, aligned = [], []
+    for (shape, _), by in times.items():
+        if 2 in by and 3 in by:
+            (odd if int(shape.split("x")[2]) % 16 == 8 else aligned).append(by[3] / by[2])
+    if not odd and not aligned:
+        return "no rows"
+    parts = []
+    if odd:
+        parts.append(f"rows off a sector (K = 8 mod 16): 128-byte promotion {span(odd, 'x')} "
+                     f"the speed of 256-byte ({len(odd)} configurations)")
+    if aligned:
+        parts.append(f"aligned rows: {span(aligned, 'x')} ({len(aligned)})")
+    return "; ".join(parts)
+
+
+def _gemm_small_text(run):
+    """Small shapes: GPU time in graphs against torch, and the programmatic launch's gain."""
+    by: dict = {}
+    for row in run:
+        shape, _, what = str(row.get("case", "")).partition(" ")
+        if _number(row.get("value")):
+            by.setdefault(shape, {})[what] = row
+    graph = [r["graph"]["baseline"] / r["graph"]["value"] for r in by.values() if "graph" in r]
+    gain = [r["eager_prepared_plain"]["value"] / r["eager_pdl"]["value"] for r in by.values()
+            if "eager_pdl" in r and "eager_prepared_plain" in r]
+    if not graph:
+        return "no rows"
+    text = (f"in CUDA graphs (GPU time): {span(graph, 'x')} of torch.matmul ({len(graph)} shapes, "
+            f"geomean {fmt(geomean(graph))}x)")
+    if gain:
+        text += (f"; back to back, the programmatic launch {span(gain, 'x')} the speed of a plain "
+                 f"one")
+    return text
+
+
+def _gemm_trim_text(run):
+    """Trimmed widths against 128x256 tiles of the same cluster, per shape."""
+    by: dict = {}
+    for row in run:
+        if _number(row.get("value")) and row.get("split_k", 1) == 1 and row.get("block_m") == 128:
+            by.setdefault((str(row["case"]).split()[0], row.get("cluster") or ""), {})[row.get("block_n")] = row["value"]
+    ratios = [times[256] / us for times in by.values() for width, us in times.items()
+              if width not in (128, 192, 256) and 256 in times]
+    if not ratios:
+        return "no rows"
+    return (f"the shape's trimmed width against 128x256 of the same cluster: {span(ratios, 'x')} "
+            f"the speed ({len(ratios)} cases)")
+
+
+def _grouped_cluster_text(run):
+    """Grouped GEMM pairs against single CTAs."""
+    ratios = [r["m2_ratio_vs_torch"] / r["single_ratio_vs_torch"] for r in run
+              if _number(r.get("m2_ratio_vs_torch")) and _number(r.get("single_ratio_vs_torch"))]
+    if not ratios:
+        return "no rows"
+    return (f"pairs {span(ratios, 'x')} the speed of single CTAs ({len(ratios)} cases, "
+            f"{sum(x > 1.01 for x in ratios)} faster by more than 1%)")
+
+
 def _fused_tile_text(run):
     """The GEMM rule's narrower tile in the fused gemm_allreduce, against the 256 tile."""
     narrower = [r for r in run if r.get("pick") != 256 and _number(r.get("vs_256"))]
@@ -717,6 +783,20 @@ PIECES = [
           "tiles x clusters x epilogues x raster groups in turns with torch.matmul "
           "(`experiments/gemm_probe.py --probes odd_rows`)", "gemm_odd_rows",
           _described("odd rows", _gemm_odd_rows_text)),
+    Piece("GEMM L2 promotion", "the tensor maps' L2 promotion (none, 64, 128, 256 bytes) on rows "
+          "off a sector and aligned ones, three configurations each, in turns with torch.matmul "
+          "(`experiments/gemm_probe.py --probes l2`); since `6147d83` maps of rows off a sector "
+          "promote 128 bytes (`gemm.l2_promotion`)", "gemm_l2_promotion",
+          _described("L2 promotion", _gemm_l2_text)),
+    Piece("GEMM small shapes", "shapes of a wave or less: mkrt.gemm and torch.matmul eager, in "
+          "CUDA graphs, and the host's enqueue time; the prepared launch programmatic (PDL, "
+          "mkrt.gemm's default since `295256b`) and plain (`experiments/gemm_probe.py --probes "
+          "small`)", "gemm_small", _described("small", _gemm_small_text)),
+    Piece("GEMM trimmed widths", "128-row tiles trimmed to the narrowest multiple of 16 that "
+          "keeps the waves of 128x256 (B [N, K], direct stores; `gemm_rule.trimmed_width`), in "
+          "turns with 128x256 and 128x192 (`experiments/gemm_tune.py --trim`); the rule does not "
+          "choose them: a refit rating them lost on the FIT set", "gemm_trim_probe",
+          _described("trimmed", _gemm_trim_text)),
     Piece("GEMM tail split", "split-K of the last partial wave's tiles only (`split_tail=True`), "
           "against whole tiles of the same tile, in turns (`experiments/gemm_split_probe.py`); "
           "the rule does not choose it", "gemm_split_probe",
@@ -822,6 +902,11 @@ PIECES = [
           "against direct stores, in turns, on the suite and the held-out expert GEMMs; the rule "
           "(`choose_epilogue`: TMA stores where groups average 256 rows or more) is set on the "
           "suite", "grouped_gemm_epilogue", _described("stores", _grouped_epilogue_text)),
+    Piece("grouped GEMM clusters", "the rule's tile and epilogue in clusters of two CTAs "
+          "(pairs of a group's m-tiles sharing each weight load) against single CTAs, in turns, "
+          "on the suite and the held-out expert GEMMs (`experiments/grouped_gemm.py "
+          "--clusters-out`); `choose_cluster` keeps single CTAs", "grouped_gemm_cluster",
+          _described("clusters", _grouped_cluster_text)),
     Piece("grouped GEMM stores, noise", "TMA stores against the rule's own choice, in turns: "
           "where the rule picks TMA both sides are one configuration, so the spread is the "
           "timing's noise", "grouped_gemm_epilogue_rule",
@@ -837,7 +922,7 @@ PIECES = [
     Piece("not yet", "MoE fused into one kernel, the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware "
           "(InfiniBand, RoCE or EFA: worlds have run over mkrt's loopback NIC only, as RC queue "
-          "pairs and as an EFA endpoint), a split-K that pays (it never won a shape)"),
+          "pairs and as an EFA endpoint), stream-K (split-K pays for small M only)"),
 ]
 
 

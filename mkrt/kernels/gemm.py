@@ -632,7 +632,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     finally:
         if switch:
             cupy.cuda.runtime.setDevice(previous)
-    return like_input(out_view, a)
+    return out_view if type(a) is cupy.ndarray else like_input(out_view, a)
 
 
 def call_plan(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
@@ -685,6 +685,7 @@ class _PreparedGemm:
         params.set(m=p.m, n=p.n, k=p.k, ld_out=p.n, group_m=p.group_m,
                    pairs_aligned=int(p.n % 2 == 0), whole_units=p.whole_units, splits=p.splits)
         self.device = device
+        self._split = p.split_slots > 0  # a property of several: read once, not per call
         self._workspaces: dict = {}     # split-K: stream -> (partials, arrivals)
         self._bound_stream = None
         self.launch = KernelLaunch(function, p.grid, p.spec.threads, p.spec.smem_bytes, params,
@@ -696,7 +697,7 @@ class _PreparedGemm:
         """Launch on a stream. Split-K parts meet in a workspace of their own per stream:
         two streams running the same signature at once (an emulated world's ranks on one
         GPU) must not add each other's parts."""
-        if self.plan.split_slots and self._bound_stream != stream_ptr:
+        if self._split and self._bound_stream != stream_ptr:
             workspace = self._workspaces.get(stream_ptr)
             if workspace is None:
                 import cupy
