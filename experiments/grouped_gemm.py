@@ -13,7 +13,8 @@ TILES (rows of experiment grouped_gemm_tiles): the tile rule is fitted on SUITE'
 judged on HELD_OUT's. ``--clusters-out JSONL`` times, on SUITE and HELD_OUT, the rule's tile
 and epilogue with clusters of two CTAs (pairs of m-tiles sharing each weight load) against
 one CTA per tile (rows of experiment grouped_gemm_cluster): the cluster rule is set on
-SUITE's rows and judged on HELD_OUT's.
+SUITE's rows and judged on HELD_OUT's. ``--epilogue-out JSONL`` writes the rule's tile with
+TMA stores against direct stores, every case (experiment grouped_gemm_epilogue).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def main():
     parser.add_argument("--out", default="")
     parser.add_argument("--iterations", type=int, default=10, help="calls per timed batch")
     parser.add_argument("--rounds", type=int, default=5, help="batches per call, in turns")
+    parser.add_argument("--epilogue-out", default="", metavar="JSONL",
+                        help="TMA stores against direct stores, every case, rows to JSONL "
+                             "(experiment grouped_gemm_epilogue)")
     parser.add_argument("--clusters-out", default="", metavar="JSONL",
                         help="clusters of two against single CTAs, SUITE and HELD_OUT, rows to JSONL "
                              "(experiment grouped_gemm_cluster)")
@@ -131,8 +135,8 @@ def main():
         ms_of = interleaved_ms(calls, iterations=args.iterations, rounds=args.rounds)
         ours_ms, grouped_ms, loop_ms = ms_of["mkrt"], ms_of["grouped_mm"], ms_of["loop"]
         best_ms = min(grouped_ms, loop_ms)
-        if args.out:      # the default tile with TMA stores against direct stores, every case
-            append_jsonl(args.out, [record(
+        if args.epilogue_out:   # the default tile with TMA stores against direct stores, every case
+            append_jsonl(args.epilogue_out, [record(
                 "grouped_gemm_epilogue", f"{label}_{rows}rows_{skew}", "ms", ms_of["mkrt_tma"],
                 ms_of["mkrt_direct"], "ms", higher_is_better=False, set=role,
                 tma_ratio_vs_torch=best_ms / ms_of["mkrt_tma"],

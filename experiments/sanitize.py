@@ -69,23 +69,19 @@ def _gar(layout, fuse, m=192, n=256, k=128, unfused_gemm="cublas", epilogue=None
     all-reduce then reads is tracked). The pair tells initcheck's reports on the
     all-reduce's reads of C apart: TMA-stored or really unwritten."""
     def case():
-        import functools
-
         import cupy
         import numpy as np
 
         import mkrt
-        from mkrt.kernels import gemm as gemm_module
         from mkrt.kernels import gemm_allreduce as gar
         from mkrt.kernels.gemm import to_float32
-        if epilogue is not None:     # the unfused path calls gemm_module.gemm at call time
-            gemm_module.gemm = functools.partial(gemm_module.gemm, epilogue=epilogue)
+        options = {} if epilogue is None else {"gemm_options": {"epilogue": epilogue}}
         world = _world(layout)
         every_a, a = _per_rank(world, 10, (m, k))
         every_b, b = _per_rank(world, 100, (k, n), 1 / 8)
         op = mkrt.GemmAllReduce(world, fuse=fuse, ctas=CTAS, timeout_ms=TIMEOUT_MS)
-        outs = op(a, b) if fuse else op.unfused(a, b, gemm=unfused_gemm)
-        outs = op(a, b) if fuse else op.unfused(a, b, gemm=unfused_gemm)    # a second epoch
+        outs = op(a, b) if fuse else op.unfused(a, b, gemm=unfused_gemm, **options)
+        outs = op(a, b) if fuse else op.unfused(a, b, gemm=unfused_gemm, **options)  # a second epoch
         world.synchronize()
         ref = gar.reference(every_a, every_b, dtype=np.float32)
         error = max(float(cupy.linalg.norm(to_float32(o) - ref) / cupy.linalg.norm(ref)) for o in outs)

@@ -901,7 +901,7 @@ PIECES = [
     Piece("grouped GEMM stores", "the rule's tile with TMA stores (tiles inside one group) "
           "against direct stores, in turns, on the suite and the held-out expert GEMMs; the rule "
           "(`choose_epilogue`: TMA stores where groups average 256 rows or more) is set on the "
-          "suite", "grouped_gemm_epilogue", _described("stores", _grouped_epilogue_text)),
+          "suite (`experiments/grouped_gemm.py --epilogue-out`)", "grouped_gemm_epilogue", _described("stores", _grouped_epilogue_text)),
     Piece("grouped GEMM clusters", "the rule's tile and epilogue in clusters of two CTAs "
           "(pairs of a group's m-tiles sharing each weight load) against single CTAs, in turns, "
           "on the suite and the held-out expert GEMMs (`experiments/grouped_gemm.py "
@@ -940,7 +940,7 @@ def table(results: Results) -> str:
     pieces = list(PIECES)
     for name in sorted(set(results.rows) - known):
         pieces.insert(len(pieces) - 1, Piece(
-            f"`{name}`", f"rows in experiments/results/ without a summary rule in mkrt/report.py",
+            f"`{name}`", "rows in experiments/results/ without a summary rule in mkrt/report.py",
             name, lambda rows: family_lines(rows, generic_family, against=versus_baseline)))
     for piece in pieces:
         rows = results.rows.get(piece.experiment, []) if piece.experiment else []

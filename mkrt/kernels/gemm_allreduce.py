@@ -1048,12 +1048,15 @@ class GemmAllReduce(Op):
         self.launch(launches)
 
     def _unfused(self, call, a_list, b_list, outs, *, gemm: str = "cublas",
-                 allreduce: str = "auto") -> None:
-        """GEMM (cuBLAS through CuPy, or mkrt's engine), then the all-reduce, not overlapped:
-        NCCL when the world is one process per GPU and torch.distributed is initialised
-        (``allreduce="auto"`` or ``"nccl"``), else mkrt's own over the same peer pointers
-        and transports (the fused kernel with its compute role copying C_r)."""
+                 allreduce: str = "auto", gemm_options: dict | None = None) -> None:
+        """GEMM (cuBLAS through CuPy, or mkrt's engine with ``gemm_options``, e.g. its
+        epilogue), then the all-reduce, not overlapped: NCCL when the world is one process
+        per GPU and torch.distributed is initialised (``allreduce="auto"`` or ``"nccl"``),
+        else mkrt's own over the same peer pointers and transports (the fused kernel with
+        its compute role copying C_r)."""
         import cupy
+        if gemm_options and gemm != "mkrt":
+            raise ValueError(f"mkrt.gemm_allreduce: gemm_options are mkrt.gemm's; got gemm={gemm!r}")
         if allreduce not in ("auto", "nccl", "mkrt"):
             raise ValueError(f"mkrt.gemm_allreduce: allreduce={allreduce!r}; expected 'auto', "
                              "'nccl' or 'mkrt'")
@@ -1069,7 +1072,8 @@ class GemmAllReduce(Op):
             with self.on_device(device):
                 target = kept[i] if partial_needed else out
                 if gemm == "mkrt":
-                    partials.append(gemm_module.gemm(a_r, b_r, out=target, b_layout=self.b_layout))
+                    partials.append(gemm_module.gemm(a_r, b_r, out=target, b_layout=self.b_layout,
+                                                     **(gemm_options or {})))
                 else:
                     b_view = b_r.T if self.b_layout == "nk" else b_r
                     partials.append(cupy.matmul(a_r, b_view, out=target))
@@ -1094,9 +1098,10 @@ class GemmAllReduce(Op):
             with self.on_device(device):
                 out[...] = full[info.rank * rows:(info.rank + 1) * rows]
 
-    def unfused(self, a, b, out=None, *, gemm: str = "cublas", allreduce: str = "auto"):
-        """The baseline: cuBLAS (or ``gemm="mkrt"``) then the all-reduce (NCCL or mkrt's,
-        see :meth:`_unfused`), not overlapped."""
+    def unfused(self, a, b, out=None, *, gemm: str = "cublas", allreduce: str = "auto",
+                gemm_options: dict | None = None):
+        """The baseline: cuBLAS (or ``gemm="mkrt"``, with ``gemm_options`` for mkrt.gemm)
+        then the all-reduce (NCCL or mkrt's, see :meth:`_unfused`), not overlapped."""
         import cupy
         a_list, as_list = self.arrays(a, "a")
         b_list, _ = self.arrays(b, "b")
@@ -1108,7 +1113,8 @@ class GemmAllReduce(Op):
         if self.world.size == 1:
             outs[0][...] = cupy.matmul(a_list[0], b_list[0].T if self.b_layout == "nk" else b_list[0])
         else:
-            self._unfused(call, a_list, b_list, outs, gemm=gemm, allreduce=allreduce)
+            self._unfused(call, a_list, b_list, outs, gemm=gemm, allreduce=allreduce,
+                          gemm_options=gemm_options)
         self.after_launch()
         return out if out is not None else (outs if as_list else outs[0])
 
