@@ -194,6 +194,51 @@ def test_trimmed_widths_match_the_reference(block_n, cluster, dtype):
     assert float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)) <= 1e-2
 
 
+#: the issue's odd sizes: M and N from ODD_SIZES, K from ODD_K
+ODD_SIZES = (1, 7, 127, 129, 1000, 4097)
+ODD_K = (8, 24, 4104)
+
+
+def _configurations(b_layout):
+    """Every configuration the rule or a tuned table can name for a layout: each tile, alone
+    and in pairs, whole and in 2 parts of K; with B [N, K] the trimmed widths too."""
+    from mkrt.kernels import gemm_rule
+    configs = [dict(block_m=bm, block_n=bn, cluster=cluster, split_k=split)
+               for bm, bn in gemm_rule.TILES for cluster in gemm_rule.CLUSTERS for split in (1, 2)]
+    if b_layout == "nk":
+        configs += [dict(block_m=128, block_n=width, cluster=cluster, split_k=1)
+                    for width in gemm_rule.TRIM_WIDTHS for cluster in gemm_rule.CLUSTERS]
+    return configs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_every_configuration_on_odd_sizes_matches_float64(dtype, b_layout):
+    """M, N in ODD_SIZES and K in ODD_K (108 shapes), each against one float64 product, with
+    every configuration of _configurations (outputs poisoned first)."""
+    import cupy
+    failures = []
+    configs = _configurations(b_layout)
+    for m in ODD_SIZES:
+        for n in ODD_SIZES:
+            for k in ODD_K:
+                a = _random((m, k), _np_dtype(dtype), m + 3 * n + 7 * k)
+                b = _random((k, n) if b_layout == "kn" else (n, k), _np_dtype(dtype), m + n + k + 1)
+                b64 = G.to_float32(b).astype(cupy.float64)
+                ref = G.to_float32(a).astype(cupy.float64) @ (b64 if b_layout == "kn" else b64.T)
+                norm = max(float(cupy.linalg.norm(ref)), 1e-30)
+                out = cupy.empty((m, n), dtype=_np_dtype(dtype))
+                for config in configs:
+                    G.poison(out)
+                    G.gemm(a, b, out, b_layout=b_layout, split_tail=False, **config)
+                    got = G.to_float32(out).astype(cupy.float64)
+                    error = float(cupy.linalg.norm(got - ref)) / norm
+                    if not error <= 1e-2:           # NaN (an unwritten output) fails too
+                        failures.append(f"{m}x{n}x{k} {config}: {error:.2e}")
+    assert not failures, f"{len(failures)} failures: " + "; ".join(failures[:10])
+
+
 @pytest.mark.gpu
 def test_gemm_allocates_output_and_refuses_before_launch():
     import cupy
