@@ -180,11 +180,26 @@ def probe_kernels(args) -> None:
         print(f"torch.matmul {shape} (B [N, K]): {names}", flush=True)
 
 
+def timed_against_torch(calls, configs, shape, experiment, probe, args) -> list:
+    """Time `calls` (one of them "torch") in turns; print and return a row per configuration,
+    fastest first, against torch.matmul."""
+    from mkrt.bench import interleaved_ms, record
+    us = {name: 1e3 * ms for name, ms in interleaved_ms(
+        calls, iterations=args.iterations, rounds=args.repeats, warmup=args.warmup).items()}
+    base = us.pop("torch")
+    rows = []
+    for name, value in sorted(us.items(), key=lambda item: item[1]):
+        print(f"{shape} {name:28s} {value:8.1f} us  x torch {base / value:5.3f}", flush=True)
+        rows.append(record(experiment, f"{shape} {name}", "us", value, base, "us",
+                           higher_is_better=False, probe=probe, timing="interleaved rounds",
+                           baseline_name="torch.matmul", **configs[name]))
+    return rows
+
+
 def probe_odd_rows(args, rows) -> None:
     import cupy
     import torch
 
-    from mkrt.bench import interleaved_ms, record
     from mkrt.kernels import gemm as G
     for shape in args.odd_shapes:
         m, n, k = (int(x) for x in shape.split("x"))
@@ -213,14 +228,7 @@ def probe_odd_rows(args, rows) -> None:
                             continue
                         calls[name] = (lambda o=options: G.gemm(a, b, out, **o))
                         configs[name] = dict(options, stages=p.spec.stages, error=error)
-        us = {name: 1e3 * ms for name, ms in interleaved_ms(
-            calls, iterations=args.iterations, rounds=args.repeats, warmup=args.warmup).items()}
-        base = us.pop("torch")
-        for name, value in sorted(us.items(), key=lambda item: item[1]):
-            print(f"{shape} {name:28s} {value:8.1f} us  x torch {base / value:5.3f}", flush=True)
-            rows.append(record("gemm_odd_rows", f"{shape} {name}", "us", value, base, "us",
-                               higher_is_better=False, probe="odd_rows", timing="interleaved rounds",
-                               baseline_name="torch.matmul", **configs[name]))
+        rows += timed_against_torch(calls, configs, shape, "gemm_odd_rows", "odd_rows", args)
         a = b = out = ta = tb = reference = calls = None
         cupy.get_default_memory_pool().free_all_blocks()
 
@@ -229,7 +237,6 @@ def probe_l2(args, rows) -> None:
     import cupy
     import torch
 
-    from mkrt.bench import interleaved_ms, record
     from mkrt.kernels import gemm as G
     stream = cupy.cuda.get_current_stream().ptr
     default = G.L2_PROMOTION
@@ -258,14 +265,7 @@ def probe_l2(args, rows) -> None:
                 configs[name] = dict(block_m=128, block_n=block_n, cluster=cluster,
                                      l2_promotion=promotion, stages=p.spec.stages, error=error)
         G.L2_PROMOTION = default
-        us = {name: 1e3 * ms for name, ms in interleaved_ms(
-            calls, iterations=args.iterations, rounds=args.repeats, warmup=args.warmup).items()}
-        base = us.pop("torch")
-        for name, value in sorted(us.items(), key=lambda item: item[1]):
-            print(f"{shape} {name:24s} {value:8.1f} us  x torch {base / value:5.3f}", flush=True)
-            rows.append(record("gemm_l2_promotion", f"{shape} {name}", "us", value, base, "us",
-                               higher_is_better=False, probe="l2", timing="interleaved rounds",
-                               baseline_name="torch.matmul", **configs[name]))
+        rows += timed_against_torch(calls, configs, shape, "gemm_l2_promotion", "l2", args)
         a = b = out = ta = tb = calls = None
         cupy.get_default_memory_pool().free_all_blocks()
 

@@ -135,27 +135,25 @@ def main():
         ms_of = interleaved_ms(calls, iterations=args.iterations, rounds=args.rounds)
         ours_ms, grouped_ms, loop_ms = ms_of["mkrt"], ms_of["grouped_mm"], ms_of["loop"]
         best_ms = min(grouped_ms, loop_ms)
+        def versus(experiment, ours, theirs, errors, baseline_name):
+            """A row of variant `ours` against variant `theirs` of the same case (ms),
+            each also against the best of torch."""
+            return record(experiment, f"{label}_{rows}rows_{skew}", "ms", ms_of[f"mkrt_{ours}"],
+                          ms_of[f"mkrt_{theirs}"], "ms", higher_is_better=False, set=role,
+                          **{f"{ours}_ratio_vs_torch": best_ms / ms_of[f"mkrt_{ours}"],
+                             f"{theirs}_ratio_vs_torch": best_ms / ms_of[f"mkrt_{theirs}"],
+                             "max_rel_error": errors[0], f"{theirs}_max_rel_error": errors[1]},
+                          rule_ratio_vs_torch=best_ms / ours_ms, group_rows=[int(r) for r in sizes],
+                          groups=groups, n=n, k=k, rows=rows, skew=skew, label=label,
+                          timing="interleaved rounds", baseline_name=baseline_name)
         if args.epilogue_out:   # the default tile with TMA stores against direct stores, every case
-            append_jsonl(args.epilogue_out, [record(
-                "grouped_gemm_epilogue", f"{label}_{rows}rows_{skew}", "ms", ms_of["mkrt_tma"],
-                ms_of["mkrt_direct"], "ms", higher_is_better=False, set=role,
-                tma_ratio_vs_torch=best_ms / ms_of["mkrt_tma"],
-                direct_ratio_vs_torch=best_ms / ms_of["mkrt_direct"],
-                rule_ratio_vs_torch=best_ms / ours_ms, max_rel_error=tma_error,
-                direct_max_rel_error=direct_error, groups=groups,
-                n=n, k=k, rows=rows, skew=skew, label=label, timing="interleaved rounds",
-                baseline_name="the same tile with direct stores")])
+            append_jsonl(args.epilogue_out, [versus("grouped_gemm_epilogue", "tma", "direct",
+                                                    (tma_error, direct_error),
+                                                    "the same tile with direct stores")])
         if args.clusters_out:     # clusters of two against one CTA per tile, every case
-            append_jsonl(args.clusters_out, [record(
-                "grouped_gemm_cluster", f"{label}_{rows}rows_{skew}", "ms", ms_of["mkrt_m2"],
-                ms_of["mkrt_single"], "ms", higher_is_better=False, set=role,
-                m2_ratio_vs_torch=best_ms / ms_of["mkrt_m2"],
-                single_ratio_vs_torch=best_ms / ms_of["mkrt_single"],
-                rule_ratio_vs_torch=best_ms / ours_ms, max_rel_error=m2_error,
-                single_max_rel_error=single_error, group_rows=[int(r) for r in sizes],
-                groups=groups, n=n, k=k, rows=rows, skew=skew, label=label,
-                timing="interleaved rounds",
-                baseline_name="the rule's tile and epilogue, one CTA per tile")])
+            append_jsonl(args.clusters_out, [versus("grouped_gemm_cluster", "m2", "single",
+                                                    (m2_error, single_error),
+                                                    "the rule's tile and epilogue, one CTA per tile")])
             print(f"  {role} {label} rows={rows} {skew}: pairs x torch {best_ms / ms_of['mkrt_m2']:.3f}, "
                   f"single x torch {best_ms / ms_of['mkrt_single']:.3f} (errors {m2_error:.4f}, "
                   f"{single_error:.4f})", flush=True)

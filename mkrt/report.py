@@ -901,7 +901,8 @@ PIECES = [
     Piece("grouped GEMM stores", "the rule's tile with TMA stores (tiles inside one group) "
           "against direct stores, in turns, on the suite and the held-out expert GEMMs; the rule "
           "(`choose_epilogue`: TMA stores where groups average 256 rows or more) is set on the "
-          "suite (`experiments/grouped_gemm.py --epilogue-out`)", "grouped_gemm_epilogue", _described("stores", _grouped_epilogue_text)),
+          "suite (`experiments/grouped_gemm.py --epilogue-out`)", "grouped_gemm_epilogue",
+          _described("stores", _grouped_epilogue_text)),
     Piece("grouped GEMM clusters", "the rule's tile and epilogue in clusters of two CTAs "
           "(pairs of a group's m-tiles sharing each weight load) against single CTAs, in turns, "
           "on the suite and the held-out expert GEMMs (`experiments/grouped_gemm.py "
