@@ -17,6 +17,9 @@
   time moving, not mkrt's): each side eager, as CUDA graphs of --graph-calls calls (GPU time
   without the host), and the host's time to enqueue one call without waiting, in turns;
   mkrt also as its prepared launch alone, programmatic (PDL) and plain.
+* ``streamk``: the tiles after the full waves shared out by k-blocks (``stream_k=True``),
+  against the same tile without it and against the rule's pick, on reduced grids and
+  shapes of a wave or less, in turns with torch.matmul on the full chip.
 * ``host``: a cProfile of 2000 back-to-back mkrt.gemm calls on the first --small-shapes
   shape, by own time (where the host path's microseconds go).
 * ``odd_rows``: shapes whose rows start 16 bytes off a 32-byte sector (K = 8 mod 16)
@@ -43,7 +46,8 @@ from gemm import time_ms  # noqa: E402  (CUDA events, median of batches)
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probes", nargs="+", default=["grid", "k_offset", "kernels"],
-                        choices=("grid", "k_offset", "kernels", "odd_rows", "l2", "small", "host"))
+                        choices=("grid", "k_offset", "kernels", "odd_rows", "l2", "small", "host",
+                                 "streamk"))
     parser.add_argument("--odd-shapes", nargs="+",
                         default=["3000x5000x7000", "4096x4096x4040", "8192x2048x3000"])
     parser.add_argument("--l2-shapes", nargs="+",
@@ -53,6 +57,11 @@ def parse():
                         default=["1536x1536x1536", "2048x2048x2048", "1000x1000x1000",
                                  "4096x1024x1024", "128x4096x4096", "16x8192x8192"])
     parser.add_argument("--graph-calls", type=int, default=20)
+    parser.add_argument("--streamk-cases", nargs="+",
+                        default=["7168x7168x7168@116", "7168x7168x7168@100", "3000x5000x7000@116",
+                                 "1536x1536x1536@132", "8192x1024x8192@116", "12288x12288x1536@100",
+                                 "32768x1024x4096@100", "2048x2048x2048@132"],
+                        help="MxNxK@SMs")
     parser.add_argument("--grid-shapes", nargs="+", default=["8192x8192x8192", "3000x5000x7000"])
     parser.add_argument("--grid-configs", nargs="+", default=["128x256", "64x128"])
     parser.add_argument("--grids", type=int, nargs="+", default=[8, 32, 64, 96, 128, 132])
@@ -362,6 +371,40 @@ def probe_small(args, rows) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
 
 
+def probe_streamk(args, rows) -> None:
+    import cupy
+    import torch
+
+    from mkrt.kernels import gemm as G
+    for case in args.streamk_cases:
+        shape, sms = case.split("@")
+        sms = int(sms)
+        m, n, k = (int(x) for x in shape.split("x"))
+        a, b = operands(m, n, k)
+        out = cupy.empty((m, n), dtype=a.dtype)
+        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b).t()
+        rule = G.call_plan(a, b, out, b_layout="nk", sms=sms)
+        tile = dict(block_m=rule.spec.block_m, block_n=rule.spec.block_n)
+        variants = {"rule": dict(), "tile": dict(tile, cluster="", split_k=1),
+                    "streamk": dict(tile, stream_k=True)}
+        calls = {"torch": lambda: torch.matmul(ta, tb)}
+        configs = {}
+        for name, options in variants.items():
+            p = G.call_plan(a, b, out, b_layout="nk", sms=sms, **options)
+            call = (lambda o=options: G.gemm(a, b, out, b_layout="nk", sms=sms, **o))
+            error = checked(call, out, a, b)
+            if not math.isfinite(error) or error > 1e-2:
+                print(f"{case} {name}: WRONG, error {error}", flush=True)
+                continue
+            calls[name] = call
+            configs[name] = dict(variant=name, sms=sms, block_m=p.spec.block_m, block_n=p.spec.block_n,
+                                 cluster=p.spec.cluster, split=p.spec.split, splits=p.splits,
+                                 grid=p.grid, whole_units=p.whole_units, error=error)
+        rows += timed_against_torch(calls, configs, case, "gemm_streamk_probe", "streamk", args)
+        a = b = out = ta = tb = calls = None
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def profile_host(args) -> None:
     """Where mkrt.gemm's host time goes: cProfile of back-to-back calls (no sync), by own time."""
     import cProfile
@@ -406,6 +449,8 @@ def main():
         probe_small(args, rows)
     if "host" in args.probes:
         profile_host(args)
+    if "streamk" in args.probes:
+        probe_streamk(args, rows)
     append_jsonl(args.out, rows)
 
 

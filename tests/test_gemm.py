@@ -465,3 +465,73 @@ def test_programmatic_launches_wait_for_the_kernels_before_them(monkeypatch):
     for p_out, q_out in zip(plain, programmatic):
         assert bool(cupy.isfinite(G.to_float32(p_out)).all())
         assert bool((p_out.view(cupy.uint16) == q_out.view(cupy.uint16)).all())
+
+
+@pytest.mark.parametrize("tiles,k_blocks,grid", [(96, 24, 132), (1568, 112, 116), (1568, 112, 132),
+                                                 (64, 65, 7), (3, 1, 132), (5, 7, 3), (264, 16, 132)])
+def test_stream_k_items_compute_every_k_block_once_and_share_the_tail_evenly(tiles, k_blocks, grid):
+    items = G.stream_k_items(tiles, k_blocks, min(grid, tiles * k_blocks))
+    grid = len(items)
+    whole = tiles // grid * grid
+    seen = {}
+    for c, cta_items in enumerate(items):
+        shared = 0
+        for i, (tile, begin, end, part, parts) in enumerate(cta_items):
+            assert 0 <= begin < end <= k_blocks and 0 <= part < parts
+            if tile < whole:                       # the full waves: CTA c takes c, c + grid, ...
+                assert (tile, begin, end, parts) == (c + i * grid, 0, k_blocks, 1)
+            else:
+                shared += end - begin
+            for kb in range(begin, end):
+                assert (tile, kb) not in seen, (tile, kb)
+                seen[(tile, kb)] = (c, part, parts)
+        if tiles > whole:                           # each CTA's share of the rest: within 1
+            assert abs(shared - (tiles - whole) * k_blocks / grid) <= 1
+    assert len(seen) == tiles * k_blocks
+    for tile in range(tiles):                       # a tile's parts: CTAs in order, 0 .. parts-1
+        owners = sorted({seen[(tile, kb)][:2] for kb in range(k_blocks)})
+        parts = {seen[(tile, kb)][2] for kb in range(k_blocks)}
+        assert len(parts) == 1 and [p for _, p in owners] == list(range(parts.pop()))
+
+
+def test_stream_k_plan():
+    # 7168^3 in 128x256 tiles on 116 SMs: 1568 tiles, 13 full waves, 60 tiles shared out
+    p = G.plan(7168, 7168, 7168, sms=116, stream_k=True)
+    assert (p.spec.split, p.stream_k, p.grid, p.whole_units, p.split_slots) == \
+        ("streamk", True, 116, 1508, 60)
+    assert p.splits == max(item[4] for items in G.stream_k_items(1568, 112, 116) for item in items)
+    assert p.spec.epilogue == "tma" and p.spec.uri.endswith("_streamk_sm90a")
+    # below one wave: every tile shared out, on every SM
+    p = G.plan(1536, 1536, 1536, block_n=192, stream_k=True)
+    assert (p.grid, p.whole_units, p.split_slots) == (132, 0, 96) and p.splits >= 2
+    # whole waves: nothing to share, a plain launch
+    assert G.plan(128 * 66, 512, 1024, sms=132, stream_k=True).spec.split == ""
+    for kwargs, match in ((dict(split_k=2), "split_k=1"), (dict(cluster="m2"), "cluster=''"),
+                          (dict(block_n=240), "whole tiles")):
+        with pytest.raises(ValueError, match=match):
+            G.plan(3000, 5000, 7000, stream_k=True, **kwargs)
+    with pytest.raises(ValueError, match="one CTA per tile"):
+        G.GemmSpec("bf16", "nk", 128, 256, 3, "tma", "m2", "streamk")
+    with pytest.raises(ValueError, match="stream_k"):
+        G.plan(64, 64, 64, stream_k=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,sms", [(1536, 1536, 1536, None), (333, 1001, 4104, 7),
+                                       (2048, 2048, 512, 100), (1, 300, 128, None),
+                                       (4097, 1000, 24, 116), (3000, 5000, 7000, 116)])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_stream_k_matches_the_reference_and_repeats_bit_for_bit(m, n, k, sms, b_layout):
+    import cupy
+    a = _random((m, k), bfloat16, 41)
+    b = _random((k, n) if b_layout == "kn" else (n, k), bfloat16, 42)
+    out = G.poison(cupy.empty((m, n), dtype=bfloat16))
+    G.gemm(a, b, out, b_layout=b_layout, sms=sms, stream_k=True)
+    got = G.to_float32(out)
+    ref = G.reference(a, b, b_layout=b_layout)
+    assert not bool(cupy.isnan(got).any())
+    assert float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)) <= 1e-2
+    first = out.copy()
+    for _ in range(20):
+        G.gemm(a, b, out, b_layout=b_layout, sms=sms, stream_k=True)
+    assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())

@@ -39,6 +39,7 @@ from mkrt.kernels.launcher import KernelLaunch, Parameters
 GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;
 constexpr bool SPLIT_K = $SPLIT_K;
+constexpr bool STREAM_K = $STREAM_K;
 typedef mkrt::gemm::Config<$CTYPE, $BLOCK_M, $BLOCK_N, $STAGES, $B_K_MAJOR,
                            TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0, $CLUSTER_M> Cfg;
 static_assert(!TMA_STORE || Cfg::BN % 64 == 0, "TMA stores go out in boxes of 64 columns");
@@ -75,7 +76,65 @@ struct SplitKWork {
     __device__ __forceinline__ bool wait(const mkrt::gemm::Tile&) const { return true; }
 };
 
-// Whole tiles go to `whole` (TMA or direct stores). A split tile's part stores its fp32
+// Stream-K. Tiles [0, whole) run whole (whole: the full waves of the grid; CTA c takes c,
+// c + grid, ...). The k-block iterations of the tiles after them, I = (tiles - whole) x
+// k_blocks, are shared out evenly: CTA c takes iterations [c I / grid, (c + 1) I / grid),
+// pieces of consecutive tiles. A tile that several CTAs cover is added up by
+// SplitKEpilogue, its parts in CTA order; its slot is its place after `whole`.
+struct StreamKWork {
+    mkrt::gemm::RasterWork units;
+    int whole, k_blocks;
+    // In shared memory, worked out once per CTA by plan(): whole tiles each CTA runs; this
+    // CTA's shared-out iterations [begin, end); the tiles they touch (after `whole`); the
+    // CTA holding the first iteration of the first and the last of the last. Kept out of
+    // registers (the consumers hold a tile's accumulators), and get() divides by nothing.
+    const int* state;
+    enum { WHOLE_EACH, BEGIN, END, FIRST_TILE, LAST_TILE, FIRST_TILE_CTA, LAST_TILE_CTA, STATE };
+
+    // 32-bit: the host keeps iterations x grid below 2**31.
+    __device__ static void plan(int* state, const mkrt::gemm::RasterWork& units, int whole,
+                                int k_blocks) {
+        const int ctas = units.ctas, cta = units.cta;
+        const int iterations = (units.tiles_m * units.tiles_n - whole) * k_blocks;
+        // the CTA whose iterations include iteration x
+        auto cta_of = [&](int x) { return iterations ? ((x + 1) * ctas - 1) / iterations : cta; };
+        const int begin = cta * iterations / ctas, end = (cta + 1) * iterations / ctas;
+        const int first_tile = begin / k_blocks;
+        const int last_tile = end > begin ? (end - 1) / k_blocks : first_tile - 1;
+        state[WHOLE_EACH] = whole / ctas;
+        state[BEGIN] = begin;
+        state[END] = end;
+        state[FIRST_TILE] = first_tile;
+        state[LAST_TILE] = last_tile;
+        state[FIRST_TILE_CTA] = cta_of(first_tile * k_blocks);
+        state[LAST_TILE_CTA] = cta_of((last_tile + 1) * k_blocks - 1);
+    }
+    __device__ __forceinline__ bool get(int i, mkrt::gemm::Tile& tile) const {
+        const int whole_each = state[WHOLE_EACH];
+        if (i < whole_each) {
+            tile = units.tile_at(units.cta + i * units.ctas);
+            return true;
+        }
+        const int t = state[FIRST_TILE] + (i - whole_each);          // after `whole`
+        if (t > state[LAST_TILE]) return false;
+        tile = units.tile_at(whole + t);
+        // tiles strictly inside [begin, end) are this CTA's alone
+        const int first_cta = t == state[FIRST_TILE] ? state[FIRST_TILE_CTA] : units.cta;
+        const int last_cta = t == state[LAST_TILE] ? state[LAST_TILE_CTA] : units.cta;
+        if (first_cta == last_cta) return true;
+        const int first = t * k_blocks;
+        tile.kb_begin = max(state[BEGIN], first) - first;
+        tile.kb_end = min(state[END], first + k_blocks) - first;
+        tile.split = units.cta - first_cta;
+        tile.parts = last_cta - first_cta + 1;
+        tile.slot = t;
+        return true;
+    }
+    __device__ __forceinline__ bool wait(const mkrt::gemm::Tile&) const { return true; }
+};
+
+// Whole tiles go to `whole` (TMA or direct stores). A split tile's part (of `splits`, or
+// of tile.parts with stream-K; slots `splits` parts wide either way) stores its fp32
 // partial in the tile's slot (every consumer thread its own fragment, coalesced; only
 // rows inside the matrix: a 16-row problem in 64-row tiles writes a quarter). The last
 // part of a tile to arrive reads the parts back into its accumulators, part by part in
@@ -112,6 +171,7 @@ struct SplitKEpilogue {
         }
         constexpr int THREADS = 128 * CONSUMERS;
         constexpr long long PART = (long long)Acc::COUNT * THREADS;
+        const int parts_of_tile = tile.parts > 0 ? tile.parts : splits;
         float* const parts = partials + (long long)tile.slot * splits * PART + who.thread;
         float* const mine = parts + tile.split * PART;
         const int rows_left = rows - tile.m * Cfg::BM;
@@ -123,11 +183,11 @@ struct SplitKEpilogue {
         __shared__ int last_part;
         __threadfence();                                     // the partial, before the count
         who.sync();
-        if (who.thread == 0) last_part = atomicAdd(arrivals + tile.slot, 1) == splits - 1;
+        if (who.thread == 0) last_part = atomicAdd(arrivals + tile.slot, 1) == parts_of_tile - 1;
         who.sync();
         if (!last_part) return;
         __threadfence();
-        for (int part = 0; part < splits; ++part) {
+        for (int part = 0; part < parts_of_tile; ++part) {
             const float* p = parts + part * PART;
             Acc::each_pair_slot(who, [&](int row, int, int i) {
                 if (row >= rows_left) return;
@@ -141,8 +201,8 @@ struct SplitKEpilogue {
     }
 };
 
-// Run the engine over the units with whole tiles stored by `whole` (and, SPLIT_K, the
-// split parts added up by SplitKEpilogue, then stored by `whole`).
+// Run the engine over the units with whole tiles stored by `whole` (and, SPLIT_K or
+// STREAM_K, the split parts added up by SplitKEpilogue, then stored by `whole`).
 template <class Whole>
 __device__ __forceinline__ void run_units(const mkrt::TmaDescriptor* tma_a, const mkrt::TmaDescriptor* tma_b,
                                           int k, const mkrt::gemm::RasterWork& units, int rank,
@@ -150,6 +210,14 @@ __device__ __forceinline__ void run_units(const mkrt::TmaDescriptor* tma_a, cons
                                           int whole_units, int splits, char* dynamic_smem) {
     if constexpr (SPLIT_K) {
         const SplitKWork work{units, whole_units, splits, (k + Cfg::BK - 1) / Cfg::BK, rank};
+        const SplitKEpilogue<Whole> store{whole, m, partials, arrivals, splits};
+        mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, work, store, dynamic_smem);
+    } else if constexpr (STREAM_K) {
+        // written before run_tiles' first barrier, read after it
+        __shared__ int stream_k_state[StreamKWork::STATE];
+        const int k_blocks = (k + Cfg::BK - 1) / Cfg::BK;
+        if (threadIdx.x == 0) StreamKWork::plan(stream_k_state, units, whole_units, k_blocks);
+        const StreamKWork work{units, whole_units, k_blocks, stream_k_state};
         const SplitKEpilogue<Whole> store{whole, m, partials, arrivals, splits};
         mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, work, store, dynamic_smem);
     } else if constexpr (Cfg::CLUSTER_M == 2) {
@@ -190,7 +258,7 @@ gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 B_LAYOUTS = ("kn", "nk")
 EPILOGUES = ("tma", "direct")
-SPLITS = ("", "splitk")
+SPLITS = ("", "splitk", "streamk")
 CLUSTERS = ("", "m2")
 SMEM_LIMIT = 232448          # 227 KiB per block (opt-in), sm_90
 
@@ -213,7 +281,8 @@ class GemmSpec(KernelSpec):
     work per tile; gemm_rule.trimmed_width).
     split "splitk": the kernel also runs split-K parts (the plan says which tiles are split:
     all of them, or only the last partial wave's), added in a fixed order and stored by the
-    whole tiles' epilogue.
+    whole tiles' epilogue. "streamk": the tiles after the full waves are shared out by
+    k-block iterations, evenly over the grid (one CTA per tile, no clusters).
     """
 
     family = "gemm"
@@ -227,7 +296,8 @@ class GemmSpec(KernelSpec):
     epilogue: str = "tma"
     cluster: str = ""                      # "": one CTA per tile; "m2": clusters of two CTAs
                                            # on adjacent tile rows sharing B (multicast)
-    split: str = ""                        # "": whole tiles only; "splitk": split-K parts too
+    split: str = ""                        # "": whole tiles only; "splitk": split-K parts
+                                           # too; "streamk": the last wave shared out
 
     def __post_init__(self):
         super().__post_init__()
@@ -252,7 +322,7 @@ class GemmSpec(KernelSpec):
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"mkrt.gemm: epilogue={self.epilogue!r}; expected 'tma' or 'direct'")
         if self.split not in SPLITS:
-            raise ValueError(f"mkrt.gemm: split={self.split!r}; expected '' or 'splitk'")
+            raise ValueError(f"mkrt.gemm: split={self.split!r}; expected '', 'splitk' or 'streamk'")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.gemm: {self.stages} stages of {self.block_m}x{self.block_n} "
                              f"with the {self.epilogue} epilogue need {self.smem_bytes} bytes of "
@@ -261,6 +331,8 @@ class GemmSpec(KernelSpec):
             raise ValueError(f"mkrt.gemm: stages={self.stages}; at least 2")
         if self.cluster not in CLUSTERS:
             raise ValueError(f"mkrt.gemm: cluster={self.cluster!r}; expected '' or 'm2'")
+        if self.split == "streamk" and self.cluster:
+            raise ValueError("mkrt.gemm: stream-K runs one CTA per tile; it takes cluster=''")
 
     # -- what the host needs to know about the compiled kernel (mirrors gemm::Config) --
     @property
@@ -286,6 +358,7 @@ class GemmSpec(KernelSpec):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "B_K_MAJOR": self.b_layout == "nk",
                 "TMA_STORE": self.epilogue == "tma", "SPLIT_K": self.split == "splitk",
+                "STREAM_K": self.split == "streamk",
                 "CLUSTER_M": self.cluster_m,
                 "CLUSTER_DIMS": "__cluster_dims__(2, 1, 1)" if self.cluster_m == 2 else ""}
 
@@ -327,6 +400,8 @@ def default_specs() -> list[GemmSpec]:
                     stages = max_stages(block_m, block_n, epilogue)
                     for cluster in CLUSTERS:
                         for split in SPLITS if block_n % 64 == 0 else ("",):
+                            if split == "streamk" and cluster:
+                                continue
                             specs.append(GemmSpec(dtype, layout, block_m, block_n, stages,
                                                   epilogue, cluster, split))
     return specs
@@ -345,8 +420,9 @@ class GemmPlan:
     grid: int
     group_m: int
     pad_n: int        # kn layout only: columns of B after padding to a multiple of 8
-    splits: int = 1   # split-K parts per split tile (spec.split "splitk")
+    splits: int = 1   # split-K parts per split tile (spec.split "splitk"; stream-K: the most)
     split_tail: bool = False   # split only the tiles of the last, partial wave
+    stream_k: bool = False     # the tiles after the full waves shared out by iterations
 
     @property
     def tiles(self) -> int:
@@ -361,6 +437,8 @@ class GemmPlan:
     def whole_units(self) -> int:
         """Units run whole before the split ones: none when every tile is split, those of
         the full waves of the grid when only the tail is (all of them without split-K)."""
+        if self.stream_k:
+            return self.tiles // self.grid * self.grid
         if self.splits == 1:
             return self.units
         if not self.split_tail:
@@ -381,13 +459,15 @@ class GemmPlan:
 def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
          sms: int = 132, block_m: int = 128, block_n: int = 256, stages: int | None = None,
          group_m: int = 8, epilogue: str = "auto", split_k: int = 1, split_tail: bool = False,
-         cluster: str = "") -> GemmPlan:
+         cluster: str = "", stream_k: bool = False) -> GemmPlan:
     """Spec and launch shape for one problem; raises ValueError on shapes the engine refuses.
     ``split_k`` > 1: a tile's K in that many parts (at most one per 64-wide k-block), run
     by different CTAs and added in a fixed order; every tile, or with ``split_tail`` only
     the tiles of the last, partial wave (the full waves run whole tiles), which fills the
     SMs that wave would leave idle. ``cluster="m2"``: clusters of two CTAs on adjacent tile
-    rows share each B load (TMA multicast); the grid is even."""
+    rows share each B load (TMA multicast); the grid is even. ``stream_k``: the tiles after
+    the full waves (every tile, below one wave) are shared out evenly by k-blocks, a tile
+    that several CTAs cover added up in a fixed order (:func:`stream_k_items`)."""
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, (int, np.integer)) or value < 1 or value >= 2**31:
             raise ValueError(f"mkrt.gemm: {name}={value!r} must be an integer in [1, 2**31)")
@@ -405,6 +485,12 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
     if split_tail and split_k == 1:
         raise ValueError("mkrt.gemm: split_tail=True splits the last wave's tiles in split_k "
                          "parts; it needs split_k > 1")
+    if not isinstance(stream_k, (bool, np.bool_)):
+        raise ValueError(f"mkrt.gemm: stream_k={stream_k!r} must be True or False")
+    if stream_k and (split_k > 1 or cluster):
+        raise ValueError("mkrt.gemm: stream_k=True shares out the last wave by k-blocks on one "
+                         f"CTA per tile; it takes split_k=1 and cluster=''; got split_k={split_k}, "
+                         f"cluster={cluster!r}")
     if epilogue == "auto":   # TMA stores need 16-byte rows of C and 64-column boxes; split-K
                              # of every tile takes the direct stores (their staging area
                              # would cost stages)
@@ -431,11 +517,57 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
         splits = 1                                    # whole waves: no tail to split
     work_units = units * splits if not split_tail else \
         units // per_wave * per_wave + units % per_wave * splits
+    if stream_k:
+        k_blocks = -(-k // 64)
+        grid = min(sms, tiles_m * tiles_n * k_blocks)     # every CTA at least one k-block
+        shared = (tiles_m * tiles_n - tiles_m * tiles_n // grid * grid) * k_blocks
+        if (shared + 1) * grid >= 2**31:                  # the kernel's 32-bit arithmetic
+            raise ValueError(f"mkrt.gemm: stream_k=True with k={k} on {grid} CTAs shares out "
+                             f"{shared} k-blocks, past the kernel's 32-bit index; use split_k")
+        parts = max((item[4] for items in stream_k_items(tiles_m * tiles_n, k_blocks, grid)
+                     for item in items), default=1)
+        if parts > 1:                                     # else whole waves: nothing to share
+            return GemmPlan(dataclasses.replace(spec, split="streamk"), int(m), int(n), int(k),
+                            tiles_m, tiles_n, int(grid), int(group_m), pad_n, parts,
+                            stream_k=True)
     if splits > 1:
         spec = dataclasses.replace(spec, split="splitk")
     grid = cluster_m * min(per_wave, work_units)      # whole clusters
     return GemmPlan(spec, int(m), int(n), int(k), tiles_m, tiles_n, int(grid), int(group_m),
                     pad_n, splits, bool(split_tail and splits > 1))
+
+
+def stream_k_items(tiles: int, k_blocks: int, grid: int) -> list[list[tuple]]:
+    """Per CTA of `grid`, the work items the kernel's StreamKWork hands it, in order:
+    (tile in raster order, first k-block, end k-block, part, parts); parts 1 is a whole
+    tile. Tiles [0, whole) are the full waves, CTA c taking c, c + grid, ...; the k-block
+    iterations of the rest are shared out, CTA c taking [c I / grid, (c + 1) I / grid); a
+    tile's parts are numbered in CTA order. A CPU test checks that every k-block of every
+    tile is computed exactly once."""
+    whole = tiles // grid * grid
+    iterations = (tiles - whole) * k_blocks
+
+    def cta_of(x):
+        return ((x + 1) * grid - 1) // iterations
+    per_cta = []
+    for c in range(grid):
+        items = [(c + i * grid, 0, k_blocks, 0, 1) for i in range(whole // grid)]
+        begin, end = c * iterations // grid, (c + 1) * iterations // grid
+        t = begin // k_blocks if iterations else 0
+        while iterations:
+            first = t * k_blocks
+            lo, hi = max(begin, first), min(end, first + k_blocks)
+            if lo >= hi:
+                break
+            first_cta, last_cta = cta_of(first), cta_of(first + k_blocks - 1)
+            if first_cta == last_cta:
+                items.append((whole + t, 0, k_blocks, 0, 1))
+            else:
+                items.append((whole + t, lo - first, hi - first, c - first_cta,
+                              last_cta - first_cta + 1))
+            t += 1
+        per_cta.append(items)
+    return per_cta
 
 
 def check_operands(a_shape, b_shape, a_dtype, b_dtype, b_layout, out_shape=None, out_dtype=None):
@@ -576,7 +708,7 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
          epilogue: str = "auto", split_k: int | None = None, split_tail: bool | None = None,
-         cluster: str | None = None, stream=None):
+         cluster: str | None = None, stream_k: bool = False, stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
@@ -595,7 +727,10 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     run whole tiles; this fills the SMs that wave would leave idle).
     ``cluster="m2"``: clusters of two CTAs on adjacent tile rows load the B tile they
     share once, by TMA multicast; ``""``: one CTA per tile; default: the rule's, when the
-    rule also chose the tile.
+    rule also chose the tile. ``stream_k=True``: the tiles after the full waves (every
+    tile, below one wave) are shared out evenly over the grid by k-blocks, a tile that
+    several CTAs cover added up in a fixed order (one CTA per tile, no split-K; a float32
+    workspace of those tiles' parts).
     Returns out in the type of ``a`` (torch in, torch out).
 
     The first call of a signature (shapes, dtypes, options, GPU) checks everything and
@@ -611,12 +746,13 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     key = (a_view.shape, a_view.dtype, b_view.shape, b_view.dtype,
            None if out_view is None else (out_view.shape, out_view.dtype),
            b_layout, sms, group_m, block_m, block_n, stages, epilogue, split_k, split_tail,
-           cluster, device)
+           cluster, stream_k, device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, a_view, b_view, out_view):
         p = _gemm_plan(a_view, b_view, out_view, b_layout=b_layout, sms=sms, group_m=group_m,
                        block_m=block_m, block_n=block_n, stages=stages, epilogue=epilogue,
-                       split_k=split_k, split_tail=split_tail, cluster=cluster)
+                       split_k=split_k, split_tail=split_tail, cluster=cluster,
+                       stream_k=stream_k)
         if p.spec.b_layout == "kn" and p.pad_n != p.n:
             return _gemm_padded(a, a_view, b_view, out_view, p, stream)
         call = _prepared_gemm(key, p, device)
@@ -638,13 +774,13 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
 def call_plan(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
               block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
               epilogue: str = "auto", split_k: int | None = None, split_tail: bool | None = None,
-              cluster: str | None = None) -> GemmPlan:
+              cluster: str | None = None, stream_k: bool = False) -> GemmPlan:
     """The plan :func:`gemm` runs for these arguments (the tile the rule chooses where none
     is given, split-K, the grid), after the same checks; launches nothing."""
     return _gemm_plan(as_cupy(a, "a"), as_cupy(b, "b"), None if out is None else as_cupy(out, "out"),
                       b_layout=b_layout, sms=sms, group_m=group_m, block_m=block_m,
                       block_n=block_n, stages=stages, epilogue=epilogue, split_k=split_k,
-                      split_tail=split_tail, cluster=cluster)
+                      split_tail=split_tail, cluster=cluster, stream_k=stream_k)
 
 
 def _quick_checks(device, *arrays) -> bool:
@@ -749,10 +885,13 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
-               epilogue, split_k=None, split_tail=None, cluster=None):
+               epilogue, split_k=None, split_tail=None, cluster=None, stream_k=False):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
+    if stream_k is True:           # one CTA per tile, whole K: the rule's tile, not its rest
+        cluster = "" if cluster is None else cluster
+        split_k = 1 if split_k is None else split_k
     if block_m is None or block_n is None or split_k is None or cluster is None:
         from mkrt.kernels.gemm_rule import choose_tile
         rule, _ = choose_tile(m, n, k, sms=total_sms if sms is None else sms, dtype=dtype,
@@ -774,7 +913,7 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
     p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
              block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
              epilogue=epilogue, split_k=split_k, split_tail=False if split_tail is None else split_tail,
-             cluster=cluster)
+             cluster=cluster, stream_k=stream_k)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
     return p

@@ -108,6 +108,7 @@ struct Tile {
     int group = -1;                                  // a grouped GEMM's group
     int a_map = 0;                                   // 1: A from run_tiles' second map (tma_a2)
     int slot = -1;                                   // split-K: the tile's partial-sum slot
+    int parts = 0;                                   // stream-K: this tile's parts (0: the launch's)
     __device__ __forceinline__ int k_first() const { return kb_begin; }
     __device__ __forceinline__ int k_last(int k_blocks) const { return kb_end < 0 ? k_blocks : kb_end; }
     __device__ __forceinline__ int a_first(int bm) const { return a_row >= 0 ? a_row : m * bm; }
