@@ -737,6 +737,19 @@ def _grouped_cluster_text(run):
             f"{sum(x > 1.01 for x in ratios)} faster by more than 1%)")
 
 
+def _gemm_streamk_text(run):
+    """Stream-K against the same tile without it, per case."""
+    by: dict = {}
+    for row in run:
+        if _number(row.get("value")):
+            by.setdefault(str(row.get("case", "")).split()[0], {})[row.get("variant")] = row["value"]
+    ratios = {case: v["tile"] / v["streamk"] for case, v in by.items() if "tile" in v and "streamk" in v}
+    if not ratios:
+        return "no rows"
+    return (f"against the same tile without it: {span(list(ratios.values()), 'x')} the speed "
+            f"({len(ratios)} cases; " + ", ".join(f"{c} {fmt(r)}x" for c, r in ratios.items()) + ")")
+
+
 def _fused_tile_text(run):
     """The GEMM rule's narrower tile in the fused gemm_allreduce, against the 256 tile."""
     narrower = [r for r in run if r.get("pick") != 256 and _number(r.get("vs_256"))]
@@ -797,6 +810,11 @@ PIECES = [
           "turns with 128x256 and 128x192 (`experiments/gemm_tune.py --trim`); the rule does not "
           "choose them: a refit rating them lost on the FIT set", "gemm_trim_probe",
           _described("trimmed", _gemm_trim_text)),
+    Piece("GEMM stream-K", "`mkrt.gemm(stream_k=True)`: the full waves run whole tiles, the "
+          "k-block iterations of the rest are shared out evenly over the grid and the split "
+          "tiles added up in CTA order (one CTA per tile), in turns with the same tile without "
+          "it and the rule's pick (`experiments/gemm_probe.py --probes streamk`); the rule does "
+          "not choose it", "gemm_streamk_probe", _described("stream-K", _gemm_streamk_text)),
     Piece("GEMM tail split", "split-K of the last partial wave's tiles only (`split_tail=True`), "
           "against whole tiles of the same tile, in turns (`experiments/gemm_split_probe.py`); "
           "the rule does not choose it", "gemm_split_probe",
@@ -923,7 +941,7 @@ PIECES = [
     Piece("not yet", "MoE fused into one kernel, the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware "
           "(InfiniBand, RoCE or EFA: worlds have run over mkrt's loopback NIC only, as RC queue "
-          "pairs and as an EFA endpoint), stream-K (split-K pays for small M only)"),
+          "pairs and as an EFA endpoint), a stream-K that pays (split-K pays for small M only)"),
 ]
 
 
