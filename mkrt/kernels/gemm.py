@@ -277,8 +277,8 @@ class GemmSpec(KernelSpec):
     epilogue "tma": whole tiles staged in shared memory, written by TMA stores that overlap
     the next tile (needs N % 8 == 0); "direct": bf16x2 stores from registers, any N.
     block_n: 64, 128, 192 or 256; or, with B [N, K], direct stores and whole tiles, a trimmed
-    width (a multiple of 16 between them, e.g. 240: as many waves as 256-wide tiles on N = 5000, less
-    work per tile; gemm_rule.trimmed_width).
+    width (a multiple of 16 between them, e.g. 240: as many waves as 256-wide tiles on
+    N = 5000, less work per tile; gemm_rule.trimmed_width).
     split "splitk": the kernel also runs split-K parts (the plan says which tiles are split:
     all of them, or only the last partial wave's), added in a fixed order and stored by the
     whole tiles' epilogue. "streamk": the tiles after the full waves are shared out by

@@ -504,7 +504,7 @@ def _epilogue(epilogue: str | None, rows: int, groups: int, n: int) -> str:
     return epilogue
 
 
-def choose_cluster(rows: int, groups: int, n: int, k: int) -> str:
+def choose_cluster(rows: int, groups: int, n: int) -> str:
     """One CTA per tile (""), for every call: with the rule's tile and epilogue, pairs of
     m-tiles sharing each weight load ran slower than single CTAs on all 7 suite cases
     (0.743-0.992x torch against 0.873-1.437x) and on 10 of the 11 held-out expert GEMMs,
@@ -513,9 +513,9 @@ def choose_cluster(rows: int, groups: int, n: int, k: int) -> str:
     return ""
 
 
-def _cluster(cluster: str | None, rows: int, groups: int, n: int, k: int) -> str:
+def _cluster(cluster: str | None, rows: int, groups: int, n: int) -> str:
     if cluster is None:
-        return choose_cluster(rows, groups, n, k)
+        return choose_cluster(rows, groups, n)
     if cluster not in CLUSTERS:
         raise ValueError(f"mkrt.grouped_gemm: cluster={cluster!r}; expected one of {CLUSTERS}")
     return cluster
@@ -523,14 +523,14 @@ def _cluster(cluster: str | None, rows: int, groups: int, n: int, k: int) -> str
 
 def build(rows: int, groups: int, n: int, dtype: str, device: int, sms: int | None = None,
           block_m: int | None = None, block_n: int | None = None,
-          epilogue: str | None = None, cluster: str | None = None, k: int = 0) -> None:
+          epilogue: str | None = None, cluster: str | None = None) -> None:
     """Compile and load the kernel :func:`grouped_gemm` will launch for `rows` rows in
     `groups` groups of `n` columns on `sms` SMs (callers that launch kernels waiting for
     each other, such as MoE's ranks, build first: a compile between two ranks' launches
     stalls the first one)."""
     sms = device_sm_count(device) if sms is None else sms
     spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n),
-                    _epilogue(epilogue, rows, groups, n), _cluster(cluster, rows, groups, n, k))
+                    _epilogue(epilogue, rows, groups, n), _cluster(cluster, rows, groups, n))
     spec.function("grouped_gemm", device, spec.smem_bytes)
 
 
@@ -577,7 +577,7 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     if block_n not in (None, 128, 256):
         raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
     epilogue = _epilogue(epilogue, rows, groups, n)
-    cluster = _cluster(cluster, rows, groups, n, k)
+    cluster = _cluster(cluster, rows, groups, n)
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
         if out_as_given:
