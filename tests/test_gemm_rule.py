@@ -300,6 +300,7 @@ def test_trimmed_widths_are_named_parsed_and_rated_as_one_family():
     assert gemm_rule.parse_config("128x240_g8_m2") == choice
     assert gemm_rule.parse_config("64x240_g8") is None           # 64-row tiles are not trimmed
     assert gemm_rule.parse_config("128x250_g8") is None
+    assert gemm_rule.parse_config("128x240_g8_sk2") is None        # trimmed widths run whole tiles
     assert gemm_rule.rate_key((128, 240), "m2") == gemm_rule.rate_key((128, 144), "m2") == "128xT_m2"
     assert gemm_rule.rate_key((128, 256)) == "128x256"
 

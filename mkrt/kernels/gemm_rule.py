@@ -31,7 +31,9 @@
    its HELD_OUT shapes judge the fit). With B [N, K] a 128 x 256 tile may also be trimmed
    to the narrowest width of TRIM_WIDTHS that takes as many waves (``trimmed_width``: same
    waves, less work per tile, direct stores), at a rate of its own ("128xT", "128xT_m2")
-   fitted on the sweep's trimmed rows. Split-K part counts that never won a FIT shape are
+   fitted on the sweep's trimmed rows; the committed fit has none (a fit rating them lost
+   on its FIT set), so only a tuned table chooses them. Split-K part counts that never won
+   a FIT shape are
    left out (the fit's ``splits``, and ``tail_splits`` for the tail). Without a fit the
    rule is the engine's one measured tile, 128 x 256, for every shape.
 
@@ -117,8 +119,8 @@ def parse_config(config: str) -> Choice | None:
         if part[:2] in ("sk", "tk"):
             split_k, split_tail = int(part[2:]), part[:2] == "tk"
     cluster = "m2" if "m2" in parts[1:] else ""
-    if (tile not in TILES and not (tile[0] == 128 and tile[1] in TRIM_WIDTHS)) \
-            or not 1 <= split_k <= 64:
+    trimmed = tile[0] == 128 and tile[1] in TRIM_WIDTHS        # whole tiles only
+    if (tile not in TILES and not (trimmed and split_k == 1)) or not 1 <= split_k <= 64:
         return None
     return Choice(*tile, split_k, cluster, split_tail and split_k > 1)
 
