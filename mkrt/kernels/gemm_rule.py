@@ -34,8 +34,7 @@
    fitted on the sweep's trimmed rows; the committed fit has none (a fit rating them lost
    on its FIT set), so only a tuned table chooses them. Split-K part counts that never won
    a FIT shape are left out (the fit's ``splits``, and ``tail_splits`` for the tail).
-   Without a fit the
-   rule is the engine's one measured tile, 128 x 256, for every shape.
+   Without a fit the rule is the engine's one measured tile, 128 x 256, for every shape.
 
 There is no call-time autotuning: the choice is a lookup and a few comparisons, made once
 per prepared signature.
