@@ -13,9 +13,9 @@ def device_sm_count(device: int) -> int:
 
 
 @functools.cache
-def _cluster_occupancy():
-    """The driver's cuOccupancyMaxActiveClusters and a ctypes mirror of CUlaunchConfig
-    (cuda.h), loaded once."""
+def launch_config_type():
+    """A ctypes mirror of the driver's CUlaunchConfig (cuda.h): the occupancy query and
+    cuLaunchKernelEx take one."""
     import ctypes
 
     class CUlaunchConfig(ctypes.Structure):
@@ -24,12 +24,19 @@ def _cluster_occupancy():
                     ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
                     ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
                     ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+    return CUlaunchConfig
 
+
+@functools.cache
+def _cluster_occupancy():
+    """The driver's cuOccupancyMaxActiveClusters and the CUlaunchConfig mirror, loaded once."""
+    import ctypes
+    config_type = launch_config_type()
     query = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
     query.restype = ctypes.c_int
     query.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                      ctypes.POINTER(CUlaunchConfig)]
-    return query, CUlaunchConfig
+                      ctypes.POINTER(config_type)]
+    return query, config_type
 
 
 def max_active_clusters(function_handle: int, grid: int, block: int, shared_mem: int) -> int:

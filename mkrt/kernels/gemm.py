@@ -34,7 +34,7 @@ from mkrt.jit import cuda_source
 from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register the pieces)
 from mkrt.cuda import device_sm_count
 from mkrt.jit.spec import KernelSpec
-from mkrt.kernels.launcher import KernelLaunch, Parameters
+from mkrt.kernels.launcher import KernelLaunch, Parameters, function_handle
 
 GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;
@@ -807,9 +807,7 @@ class _PreparedGemm:
 
     def __init__(self, p: GemmPlan, function, device: int = 0):
         if p.spec.cluster_m > 1:
-            import cupy
-            with cupy.cuda.Device(device):         # the occupancy query uses the current context
-                p = dataclasses.replace(p, grid=cluster_grid(p, function))
+            p = dataclasses.replace(p, grid=cluster_grid(p.spec, function, p.grid, device))
         self.plan = p
         self.out_shape = (p.m, p.n)
         params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_out", 128, 64),
@@ -919,15 +917,20 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
     return p
 
 
-def cluster_grid(p: GemmPlan, function) -> int:
-    """The plan's grid cut to the clusters the device can hold at once (whole clusters)."""
+def cluster_grid(spec, function, grid: int, device: int) -> int:
+    """`grid` cut to the clusters of `spec.cluster_m` CTAs the device can hold at once
+    (whole clusters), for a kernel on the engine with compile-time cluster dimensions
+    (`spec`: its threads, shared memory, family and URI; mkrt.gemm's and grouped_gemm's)."""
+    import cupy
+
     from mkrt.cuda import max_active_clusters
-    handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
-    clusters = max_active_clusters(handle, p.grid, p.spec.threads, p.spec.smem_bytes)
+    with cupy.cuda.Device(device):                 # the occupancy query uses the current context
+        clusters = max_active_clusters(function_handle(function), grid, spec.threads,
+                                       spec.smem_bytes)
     if clusters < 1:
-        raise ValueError(f"mkrt.gemm: {p.spec.uri} fits no cluster of {p.spec.cluster_m} CTAs "
-                         "on this GPU")
-    return min(p.grid, clusters * p.spec.cluster_m)
+        raise ValueError(f"mkrt.{spec.family}: {spec.uri} fits no cluster of {spec.cluster_m} "
+                         "CTAs on this GPU")
+    return min(grid, clusters * spec.cluster_m)
 
 
 def _prepared_gemm(key, p: GemmPlan, device: int) -> _PreparedGemm:

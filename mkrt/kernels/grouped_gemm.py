@@ -388,15 +388,7 @@ class _Prepared:
                    group_m=max(1, band_m_tiles(n, k) // spec.cluster_m))
         function = spec.function("grouped_gemm", device, spec.smem_bytes)
         if spec.cluster_m > 1:
-            from mkrt.cuda import max_active_clusters
-            import cupy
-            with cupy.cuda.Device(device):       # the occupancy query uses the current context
-                clusters = max_active_clusters(function.kernel.ptr if hasattr(function, "kernel")
-                                               else function.ptr, grid, spec.threads, spec.smem_bytes)
-            if clusters < 1:
-                raise ValueError(f"mkrt.grouped_gemm: {spec.uri} fits no cluster of two CTAs on "
-                                 "this GPU")
-            grid = min(grid, 2 * clusters)
+            grid = gemm_module.cluster_grid(spec, function, grid, device)
         self.launch = KernelLaunch(function, grid, spec.threads, spec.smem_bytes, params)
         self._out, self._offsets = params.view("out"), params.view("offsets")
         self._pointers = None

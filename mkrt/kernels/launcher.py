@@ -77,8 +77,8 @@ def _launch_ex():
     class Attribute(ctypes.Structure):
         _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint8 * 64)]
 
-    from mkrt.cuda import _cluster_occupancy
-    config_type = _cluster_occupancy()[1]
+    from mkrt.cuda import launch_config_type
+    config_type = launch_config_type()
     launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     launch.restype = ctypes.c_int
     launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -87,6 +87,11 @@ def _launch_ex():
 
 #: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def function_handle(function) -> int:
+    """The CUfunction of a loaded kernel (a CuPy RawKernel or a module's function)."""
+    return function.kernel.ptr if hasattr(function, "kernel") else function.ptr
 
 
 class KernelLaunch:
@@ -102,7 +107,7 @@ class KernelLaunch:
                  programmatic: bool = False):
         from cupy_backends.cuda.api import driver
         self.function = function                 # keeps the module (and the CUfunction) alive
-        self.handle = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
+        self.handle = function_handle(function)
         self.grid, self.block, self.shared_mem = int(grid), int(block), int(shared_mem)
         self.params = params
         self.launched = False                   # Op.launch: processes meet before the first
