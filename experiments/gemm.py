@@ -65,22 +65,6 @@ def parse():
     return parser.parse_args()
 
 
-def time_ms(fn, iterations, repeats, warmup):
-    import cupy
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(iterations):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) / iterations)
-    return float(np.median(samples))
-
-
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -186,7 +170,7 @@ def main():
                                              stages=args.stages, group_m=args.group_m,
                                              epilogue=args.epilogue)))
             calls = ta = tb = None
-            del a, b, out
+            a = b = out = None
             cupy.get_default_memory_pool().free_all_blocks()
 
     # Linear in the SMs given: capped time against (full SMs / cap) x full-chip time, on

@@ -36,11 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm import time_ms  # noqa: E402  (CUDA events, median of batches)
 
 
 def parse():
@@ -87,10 +82,12 @@ def operands(m, n, k):
 
 def torch_us(a, b, args) -> float:
     import torch
+
+    from mkrt.bench import batch_ms
     ta, tb = torch.from_dlpack(a), torch.from_dlpack(b).t()
     out = torch.empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16, device="cuda")
-    return 1e3 * time_ms(lambda: torch.matmul(ta, tb, out=out), args.iterations, args.repeats,
-                         args.warmup)
+    return 1e3 * batch_ms(lambda: torch.matmul(ta, tb, out=out), iterations=args.iterations,
+                          repeats=args.repeats, warmup=args.warmup)
 
 
 def checked(call, out, a, b) -> float:
@@ -105,7 +102,7 @@ def checked(call, out, a, b) -> float:
 
 def probe_grid(args, rows) -> None:
     import cupy
-    from mkrt.bench import record
+    from mkrt.bench import batch_ms, record
     from mkrt.kernels import gemm as G
     sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     for shape in args.grid_shapes:
@@ -119,7 +116,7 @@ def probe_grid(args, rows) -> None:
                 p = G.plan(m, n, k, b_layout="nk", sms=sms, block_m=block_m, block_n=block_n,
                            cluster=cluster)
                 function = p.spec.function("gemm", 0, p.spec.smem_bytes)
-                launched = G.cluster_grid(p, function) if cluster else p.grid
+                launched = G.cluster_grid(p.spec, function, p.grid, 0) if cluster else p.grid
                 print(f"{shape} {config} cluster={cluster or '-'}: plan grid {p.grid}, "
                       f"launched {launched}, smem {p.spec.smem_bytes}", flush=True)
                 steps = p.tiles * -(-k // 64)                    # k-steps of the whole grid
@@ -132,7 +129,8 @@ def probe_grid(args, rows) -> None:
                         call_state.patch(a.data.ptr, b.data.ptr, out.data.ptr)
                         call_state.launch(cupy.cuda.get_current_stream().ptr)
                     error = checked(call, out, a, b)
-                    us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
+                    us = 1e3 * batch_ms(call, iterations=args.iterations, repeats=args.repeats,
+                                    warmup=args.warmup)
                     per_step = us * grid / steps
                     ok = math.isfinite(error) and error < 1e-2
                     print(f"  grid {grid:4d}: {us:9.1f} us  x torch {base / us:5.3f}  "
@@ -149,7 +147,7 @@ def probe_grid(args, rows) -> None:
 
 def probe_k_offset(args, rows) -> None:
     import cupy
-    from mkrt.bench import record
+    from mkrt.bench import batch_ms, record
     from mkrt.kernels import gemm as G
     for base_shape in args.k_base:
         m, n, k0 = (int(x) for x in base_shape.split("x"))
@@ -160,7 +158,8 @@ def probe_k_offset(args, rows) -> None:
             call = lambda: G.gemm(a, b, out, b_layout="nk")  # noqa: E731
             p = G.call_plan(a, b, out, b_layout="nk")
             error = checked(call, out, a, b)
-            us = 1e3 * time_ms(call, args.iterations, args.repeats, args.warmup)
+            us = 1e3 * batch_ms(call, iterations=args.iterations, repeats=args.repeats,
+                                    warmup=args.warmup)
             offset = (k * 2) % 128
             print(f"{m}x{n}x{k} (rows {k * 2} B, {offset:3d} off a line) "
                   f"{p.spec.block_m}x{p.spec.block_n}: {us:8.1f} us, torch {base:8.1f} us, "
