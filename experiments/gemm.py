@@ -163,7 +163,7 @@ def main():
                                  error=error, sms=cap or full_sms, gpu=gpu, date=date,
                                  commit=commit, tag=args.tag, command=command,
                                  timing="interleaved rounds",
-                                 config=dict(block_m=tile[0], block_n=tile[1], split_k=tile[2],
+                                 config=dict(block_m=tile[0], block_n=tile[1], split_k=tile[2], stream_k=p.stream_k,
                                              cluster=tile[3], split_tail=tile[4],
                                              chosen_by=why if args.block_m is None and
                                              args.block_n is None else "given",

@@ -1,23 +1,33 @@
 #!/bin/bash
-# Prepared for the next session (not run yet), at most 8 files under $OUT (about 6 min):
+# One device call (about 8 min), at most 8 files under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 1. grouped GEMM and MoE GPU tests at this commit (their last host-side edit, 3d866ac, ran
-#    CPU tests only);
-# 2. the GEMM suite on 132, 116 and 100 SMs twice, to tell the scaling pair that misses
-#    1.05 (3000x5000x7000 at 308fa51, 7168^3 at 356c5e6) from run-to-run spread.
+# 1. GPU tests: stream-K (the rule now takes it for the last wave, gemm_rule.stream_k_pays),
+#    grouped GEMM and MoE (their last host-side edit, 3d866ac, ran CPU tests only);
+# 2. stream-K against the same tile without it, in turns, on every suite case where the
+#    rule now takes it (gemm_streamk_probe.jsonl);
+# 3. the GEMM suite on 132, 116 and 100 SMs twice: the scaling pairs, run to run.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "
 from mkrt.kernels import gemm as G, grouped_gemm as GG
-specs = [s for s in G.default_specs() if s.b_layout == 'nk' and s.dtype == 'bf16' and s.block_n % 64 == 0]
+specs = [s for s in G.default_specs() if s.dtype == 'bf16' and s.block_n % 64 == 0
+         and (s.b_layout == 'nk' or s.split == 'streamk')]
 print('\n'.join(s.uri[:-6] for s in specs + GG.default_specs()))" | \
     xargs -P 15 -I{} sh -c 'python3 -m mkrt compile --filter {} > /dev/null 2>&1 || echo "compile {} failed"'
 echo "compiled at $SECONDS s"
-timeout 200 python3 -m pytest -q -m gpu tests/test_grouped_gemm.py tests/test_moe.py -p no:cacheprovider 2>&1 | \
-    grep -v Warning | tail -4 | tee $OUT/pytest.txt
+timeout 240 python3 -m pytest -q -m gpu tests/test_grouped_gemm.py tests/test_moe.py \
+    "tests/test_gemm.py::test_stream_k_matches_the_reference_and_repeats_bit_for_bit" \
+    "tests/test_gemm.py::test_the_rules_stream_k_runs_by_default_and_gives_way_to_explicit_options" \
+    -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee $OUT/pytest.txt
+echo "tests done at $SECONDS s"
+timeout 100 python3 experiments/gemm_probe.py --probes streamk --repeats 7 --out $OUT/gemm_streamk_probe.jsonl \
+    --streamk-cases 7168x7168x7168@116 7168x7168x7168@100 8192x8192x8192@116 16384x4096x14336@132 \
+    4096x14336x4096@132 32768x1024x4096@100 4096x4096x4096@116 6144x6144x6144@100 \
+    8000x7936x4096@100 8192x8192x8192@100 16384x4096x14336@116 2>&1 | grep -v Warning | tee $OUT/probe.txt
+echo "probe done at $SECONDS s"
 for run in 1 2; do
-    timeout 120 python3 experiments/gemm.py --sms full,116,100 --repeats 9 --out $OUT/gemm.jsonl 2>&1 | \
-        grep -E "geomean|scaling.*(1\.0[5-9]|1\.[1-9])|FAILED" | tee -a $OUT/gemm.txt
+    timeout 110 python3 experiments/gemm.py --sms full,116,100 --repeats 7 --out $OUT/gemm.jsonl 2>&1 | \
+        grep -E "geomean|scaling|FAILED" | tee -a $OUT/gemm.txt
+    echo "suite $run done at $SECONDS s" | tee -a $OUT/gemm.txt
 done
-echo "done at $SECONDS s"

@@ -535,3 +535,22 @@ def test_stream_k_matches_the_reference_and_repeats_bit_for_bit(m, n, k, sms, b_
     for _ in range(20):
         G.gemm(a, b, out, b_layout=b_layout, sms=sms, stream_k=True)
     assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_the_rules_stream_k_runs_by_default_and_gives_way_to_explicit_options():
+    import cupy
+    m, n, k, sms = 2048, 1024, 4096, 12      # 64 tiles of 128 x 256: 5 waves and a third
+    a = _random((m, k), bfloat16, 43)
+    b = _random((n, k), bfloat16, 44)
+    out = G.poison(cupy.empty((m, n), dtype=bfloat16))
+    assert G.call_plan(a, b, out, b_layout="nk", sms=sms).stream_k
+    G.gemm(a, b, out, b_layout="nk", sms=sms)
+    ref = G.reference(a, b, b_layout="nk")
+    assert float(cupy.linalg.norm(G.to_float32(out) - ref) / cupy.linalg.norm(ref)) <= 1e-2
+    first = out.copy()
+    G.gemm(a, b, out, b_layout="nk", sms=sms)
+    assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
+    # asked for whole tiles, a tile of its own or split-K: no stream-K
+    for options in (dict(stream_k=False), dict(block_n=192), dict(split_k=1), dict(epilogue="direct")):
+        assert not G.call_plan(a, b, out, b_layout="nk", sms=sms, **options).stream_k, options

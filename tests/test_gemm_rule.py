@@ -224,7 +224,7 @@ def test_the_rule_takes_a_tail_split_only_where_the_fit_allows_it():
     fit = {"rates": {"128x256": 3e6}, "splits": [1], "launch_us": 5.0}
     assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit).split_k == 1
     fit["tail_splits"] = [2, 3]
-    assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit) == (128, 256, 3, "", True)
+    assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit) == gemm_rule.Choice(128, 256, 3, "", True)
     # a fix-up cost large enough to eat the idle SMs' time: no split
     fit["tail_cost"] = 1.0
     assert gemm_rule.best_configuration(3000, 5000, 7000, 132, fit).split_k == 1
@@ -366,3 +366,47 @@ def test_a_rule_picked_trimmed_width_gives_way_to_asked_for_tma_stores(monkeypat
     assert (p.spec.block_n, p.spec.epilogue, p.spec.cluster) == (240, "direct", "m2")
     p = gemm._gemm_plan(View(), View(), None, epilogue="tma", **options)
     assert (p.spec.block_n, p.spec.epilogue, p.spec.cluster) == (256, "tma", "m2")
+
+
+def test_stream_k_takes_the_last_wave_only_where_it_was_measured_to_pay():
+    tile = gemm_rule.Choice(128, 256)
+    # 7168^3 on 116 SMs: 13 whole waves and a last wave 52% full: shared out
+    assert gemm_rule.stream_k_pays(7168, 7168, 7168, 116, tile)
+    # 32768 x 1024 x 4096 on 100 SMs: 10 waves, 24% full
+    assert gemm_rule.stream_k_pays(32768, 1024, 4096, 100, tile)
+    # the same grid at K = 1024: its fix-up would cost more than the idle SMs
+    assert not gemm_rule.stream_k_pays(32768, 1024, 1024, 100, tile)
+    # 7168^3 on the full chip: the last wave 88% full, little to gain
+    assert not gemm_rule.stream_k_pays(7168, 7168, 7168, 132, tile)
+    # 3000 x 5000 x 7000 on 116 SMs: 14% full, each tail tile cut in 7 parts (1.006x)
+    assert not gemm_rule.stream_k_pays(3000, 5000, 7000, 116, tile)
+    # 8192 x 1024 x 8192 on 116 SMs: 2 whole waves (0.89x measured)
+    assert not gemm_rule.stream_k_pays(8192, 1024, 8192, 116, tile)
+    # whole waves: nothing to share
+    assert not gemm_rule.stream_k_pays(128 * 58, 256 * 10, 4096, 116, tile)
+    # other tiles, split-K and clusters were not measured with it
+    for other in (gemm_rule.Choice(64, 128), gemm_rule.Choice(128, 192),
+                  gemm_rule.Choice(128, 256, 2), gemm_rule.Choice(128, 256, 1, "m2")):
+        assert not gemm_rule.stream_k_pays(7168, 7168, 7168, 116, other)
+
+
+def test_the_rule_adds_stream_k_to_the_fitted_pick(tmp_path, monkeypatch):
+    monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    fit = {"rates": {"128x256": 3e6}, "splits": [1], "launch_us": 5.0}
+    monkeypatch.setattr(gemm_rule, "fitted_model", lambda: fit)
+    choice, why = gemm_rule.choose_tile(7168, 7168, 7168, sms=116)
+    assert choice == gemm_rule.Choice(128, 256, 1, "", False, True) and "stream-K" in why
+    assert gemm_rule.choose_tile(7168, 7168, 7168, sms=132)[0] == gemm_rule.Choice(128, 256)
+    # a tuned table is taken as it is
+    key = gemm_rule.table_key(7168, 7168, 7168, "bf16", "nk", 116)
+    (tmp_path / "gemm_table.json").write_text(json.dumps({key: "128x256_g8"}))
+    assert gemm_rule.choose_tile(7168, 7168, 7168, sms=116) == (gemm_rule.Choice(128, 256), "tuned table")
+
+
+def test_stream_k_config_names_round_trip():
+    choice = gemm_rule.Choice(128, 256, 1, "", False, True)
+    assert gemm_rule.config_name(choice) == "128x256_g8_streamk"
+    assert gemm_rule.parse_config("128x256_g8_streamk") == choice
+    # stream-K runs alone on one CTA per whole-width tile
+    for name in ("128x256_g8_sk2_streamk", "128x256_g8_streamk_m2", "128x240_g8_streamk"):
+        assert gemm_rule.parse_config(name) is None

@@ -708,7 +708,7 @@ def operand_descriptors(spec: GemmSpec, a_pointer: int, b_pointer: int, m: int, 
 def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
          block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
          epilogue: str = "auto", split_k: int | None = None, split_tail: bool | None = None,
-         cluster: str | None = None, stream_k: bool = False, stream=None):
+         cluster: str | None = None, stream_k: bool | None = None, stream=None):
     """C = A @ B (``b_layout="kn"``: B is [K, N]) or A @ B.T (``"nk"``: B is [N, K]).
 
     a: [M, K] bf16/f16 device array (CuPy, torch through DLPack, ...); b as b_layout says;
@@ -730,7 +730,8 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
     rule also chose the tile. ``stream_k=True``: the tiles after the full waves (every
     tile, below one wave) are shared out evenly over the grid by k-blocks, a tile that
     several CTAs cover added up in a fixed order (one CTA per tile, no split-K; a float32
-    workspace of those tiles' parts).
+    workspace of those tiles' parts); default: the rule's (``gemm_rule.stream_k_pays``),
+    when the rule also chose the tile, split-K and cluster.
     Returns out in the type of ``a`` (torch in, torch out).
 
     The first call of a signature (shapes, dtypes, options, GPU) checks everything and
@@ -774,7 +775,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_
 def call_plan(a, b, out=None, *, b_layout: str = "kn", sms: int | None = None, group_m: int = 8,
               block_m: int | None = None, block_n: int | None = None, stages: int | None = None,
               epilogue: str = "auto", split_k: int | None = None, split_tail: bool | None = None,
-              cluster: str | None = None, stream_k: bool = False) -> GemmPlan:
+              cluster: str | None = None, stream_k: bool | None = None) -> GemmPlan:
     """The plan :func:`gemm` runs for these arguments (the tile the rule chooses where none
     is given, split-K, the grid), after the same checks; launches nothing."""
     return _gemm_plan(as_cupy(a, "a"), as_cupy(b, "b"), None if out is None else as_cupy(out, "out"),
@@ -883,13 +884,14 @@ def _full_checks(a_view, b_view, out_view, b_layout):
 
 
 def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, block_n, stages,
-               epilogue, split_k=None, split_tail=None, cluster=None, stream_k=False):
+               epilogue, split_k=None, split_tail=None, cluster=None, stream_k=None):
     """Every check of a signature, and its plan."""
     m, n, k, dtype, device = _full_checks(a_view, b_view, out_view, b_layout)
     total_sms = device_sm_count(device)
     if stream_k is True:           # one CTA per tile, whole K: the rule's tile, not its rest
         cluster = "" if cluster is None else cluster
         split_k = 1 if split_k is None else split_k
+    rule_stream_k = False
     if block_m is None or block_n is None or split_k is None or cluster is None:
         from mkrt.kernels.gemm_rule import choose_tile
         rule, _ = choose_tile(m, n, k, sms=total_sms if sms is None else sms, dtype=dtype,
@@ -908,10 +910,19 @@ def _gemm_plan(a_view, b_view, out_view, *, b_layout, sms, group_m, block_m, blo
             split_k = rule.split_k if rule_split else 1
             if split_tail is None and rule_split:
                 split_tail = rule.split_tail
-    p = plan(m, n, k, dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
-             block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
-             epilogue=epilogue, split_k=split_k, split_tail=False if split_tail is None else split_tail,
-             cluster=cluster, stream_k=stream_k)
+            # the rule's stream-K goes with its tile, its (absent) split and its cluster
+            rule_stream_k = rule_split and rule.stream_k and split_k == 1 and not split_tail
+    options = dict(dtype=dtype, b_layout=b_layout, sms=total_sms if sms is None else sms,
+                   block_m=block_m, block_n=block_n, stages=stages, group_m=group_m,
+                   epilogue=epilogue, split_k=split_k,
+                   split_tail=False if split_tail is None else split_tail, cluster=cluster)
+    if stream_k is None and rule_stream_k:
+        try:
+            p = plan(m, n, k, stream_k=True, **options)
+        except ValueError:      # past the kernel's 32-bit k-block index: whole tiles then
+            p = plan(m, n, k, stream_k=False, **options)
+    else:
+        p = plan(m, n, k, stream_k=bool(stream_k), **options)
     if sms is not None and sms > total_sms:
         raise ValueError(f"mkrt.gemm: sms={sms} but GPU {device} has {total_sms}")
     return p

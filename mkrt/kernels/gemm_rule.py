@@ -35,6 +35,13 @@
    on its FIT set), so only a tuned table chooses them. Split-K part counts that never won
    a FIT shape are left out (the fit's ``splits``, and ``tail_splits`` for the tail).
    Without a fit the rule is the engine's one measured tile, 128 x 256, for every shape.
+3. Stream-K for the last wave (``stream_k_pays``), on top of the fitted model's pick: when
+   that pick is one CTA per 128 x 256 tile, K is at least STREAM_K_MIN_K, and the last of
+   at least STREAM_K_WAVES waves keeps between STREAM_K_FILL of the grid busy, that wave's
+   k-blocks are shared out over every CTA instead. It is a rule of its own because the
+   wave model prices it wrong: its split-K cost per element, put on stream-K's fix-up,
+   predicts a 16% gain on 8192 x 1024 x 8192 on 116 SMs (2.2 waves), which ran 0.89x
+   (experiments/results/gemm_streamk_probe.jsonl).
 
 There is no call-time autotuning: the choice is a lookup and a few comparisons, made once
 per prepared signature.
@@ -60,13 +67,15 @@ CLUSTERS = ("", "m2")
 
 
 class Choice(NamedTuple):
-    """A configuration of the engine: tile, split-K parts, cluster, and whether split-K
-    cuts only the last partial wave's tiles (``split_tail``) or every tile."""
+    """A configuration of the engine: tile, split-K parts, cluster, whether split-K cuts
+    only the last partial wave's tiles (``split_tail``) or every tile, and whether the
+    last wave is shared out by k-blocks (``stream_k``: one CTA per tile, no split-K)."""
     block_m: int
     block_n: int
     split_k: int = 1
     cluster: str = ""
     split_tail: bool = False
+    stream_k: bool = False
 
 
 def rate_key(tile: tuple[int, int], cluster: str = "") -> str:
@@ -100,10 +109,13 @@ def table_key(m: int, n: int, k: int, dtype: str, b_layout: str, sms: int) -> st
 
 def config_name(choice: Choice, group_m: int = 8) -> str:
     """The sweep's name of a configuration: "128x256_g8", with "_sk4" (every tile in 4
-    parts), "_tk3" (the last wave's tiles in 3 parts) and "_m2" (clusters of two)."""
+    parts), "_tk3" (the last wave's tiles in 3 parts), "_streamk" (the last wave shared
+    out by k-blocks) and "_m2" (clusters of two)."""
     split = ""
     if choice.split_k > 1:
         split = f"_{'tk' if choice.split_tail else 'sk'}{choice.split_k}"
+    elif choice.stream_k:
+        split = "_streamk"
     return (f"{choice.block_m}x{choice.block_n}_g{group_m}{split}"
             + (f"_{choice.cluster}" if choice.cluster else ""))
 
@@ -118,10 +130,13 @@ def parse_config(config: str) -> Choice | None:
         if part[:2] in ("sk", "tk"):
             split_k, split_tail = int(part[2:]), part[:2] == "tk"
     cluster = "m2" if "m2" in parts[1:] else ""
+    stream_k = "streamk" in parts[1:]
     trimmed = tile[0] == 128 and tile[1] in TRIM_WIDTHS        # whole tiles only
     if (tile not in TILES and not (trimmed and split_k == 1)) or not 1 <= split_k <= 64:
         return None
-    return Choice(*tile, split_k, cluster, split_tail and split_k > 1)
+    if stream_k and (split_k > 1 or cluster or trimmed):
+        return None                     # stream-K runs one CTA per whole-width tile, alone
+    return Choice(*tile, split_k, cluster, split_tail and split_k > 1, stream_k)
 
 
 @functools.lru_cache(maxsize=4)
@@ -288,13 +303,47 @@ def fitted_model() -> dict | None:
     return _load_fit(str(FIT_PATH), stat.st_mtime_ns, stat.st_size)
 
 
+#: stream-K for the last wave (stream_k_pays): 128 x 256 tiles (the one measured) over K of
+#: at least STREAM_K_MIN_K (its fix-up took 16-22 us, a fifth to a half of a wave at
+#: K = 4096 to 7168: at small K it would cost more than a wave), at least this many waves
+#: of whole tiles ...
+STREAM_K_WAVES = 4
+STREAM_K_MIN_K = 4096
+#: ... and a last wave that keeps this share of the grid busy. Sharing that wave out saves
+#: the idle share of it (x 0.9, the fitted cost of a partial wave) and costs a fix-up that
+#: grows with the parts each tail tile is cut in: measured (gemm_streamk_probe.jsonl) at
+#: about 0.19 of a wave for 2 parts, 0.52 for 4, 0.76 for 7 (a fill of 0.52, 0.24, 0.14).
+#: Net gains from about a fifth of the grid busy to about seven tenths.
+STREAM_K_FILL = (0.2, 0.7)
+
+
+def stream_k_pays(m: int, n: int, k: int, sms: int, choice: Choice) -> bool:
+    """Whether the rule shares the last wave of `choice` out by k-blocks (module docstring,
+    3.): one CTA per 128 x 256 tile without split-K, K of at least STREAM_K_MIN_K, at least
+    STREAM_K_WAVES full waves over `sms`, and a last wave that fills between STREAM_K_FILL
+    of the grid. Measured in
+    turns against the same tile without it (gemm_streamk_probe.jsonl, c9a3525): 7168^3 on
+    116 SMs (13.5 waves, last 52% full) 1.017x; 32768 x 1024 x 4096 on 100 SMs (10.2, 24%)
+    1.016x; 3000 x 5000 x 7000 on 116 (4.1, 14%: tail tiles in 7 parts) 1.006x; 0.61-0.89x
+    on shapes of under 3 waves."""
+    if choice[:4] != (128, 256, 1, "") or k < STREAM_K_MIN_K:
+        return False
+    tiles = -(-m // choice.block_m) * -(-n // choice.block_n)
+    whole, tail = divmod(tiles, sms)
+    return whole >= STREAM_K_WAVES and STREAM_K_FILL[0] <= tail / sms <= STREAM_K_FILL[1]
+
+
 def choose_tile(m: int, n: int, k: int, *, sms: int, dtype: str = "bf16",
                 b_layout: str = "nk") -> tuple[Choice, str]:
-    """(Choice(block_m, block_n, split_k, cluster), why) for this problem."""
+    """(Choice(block_m, block_n, split_k, cluster, split_tail, stream_k), why) for this
+    problem."""
     choice = tuned_table().get(table_key(m, n, k, dtype, b_layout, sms))
     if choice is not None:
         return choice, "tuned table"
     fit = fitted_model()
     if fit is not None:
-        return best_configuration(m, n, k, sms, fit, b_layout), "rule: the fitted wave model"
+        choice = best_configuration(m, n, k, sms, fit, b_layout)
+        if stream_k_pays(m, n, k, sms, choice):
+            return choice._replace(stream_k=True), "rule: the fitted wave model, stream-K tail"
+        return choice, "rule: the fitted wave model"
     return Choice(*DEFAULT_TILE), "rule: default tile, no split-K (no sweep has chosen a rule yet)"
