@@ -1,8 +1,8 @@
 #!/bin/bash
-# One device call (about 8 min), at most 8 files under $OUT:
+# One device call (at most about 9 min), at most 8 files under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 1. GPU tests: stream-K (the rule now takes it for the last wave, gemm_rule.stream_k_pays),
-#    grouped GEMM and MoE (their last host-side edit, 3d866ac, ran CPU tests only);
+# 1. GPU tests of mkrt.gemm's defaults and of stream-K (the rule now takes it for the last
+#    wave, gemm_rule.stream_k_pays);
 # 2. stream-K against the same tile without it, in turns, on every suite case where the
 #    rule now takes it (gemm_streamk_probe.jsonl);
 # 3. the GEMM suite on 132, 116 and 100 SMs twice: the scaling pairs, run to run.
@@ -10,13 +10,14 @@ export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFF
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "
-from mkrt.kernels import gemm as G, grouped_gemm as GG
+from mkrt.kernels import gemm as G
 specs = [s for s in G.default_specs() if s.dtype == 'bf16' and s.block_n % 64 == 0
          and (s.b_layout == 'nk' or s.split == 'streamk')]
 print('\n'.join(s.uri[:-6] for s in specs + GG.default_specs()))" | \
     xargs -P 15 -I{} sh -c 'python3 -m mkrt compile --filter {} > /dev/null 2>&1 || echo "compile {} failed"'
 echo "compiled at $SECONDS s"
-timeout 240 python3 -m pytest -q -m gpu tests/test_grouped_gemm.py tests/test_moe.py \
+timeout 150 python3 -m pytest -q -m gpu \
+    "tests/test_gemm.py::test_gemm_matches_float32_reference" "tests/test_gemm.py::test_gemm_with_fewer_ctas" \
     "tests/test_gemm.py::test_stream_k_matches_the_reference_and_repeats_bit_for_bit" \
     "tests/test_gemm.py::test_the_rules_stream_k_runs_by_default_and_gives_way_to_explicit_options" \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee $OUT/pytest.txt
