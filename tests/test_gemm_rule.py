@@ -410,3 +410,12 @@ def test_stream_k_config_names_round_trip():
     # stream-K runs alone on one CTA per whole-width tile
     for name in ("128x256_g8_sk2_streamk", "128x256_g8_streamk_m2", "128x240_g8_streamk"):
         assert gemm_rule.parse_config(name) is None
+
+
+def test_stream_k_by_rule_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    fit = {"rates": {"128x256": 3e6}, "splits": [1], "launch_us": 5.0}
+    monkeypatch.setattr(gemm_rule, "fitted_model", lambda: fit)
+    monkeypatch.setattr(gemm_rule, "STREAM_K_BY_RULE", False)
+    assert gemm_rule.choose_tile(7168, 7168, 7168, sms=116) == (gemm_rule.Choice(128, 256),
+                                                               "rule: the fitted wave model")

@@ -315,6 +315,8 @@ STREAM_K_MIN_K = 4096
 #: about 0.19 of a wave for 2 parts, 0.52 for 4, 0.76 for 7 (a fill of 0.52, 0.24, 0.14).
 #: Net gains from about a fifth of the grid busy to about seven tenths.
 STREAM_K_FILL = (0.2, 0.7)
+#: whether choose_tile applies stream_k_pays (False: the fitted model's pick as it is)
+STREAM_K_BY_RULE = True
 
 
 def stream_k_pays(m: int, n: int, k: int, sms: int, choice: Choice) -> bool:
@@ -343,7 +345,7 @@ def choose_tile(m: int, n: int, k: int, *, sms: int, dtype: str = "bf16",
     fit = fitted_model()
     if fit is not None:
         choice = best_configuration(m, n, k, sms, fit, b_layout)
-        if stream_k_pays(m, n, k, sms, choice):
+        if STREAM_K_BY_RULE and stream_k_pays(m, n, k, sms, choice):
             return choice._replace(stream_k=True), "rule: the fitted wave model, stream-K tail"
         return choice, "rule: the fitted wave model"
     return Choice(*DEFAULT_TILE), "rule: default tile, no split-K (no sweep has chosen a rule yet)"
