@@ -813,8 +813,9 @@ PIECES = [
     Piece("GEMM stream-K", "`mkrt.gemm(stream_k=True)`: the full waves run whole tiles, the "
           "k-block iterations of the rest are shared out evenly over the grid and the split "
           "tiles added up in CTA order (one CTA per tile), in turns with the same tile without "
-          "it and the rule's pick (`experiments/gemm_probe.py --probes streamk`); the rule does "
-          "not choose it", "gemm_streamk_probe", _described("stream-K", _gemm_streamk_text)),
+          "it and the rule's pick (`experiments/gemm_probe.py --probes streamk`); the rule takes "
+          "it for the last wave of 128x256 tiles at K >= 4096, 4 or more whole waves and a last "
+          "wave 20-70% full (`gemm_rule.stream_k_pays`)", "gemm_streamk_probe", _described("stream-K", _gemm_streamk_text)),
     Piece("GEMM tail split", "split-K of the last partial wave's tiles only (`split_tail=True`), "
           "against whole tiles of the same tile, in turns (`experiments/gemm_split_probe.py`); "
           "the rule does not choose it", "gemm_split_probe",
@@ -941,7 +942,8 @@ PIECES = [
     Piece("not yet", "MoE fused into one kernel, the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware "
           "(InfiniBand, RoCE or EFA: worlds have run over mkrt's loopback NIC only, as RC queue "
-          "pairs and as an EFA endpoint), a stream-K that pays (split-K pays for small M only)"),
+          "pairs and as an EFA endpoint), a stream-K that pays below 4 waves (split-K pays for "
+          "small M only)"),
 ]
 
 
