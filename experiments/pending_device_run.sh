@@ -7,6 +7,7 @@
 #    rule now takes it (gemm_streamk_probe.jsonl);
 # 3. the GEMM suite on 132, 116 and 100 SMs twice: the scaling pairs, run to run.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export MKRT_GEMM_STREAM_K_RULE=1     # the rule under test (off by default)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "

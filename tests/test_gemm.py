@@ -538,8 +538,9 @@ def test_stream_k_matches_the_reference_and_repeats_bit_for_bit(m, n, k, sms, b_
 
 
 @pytest.mark.gpu
-def test_the_rules_stream_k_runs_by_default_and_gives_way_to_explicit_options():
+def test_the_rules_stream_k_runs_by_default_and_gives_way_to_explicit_options(monkeypatch):
     import cupy
+    monkeypatch.setenv("MKRT_GEMM_STREAM_K_RULE", "1")
     m, n, k, sms = 2048, 1024, 4096, 12      # 64 tiles of 128 x 256: 5 waves and a third
     a = _random((m, k), bfloat16, 43)
     b = _random((n, k), bfloat16, 44)

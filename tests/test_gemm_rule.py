@@ -392,6 +392,7 @@ def test_stream_k_takes_the_last_wave_only_where_it_was_measured_to_pay():
 
 def test_the_rule_adds_stream_k_to_the_fitted_pick(tmp_path, monkeypatch):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MKRT_GEMM_STREAM_K_RULE", "1")
     fit = {"rates": {"128x256": 3e6}, "splits": [1], "launch_us": 5.0}
     monkeypatch.setattr(gemm_rule, "fitted_model", lambda: fit)
     choice, why = gemm_rule.choose_tile(7168, 7168, 7168, sms=116)
@@ -412,10 +413,10 @@ def test_stream_k_config_names_round_trip():
         assert gemm_rule.parse_config(name) is None
 
 
-def test_stream_k_by_rule_can_be_switched_off(tmp_path, monkeypatch):
+def test_stream_k_by_rule_is_off_by_default(tmp_path, monkeypatch):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     fit = {"rates": {"128x256": 3e6}, "splits": [1], "launch_us": 5.0}
     monkeypatch.setattr(gemm_rule, "fitted_model", lambda: fit)
-    monkeypatch.setattr(gemm_rule, "STREAM_K_BY_RULE", False)
+    monkeypatch.delenv("MKRT_GEMM_STREAM_K_RULE", raising=False)      # off by default
     assert gemm_rule.choose_tile(7168, 7168, 7168, sms=116) == (gemm_rule.Choice(128, 256),
                                                                "rule: the fitted wave model")

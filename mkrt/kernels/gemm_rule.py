@@ -35,7 +35,8 @@
    on its FIT set), so only a tuned table chooses them. Split-K part counts that never won
    a FIT shape are left out (the fit's ``splits``, and ``tail_splits`` for the tail).
    Without a fit the rule is the engine's one measured tile, 128 x 256, for every shape.
-3. Stream-K for the last wave (``stream_k_pays``), on top of the fitted model's pick: when
+3. With ``MKRT_GEMM_STREAM_K_RULE=1`` (off by default: not yet measured on the suite),
+   stream-K for the last wave (``stream_k_pays``), on top of the fitted model's pick: when
    that pick is one CTA per 128 x 256 tile, K is at least STREAM_K_MIN_K, and the last of
    at least STREAM_K_WAVES waves keeps between STREAM_K_FILL of the grid busy, that wave's
    k-blocks are shared out over every CTA instead. It is a rule of its own because the
@@ -315,8 +316,13 @@ STREAM_K_MIN_K = 4096
 #: about 0.19 of a wave for 2 parts, 0.52 for 4, 0.76 for 7 (a fill of 0.52, 0.24, 0.14).
 #: Net gains from about a fifth of the grid busy to about seven tenths.
 STREAM_K_FILL = (0.2, 0.7)
-#: whether choose_tile applies stream_k_pays (False: the fitted model's pick as it is)
-STREAM_K_BY_RULE = True
+
+
+def stream_k_by_rule() -> bool:
+    """Whether choose_tile applies stream_k_pays (``MKRT_GEMM_STREAM_K_RULE=1``; off by
+    default until the rule has run on the suite: its bounds rest on one probe's cases)."""
+    from mkrt import envs
+    return bool(envs.get("MKRT_GEMM_STREAM_K_RULE"))
 
 
 def stream_k_pays(m: int, n: int, k: int, sms: int, choice: Choice) -> bool:
@@ -345,7 +351,7 @@ def choose_tile(m: int, n: int, k: int, *, sms: int, dtype: str = "bf16",
     fit = fitted_model()
     if fit is not None:
         choice = best_configuration(m, n, k, sms, fit, b_layout)
-        if STREAM_K_BY_RULE and stream_k_pays(m, n, k, sms, choice):
+        if stream_k_by_rule() and stream_k_pays(m, n, k, sms, choice):
             return choice._replace(stream_k=True), "rule: the fitted wave model, stream-K tail"
         return choice, "rule: the fitted wave model"
     return Choice(*DEFAULT_TILE), "rule: default tile, no split-K (no sweep has chosen a rule yet)"
