@@ -813,9 +813,11 @@ PIECES = [
     Piece("GEMM stream-K", "`mkrt.gemm(stream_k=True)`: the full waves run whole tiles, the "
           "k-block iterations of the rest are shared out evenly over the grid and the split "
           "tiles added up in CTA order (one CTA per tile), in turns with the same tile without "
-          "it and the rule's pick (`experiments/gemm_probe.py --probes streamk`); with MKRT_GEMM_STREAM_K_RULE=1 the rule takes "
-          "it for the last wave of 128x256 tiles at K >= 4096, 4 or more whole waves and a last "
-          "wave 20-70% full (`gemm_rule.stream_k_pays`; off by default until measured)", "gemm_streamk_probe", _described("stream-K", _gemm_streamk_text)),
+          "it and the rule's pick (`experiments/gemm_probe.py --probes streamk`); with "
+          "MKRT_GEMM_STREAM_K_RULE=1 the rule takes it for the last wave of 128x256 tiles at "
+          "K >= 4096, 4 or more whole waves and a last wave 20-70% full "
+          "(`gemm_rule.stream_k_pays`; off by default until measured)", "gemm_streamk_probe",
+          _described("stream-K", _gemm_streamk_text)),
     Piece("GEMM tail split", "split-K of the last partial wave's tiles only (`split_tail=True`), "
           "against whole tiles of the same tile, in turns (`experiments/gemm_split_probe.py`); "
           "the rule does not choose it", "gemm_split_probe",
