@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (at most about 9 min), at most 8 files under $OUT:
-#   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
+#   MKRT_BENCH_COMMIT=<commit> [SUITE_RUNS=0..2] bash experiments/pending_device_run.sh
 # 1. GPU tests of mkrt.gemm's defaults and of stream-K (the rule now takes it for the last
 #    wave, gemm_rule.stream_k_pays);
 # 2. stream-K against the same tile without it, in turns, on every suite case where the
@@ -28,7 +28,7 @@ timeout 100 python3 experiments/gemm_probe.py --probes streamk --repeats 7 --out
     4096x14336x4096@132 32768x1024x4096@100 4096x4096x4096@116 6144x6144x6144@100 \
     8000x7936x4096@100 8192x8192x8192@100 16384x4096x14336@116 2>&1 | grep -v Warning | tee $OUT/probe.txt
 echo "probe done at $SECONDS s"
-for run in 1 2; do
+for run in $(seq 1 ${SUITE_RUNS:-2}); do
     timeout 110 python3 experiments/gemm.py --sms full,116,100 --repeats 7 --out $OUT/gemm.jsonl 2>&1 | \
         grep -E "geomean|scaling|FAILED" | tee -a $OUT/gemm.txt
     echo "suite $run done at $SECONDS s" | tee -a $OUT/gemm.txt
