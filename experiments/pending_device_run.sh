@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call (at most about 9 min), at most 8 files under $OUT:
 #   MKRT_BENCH_COMMIT=<commit> [SUITE_RUNS=0..2] bash experiments/pending_device_run.sh
-# 1. GPU tests of mkrt.gemm's defaults and of stream-K (the rule now takes it for the last
+# 1. GPU tests of mkrt.gemm's defaults, split-K and stream-K (their parts are added up by
+#    device/partial_sums.py) (the rule now takes it for the last
 #    wave, gemm_rule.stream_k_pays);
 # 2. stream-K against the same tile without it, in turns, on every suite case where the
 #    rule now takes it (gemm_streamk_probe.jsonl);
@@ -17,8 +18,10 @@ specs = [s for s in G.default_specs() if s.dtype == 'bf16' and s.block_n % 64 ==
 print('\n'.join(s.uri[:-6] for s in specs))" | \
     xargs -P 15 -I{} sh -c 'python3 -m mkrt compile --filter {} > /dev/null 2>&1 || echo "compile {} failed"'
 echo "compiled at $SECONDS s"
-timeout 150 python3 -m pytest -q -m gpu \
+timeout 200 python3 -m pytest -q -m gpu \
     "tests/test_gemm.py::test_gemm_matches_float32_reference" "tests/test_gemm.py::test_gemm_with_fewer_ctas" \
+    "tests/test_gemm.py::test_split_k_matches_the_reference_and_repeats_bit_for_bit" \
+    "tests/test_gemm.py::test_split_k_on_two_streams_at_once_keeps_the_parts_apart" \
     "tests/test_gemm.py::test_stream_k_matches_the_reference_and_repeats_bit_for_bit" \
     "tests/test_gemm.py::test_the_rules_stream_k_runs_by_default_and_gives_way_to_explicit_options" \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee $OUT/pytest.txt

@@ -31,7 +31,7 @@ import numpy as np
 
 from mkrt.arrays import HALF_DTYPES, as_cupy, bfloat16, dtype_name, like_input
 from mkrt.jit import cuda_source
-from mkrt.kernels.device import gemm_tile, tma, wgmma  # noqa: F401  (register the pieces)
+from mkrt.kernels.device import gemm_tile, partial_sums, tma, wgmma  # noqa: F401  (register the pieces)
 from mkrt.cuda import device_sm_count
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels.launcher import KernelLaunch, Parameters, function_handle
@@ -76,133 +76,34 @@ struct SplitKWork {
     __device__ __forceinline__ bool wait(const mkrt::gemm::Tile&) const { return true; }
 };
 
-// Stream-K. Tiles [0, whole) run whole (whole: the full waves of the grid; CTA c takes c,
-// c + grid, ...). The k-block iterations of the tiles after them, I = (tiles - whole) x
-// k_blocks, are shared out evenly: CTA c takes iterations [c I / grid, (c + 1) I / grid),
-// pieces of consecutive tiles. A tile that several CTAs cover is added up by
-// SplitKEpilogue, its parts in CTA order; its slot is its place after `whole`.
+// Stream-K. Tiles [0, whole) run whole (whole: the full waves of the grid); the k-block
+// iterations of the tiles after them are shared out evenly over the grid
+// (gemm::StreamKShare); a tile that several CTAs cover is added up by the split-K slots.
 struct StreamKWork {
     mkrt::gemm::RasterWork units;
-    int whole, k_blocks;
-    // In shared memory, worked out once per CTA by plan(): whole tiles each CTA runs; this
-    // CTA's shared-out iterations [begin, end); the tiles they touch (after `whole`); the
-    // CTA holding the first iteration of the first and the last of the last. Kept out of
-    // registers (the consumers hold a tile's accumulators), and get() divides by nothing.
-    const int* state;
-    enum { WHOLE_EACH, BEGIN, END, FIRST_TILE, LAST_TILE, FIRST_TILE_CTA, LAST_TILE_CTA, STATE };
-
-    // 32-bit: the host keeps iterations x grid below 2**31.
-    __device__ static void plan(int* state, const mkrt::gemm::RasterWork& units, int whole,
-                                int k_blocks) {
-        const int ctas = units.ctas, cta = units.cta;
-        const int iterations = (units.tiles_m * units.tiles_n - whole) * k_blocks;
-        // the CTA whose iterations include iteration x
-        auto cta_of = [&](int x) { return iterations ? ((x + 1) * ctas - 1) / iterations : cta; };
-        const int begin = cta * iterations / ctas, end = (cta + 1) * iterations / ctas;
-        const int first_tile = begin / k_blocks;
-        const int last_tile = end > begin ? (end - 1) / k_blocks : first_tile - 1;
-        state[WHOLE_EACH] = whole / ctas;
-        state[BEGIN] = begin;
-        state[END] = end;
-        state[FIRST_TILE] = first_tile;
-        state[LAST_TILE] = last_tile;
-        state[FIRST_TILE_CTA] = cta_of(first_tile * k_blocks);
-        state[LAST_TILE_CTA] = cta_of((last_tile + 1) * k_blocks - 1);
-    }
+    mkrt::gemm::StreamKShare share;
+    int k_blocks;
     __device__ __forceinline__ bool get(int i, mkrt::gemm::Tile& tile) const {
-        const int whole_each = state[WHOLE_EACH];
-        if (i < whole_each) {
-            tile = units.tile_at(units.cta + i * units.ctas);
-            return true;
-        }
-        const int t = state[FIRST_TILE] + (i - whole_each);          // after `whole`
-        if (t > state[LAST_TILE]) return false;
-        tile = units.tile_at(whole + t);
-        // tiles strictly inside [begin, end) are this CTA's alone
-        const int first_cta = t == state[FIRST_TILE] ? state[FIRST_TILE_CTA] : units.cta;
-        const int last_cta = t == state[LAST_TILE] ? state[LAST_TILE_CTA] : units.cta;
-        if (first_cta == last_cta) return true;
-        const int first = t * k_blocks;
-        tile.kb_begin = max(state[BEGIN], first) - first;
-        tile.kb_end = min(state[END], first + k_blocks) - first;
-        tile.split = units.cta - first_cta;
-        tile.parts = last_cta - first_cta + 1;
-        tile.slot = t;
-        return true;
+        return share.get(i, k_blocks, [&](int t) { return units.tile_at(t); }, tile);
     }
     __device__ __forceinline__ bool wait(const mkrt::gemm::Tile&) const { return true; }
 };
 
-// Whole tiles go to `whole` (TMA or direct stores). A split tile's part (of `splits`, or
-// of tile.parts with stream-K; slots `splits` parts wide either way) stores its fp32
-// partial in the tile's slot (every consumer thread its own fragment, coalesced; only
-// rows inside the matrix: a 16-row problem in 64-row tiles writes a quarter). The last
-// part of a tile to arrive reads the parts back into its accumulators, part by part in
-// order 0, 1, ... (so the sum does not depend on which came last: bit-identical between
-// calls; and a part's loads are all in flight at once), stores the tile through `whole`,
-// and re-arms the slot's arrival counter for the next call. Rows past the matrix were
-// never written and are not read (their accumulators hold this part's values, clipped
-// by the store).
-template <class Whole>
-struct SplitKEpilogue {
-    Whole whole;
-    int rows;
-    float* partials;        // [slots][splits][fragment words x consumer threads]
-    int* arrivals;          // [slots], zero between calls
-    int splits;
-
-    template <int CONSUMERS>
-    __device__ __forceinline__ void finish(const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
-        whole.finish(who);
+// Split tiles' parts (split-K or stream-K) in [slot][splits] (the host sizes the slots
+// `splits` parts wide: split-K's split count, or stream-K's most parts of a tile).
+struct SlotGrid {
+    int* arrivals;
+    int splits, rows;
+    __device__ __forceinline__ long long first_part(const mkrt::gemm::Tile& t) const {
+        return (long long)t.slot * splits;
     }
-    template <int CONSUMERS>
-    __device__ __forceinline__ void complete(const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
-        whole.complete(who);
-    }
-
-    // acc is the engine's accumulator, free to overwrite: the next tile's first MMA
-    // does not read it.
-    template <class Acc, int CONSUMERS>
-    __device__ __forceinline__ void operator()(const mkrt::gemm::Tile& tile, Acc& acc,
-                                               const mkrt::gemm::ConsumerThread<CONSUMERS>& who) const {
-        if (tile.slot < 0) {
-            whole(tile, acc, who);
-            return;
-        }
-        constexpr int THREADS = 128 * CONSUMERS;
-        constexpr long long PART = (long long)Acc::COUNT * THREADS;
-        const int parts_of_tile = tile.parts > 0 ? tile.parts : splits;
-        float* const parts = partials + (long long)tile.slot * splits * PART + who.thread;
-        float* const mine = parts + tile.split * PART;
-        const int rows_left = rows - tile.m * Cfg::BM;
-        Acc::each_pair_slot(who, [&](int row, int, int i) {
-            if (row >= rows_left) return;
-            mine[i * THREADS] = acc.d[i];
-            mine[(i + 1) * THREADS] = acc.d[i + 1];
-        });
-        __shared__ int last_part;
-        __threadfence();                                     // the partial, before the count
-        who.sync();
-        if (who.thread == 0) last_part = atomicAdd(arrivals + tile.slot, 1) == parts_of_tile - 1;
-        who.sync();
-        if (!last_part) return;
-        __threadfence();
-        for (int part = 0; part < parts_of_tile; ++part) {
-            const float* p = parts + part * PART;
-            Acc::each_pair_slot(who, [&](int row, int, int i) {
-                if (row >= rows_left) return;
-                const float v0 = __ldcg(p + i * THREADS), v1 = __ldcg(p + (i + 1) * THREADS);
-                acc.d[i] = part == 0 ? v0 : acc.d[i] + v0;
-                acc.d[i + 1] = part == 0 ? v1 : acc.d[i + 1] + v1;
-            });
-        }
-        whole(tile, acc, who);
-        if (who.thread == 0) arrivals[tile.slot] = 0;
-    }
+    __device__ __forceinline__ int parts(const mkrt::gemm::Tile& t) const { return t.parts > 0 ? t.parts : splits; }
+    __device__ __forceinline__ int* arrival(const mkrt::gemm::Tile& t) const { return arrivals + t.slot; }
+    __device__ __forceinline__ int rows_left(const mkrt::gemm::Tile& t) const { return rows - t.m * Cfg::BM; }
 };
 
 // Run the engine over the units with whole tiles stored by `whole` (and, SPLIT_K or
-// STREAM_K, the split parts added up by SplitKEpilogue, then stored by `whole`).
+// STREAM_K, the split parts added up by gemm::PartialSumEpilogue, then stored by `whole`).
 template <class Whole>
 __device__ __forceinline__ void run_units(const mkrt::TmaDescriptor* tma_a, const mkrt::TmaDescriptor* tma_b,
                                           int k, const mkrt::gemm::RasterWork& units, int rank,
@@ -210,15 +111,17 @@ __device__ __forceinline__ void run_units(const mkrt::TmaDescriptor* tma_a, cons
                                           int whole_units, int splits, char* dynamic_smem) {
     if constexpr (SPLIT_K) {
         const SplitKWork work{units, whole_units, splits, (k + Cfg::BK - 1) / Cfg::BK, rank};
-        const SplitKEpilogue<Whole> store{whole, m, partials, arrivals, splits};
+        const mkrt::gemm::PartialSumEpilogue<Whole, SlotGrid> store{whole, {arrivals, splits, m}, partials};
         mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, work, store, dynamic_smem);
     } else if constexpr (STREAM_K) {
         // written before run_tiles' first barrier, read after it
-        __shared__ int stream_k_state[StreamKWork::STATE];
+        __shared__ int stream_k_state[mkrt::gemm::StreamKShare::STATE];
         const int k_blocks = (k + Cfg::BK - 1) / Cfg::BK;
-        if (threadIdx.x == 0) StreamKWork::plan(stream_k_state, units, whole_units, k_blocks);
-        const StreamKWork work{units, whole_units, k_blocks, stream_k_state};
-        const SplitKEpilogue<Whole> store{whole, m, partials, arrivals, splits};
+        if (threadIdx.x == 0)
+            mkrt::gemm::StreamKShare::plan(stream_k_state, units.tiles_m * units.tiles_n, whole_units,
+                                           k_blocks, units.ctas, units.cta, units.ctas);
+        const StreamKWork work{units, {stream_k_state}, k_blocks};
+        const mkrt::gemm::PartialSumEpilogue<Whole, SlotGrid> store{whole, {arrivals, splits, m}, partials};
         mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, work, store, dynamic_smem);
     } else if constexpr (Cfg::CLUSTER_M == 2) {
         const mkrt::gemm::PairedRasterWork pairs{units, units.tiles_n, rank};
@@ -253,7 +156,7 @@ gemm(const __grid_constant__ mkrt::TmaDescriptor tma_a,
                   dynamic_smem);
     }
 }
-""", requires=("gemm_tile",), register=False)
+""", requires=("gemm_tile", "partial_sums"), register=False)
 
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 B_LAYOUTS = ("kn", "nk")
