@@ -440,24 +440,28 @@ def plan(m: int, n: int, k: int, *, dtype: str = "bf16", b_layout: str = "nk",
                     pad_n, splits, bool(split_tail and splits > 1))
 
 
-def stream_k_items(tiles: int, k_blocks: int, grid: int) -> list[list[tuple]]:
-    """Per CTA of `grid`, the work items the kernel's StreamKWork hands it, in order:
-    (tile in raster order, first k-block, end k-block, part, parts); parts 1 is a whole
-    tile. Tiles [0, whole) are the full waves, CTA c taking c, c + grid, ...; the k-block
-    iterations of the rest are shared out, CTA c taking [c I / grid, (c + 1) I / grid); a
-    tile's parts are numbered in CTA order. A CPU test checks that every k-block of every
-    tile is computed exactly once."""
-    whole = tiles // grid * grid
+def stream_k_items(tiles: int, k_blocks: int, grid: int, sharing: int | None = None,
+                   whole: int | None = None) -> list[list[tuple]]:
+    """Per CTA of `grid`, the work items gemm::StreamKShare hands it, in order: (tile in
+    raster order, first k-block, end k-block, part, parts); parts 1 is a whole tile. Tiles
+    [0, whole) (default: the full waves) run whole, CTA c taking c, c + grid, ...; the
+    k-block iterations of the rest are shared out over the first `sharing` CTAs (default
+    all), CTA c taking [c I / sharing, (c + 1) I / sharing); a tile's parts are numbered in
+    CTA order. A CPU test checks that every k-block of every tile is computed exactly once."""
+    whole = tiles // grid * grid if whole is None else whole
+    sharing = grid if sharing is None else sharing
     iterations = (tiles - whole) * k_blocks
 
     def cta_of(x):
-        return ((x + 1) * grid - 1) // iterations
+        return ((x + 1) * sharing - 1) // iterations
     per_cta = []
     for c in range(grid):
         items = [(c + i * grid, 0, k_blocks, 0, 1) for i in range(whole // grid)]
-        begin, end = c * iterations // grid, (c + 1) * iterations // grid
-        t = begin // k_blocks if iterations else 0
-        while iterations:
+        shares = c < sharing and iterations > 0
+        begin = c * iterations // sharing if shares else iterations
+        end = (c + 1) * iterations // sharing if shares else iterations
+        t = begin // k_blocks
+        while begin < end:
             first = t * k_blocks
             lo, hi = max(begin, first), min(end, first + k_blocks)
             if lo >= hi:
