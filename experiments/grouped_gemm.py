@@ -15,6 +15,11 @@ and epilogue with clusters of two CTAs (pairs of m-tiles sharing each weight loa
 one CTA per tile (rows of experiment grouped_gemm_cluster): the cluster rule is set on
 SUITE's rows and judged on HELD_OUT's. ``--epilogue-out JSONL`` writes the rule's tile with
 TMA stores against direct stores, every case (experiment grouped_gemm_epilogue).
+``--stream-k-out JSONL`` times, on SUITE and HELD_OUT, the rule's tile and 128x256 tiles
+with the last wave shared out by k-blocks (stream-K, at most STREAM_K_PARTS parts a tail
+tile) against the same tile without it, checks that repeated calls are bit-identical
+(experiment grouped_gemm_stream_k): the stream-K rule is set on SUITE's rows and judged
+on HELD_OUT's.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ HELD_OUT = [("mixtral_w1", 2, 28672, 4096, 1024 * 2 // 4, "uniform"),
 
 #: the tile shapes (block_m, block_n) --sweep-tiles times
 TILES = [(64, 256), (128, 256), (64, 128), (128, 128)]
+#: most parts of a tail tile --stream-k-out tries (grouped_gemm.STREAM_K_MAX_PARTS)
+STREAM_K_PARTS = (4, 16, 132)
 
 
 def sizes_for(groups, rows, skew, rng):
@@ -80,13 +87,19 @@ def main():
                              "(experiment grouped_gemm_cluster)")
     parser.add_argument("--sweep-tiles", default="", metavar="JSONL",
                         help="also time each tile shape of TILES on SUITE and HELD_OUT, rows to JSONL")
+    parser.add_argument("--stream-k-out", default="", metavar="JSONL",
+                        help="stream-K on the last wave against whole tiles, SUITE and HELD_OUT, rows "
+                             "to JSONL (experiment grouped_gemm_stream_k)")
+    parser.add_argument("--only-stream-k", action="store_true",
+                        help="with --stream-k-out: time only the stream-K variants and the baselines")
     args = parser.parse_args()
     import torch
 
     import mkrt
+    from mkrt.kernels import grouped_gemm as GG
     rng = np.random.default_rng(0)
     cases = [(case, "fit") for case in SUITE]
-    if args.sweep_tiles or args.clusters_out:
+    if args.sweep_tiles or args.clusters_out or args.stream_k_out:
         cases += [(case, "held_out") for case in HELD_OUT]
     for (label, groups, n, k, rows, skew), role in cases:
         sizes = sizes_for(groups, rows, skew, rng)
@@ -117,14 +130,30 @@ def main():
                     torch.matmul(x[a:b], wt[g], out=out[a:b])
         calls = {"mkrt": lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out),
                  "grouped_mm": lambda: torch._grouped_mm(x, wt, offs=ends), "loop": loop}
-        # the same tile with each epilogue, each checked first
-        calls["mkrt_tma"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="tma")
-        calls["mkrt_direct"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="direct")
-        tma_error, direct_error = checked(calls["mkrt_tma"]), checked(calls["mkrt_direct"])
-        # the rule's tile and epilogue with each cluster shape, each checked first
-        calls["mkrt_m2"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, cluster="m2")
-        calls["mkrt_single"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, cluster="")
-        m2_error, single_error = checked(calls["mkrt_m2"]), checked(calls["mkrt_single"])
+        if not args.only_stream_k:
+            # the same tile with each epilogue, each checked first
+            calls["mkrt_tma"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="tma")
+            calls["mkrt_direct"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, epilogue="direct")
+            tma_error, direct_error = checked(calls["mkrt_tma"]), checked(calls["mkrt_direct"])
+            # the rule's tile and epilogue with each cluster shape, each checked first
+            calls["mkrt_m2"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, cluster="m2")
+            calls["mkrt_single"] = lambda: mkrt.grouped_gemm(x, w, device_offsets, out=out, cluster="")
+            m2_error, single_error = checked(calls["mkrt_m2"]), checked(calls["mkrt_single"])
+        stream_k = {}      # (tile, parts or 0 for whole tiles) -> (error, bit-identical)
+        if args.stream_k_out:
+            for tile in dict.fromkeys([GG.choose_tile(rows, groups, n, 132), (128, 256)]):
+                for parts in (0,) + STREAM_K_PARTS:
+                    def stream_k_call(tile=tile, parts=parts):
+                        GG.STREAM_K_MAX_PARTS = parts or GG.STREAM_K_MAX_PARTS
+                        mkrt.grouped_gemm(x, w, device_offsets, out=out, block_m=tile[0],
+                                          block_n=tile[1], stream_k=parts > 0)
+                    tile_error = checked(stream_k_call)
+                    first = out.clone()
+                    for _ in range(5):
+                        stream_k_call()
+                    stream_k[(tile, parts)] = (tile_error, bool(torch.equal(first.view(torch.int16),
+                                                                          out.view(torch.int16))))
+                    calls[("stream_k", tile, parts)] = stream_k_call
         tile_errors = {}
         if args.sweep_tiles:
             for block_m, block_n in TILES:
@@ -146,6 +175,30 @@ def main():
                           rule_ratio_vs_torch=best_ms / ours_ms, group_rows=[int(r) for r in sizes],
                           groups=groups, n=n, k=k, rows=rows, skew=skew, label=label,
                           timing="interleaved rounds", baseline_name=baseline_name)
+        if args.stream_k_out:   # each tile with stream-K against without, every case
+            rows_out = []
+            for (tile, parts), (tile_error, identical) in stream_k.items():
+                if not parts:
+                    continue
+                whole_ms = ms_of[("stream_k", tile, 0)]
+                shared_ms = ms_of[("stream_k", tile, parts)]
+                rows_out.append(record(
+                    "grouped_gemm_stream_k", f"{label}_{rows}rows_{skew}_bm{tile[0]}_bn{tile[1]}_p{parts}",
+                    "ms", shared_ms, whole_ms, "ms", higher_is_better=False, block_m=tile[0],
+                    block_n=tile[1], max_parts=parts, set=role, rule_tile=list(GG.choose_tile(rows, groups, n, 132)),
+                    stream_k_ratio_vs_torch=best_ms / shared_ms, whole_ratio_vs_torch=best_ms / whole_ms,
+                    rule_ratio_vs_torch=best_ms / ours_ms, max_rel_error=tile_error,
+                    whole_max_rel_error=stream_k[(tile, 0)][0], bit_identical=identical,
+                    correct=tile_error < 1e-2 and identical, group_rows=[int(r) for r in sizes],
+                    groups=groups, n=n, k=k, rows=rows, skew=skew, label=label,
+                    timing="interleaved rounds", baseline_name="the same tile without stream-K"))
+            append_jsonl(args.stream_k_out, rows_out)
+            print(f"  {role} {label} rows={rows} {skew}: x torch rule {best_ms / ours_ms:.3f}; " +
+                  "; ".join(f"{r['block_m']}x{r['block_n']} p{r['max_parts']} {r['stream_k_ratio_vs_torch']:.3f}"
+                            f" (whole {r['whole_ratio_vs_torch']:.3f}{'' if r['correct'] else ' WRONG'})"
+                            for r in rows_out), flush=True)
+        if args.only_stream_k:
+            continue
         if args.epilogue_out:   # the default tile with TMA stores against direct stores, every case
             append_jsonl(args.epilogue_out, [versus("grouped_gemm_epilogue", "tma", "direct",
                                                     (tma_error, direct_error),

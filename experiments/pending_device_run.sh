@@ -1,12 +1,14 @@
 #!/bin/bash
 # One device call (at most about 9 min), at most 8 files under $OUT:
-#   MKRT_BENCH_COMMIT=<commit> [SUITE_RUNS=0..2] bash experiments/pending_device_run.sh
+#   MKRT_BENCH_COMMIT=<commit> [SUITE_RUNS=0..2] [GROUPED=0] bash experiments/pending_device_run.sh
 # 1. GPU tests of mkrt.gemm's defaults, split-K and stream-K (their parts are added up by
 #    device/partial_sums.py) (the rule now takes it for the last
 #    wave, gemm_rule.stream_k_pays);
 # 2. stream-K against the same tile without it, in turns, on every suite case where the
 #    rule now takes it (gemm_streamk_probe.jsonl);
-# 3. the GEMM suite on 132, 116 and 100 SMs twice: the scaling pairs, run to run.
+# 3. the grouped GEMM's stream-K: its GPU tests, then stream-K against whole tiles on the
+#    expert-GEMM suite and held-out set (grouped_gemm_stream_k.jsonl);
+# 4. the GEMM suite on 132, 116 and 100 SMs SUITE_RUNS times: the scaling pairs, run to run.
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export MKRT_GEMM_STREAM_K_RULE=1     # the rule under test (off by default)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,11 +28,23 @@ timeout 200 python3 -m pytest -q -m gpu \
     "tests/test_gemm.py::test_the_rules_stream_k_runs_by_default_and_gives_way_to_explicit_options" \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee $OUT/pytest.txt
 echo "tests done at $SECONDS s"
-timeout 100 python3 experiments/gemm_probe.py --probes streamk --repeats 7 --out $OUT/gemm_streamk_probe.jsonl \
+timeout 70 python3 experiments/gemm_probe.py --probes streamk --repeats 7 --out $OUT/gemm_streamk_probe.jsonl \
     --streamk-cases 7168x7168x7168@116 7168x7168x7168@100 8192x8192x8192@116 16384x4096x14336@132 \
-    4096x14336x4096@132 32768x1024x4096@100 4096x4096x4096@116 6144x6144x6144@100 \
-    8000x7936x4096@100 8192x8192x8192@100 16384x4096x14336@116 2>&1 | grep -v Warning | tee $OUT/probe.txt
+    4096x14336x4096@132 32768x1024x4096@100 2>&1 | grep -v Warning | tee $OUT/probe.txt
 echo "probe done at $SECONDS s"
+if [ "${GROUPED:-1}" = 1 ]; then
+python3 -c "
+from mkrt.kernels import grouped_gemm as GG
+print('\n'.join(s.uri for s in GG.default_specs() if s.dtype == 'bf16'))" | \
+    xargs -P 15 -I{} sh -c 'python3 -m mkrt compile --filter {} > /dev/null 2>&1 || echo "compile {} failed"' | \
+    tee $OUT/grouped_compile.txt
+timeout 120 python3 -m pytest -q -m gpu tests/test_grouped_gemm.py -k "stream_k or matches_the_reference" \
+    -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee $OUT/grouped_pytest.txt
+echo "grouped tests done at $SECONDS s"
+timeout 150 python3 experiments/grouped_gemm.py --stream-k-out $OUT/grouped_gemm_stream_k.jsonl --only-stream-k \
+    --iterations 10 --rounds 5 2>&1 | grep -v Warning | tee $OUT/grouped_stream_k.txt
+echo "grouped stream-K done at $SECONDS s"
+fi
 for run in $(seq 1 ${SUITE_RUNS:-2}); do
     timeout 110 python3 experiments/gemm.py --sms full,116,100 --repeats 7 --out $OUT/gemm.jsonl 2>&1 | \
         grep -E "geomean|scaling|FAILED" | tee -a $OUT/gemm.txt

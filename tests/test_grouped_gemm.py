@@ -112,6 +112,53 @@ def test_tile_rule_counts_whole_waves():
     assert GG._tile(2048, 2, 4096, 132, 64, None) == (64, 256)
 
 
+@pytest.mark.parametrize("tiles,ctas,k_blocks,max_parts", [
+    (272, 132, 224, 16), (272, 132, 224, 132), (96, 132, 64, 4), (5, 132, 3, 16), (263, 132, 1, 8),
+    (1, 7, 1000, 132), (264, 132, 16, 16), (40, 7, 5, 2)])
+def test_stream_k_share_computes_every_k_block_once_within_the_workspace(tiles, ctas, k_blocks, max_parts):
+    """GroupedStreamKWork's share (in Python): the full waves whole, the tail's k-blocks over
+    at most max_parts CTAs a tail tile, every k-block once, each tile's parts in CTA order,
+    and no tile with more parts than the slot width the workspace was sized for."""
+    from mkrt.kernels.gemm import stream_k_items
+    whole, sharing, splits = GG.stream_k_share(tiles, ctas, k_blocks, max_parts)
+    tail = tiles - whole
+    assert whole == tiles // ctas * ctas and sharing <= max(1, tail * max_parts) and sharing <= ctas
+    items = stream_k_items(tiles, k_blocks, ctas, sharing, whole)
+    seen = {}
+    for c, cta_items in enumerate(items):
+        for tile, begin, end, part, parts in cta_items:
+            assert parts <= splits
+            if parts > 1:
+                assert tile >= whole and c < sharing
+            for kb in range(begin, end):
+                assert (tile, kb) not in seen
+                seen[(tile, kb)] = (c, part)
+    assert len(seen) == tiles * k_blocks
+    for tile in range(whole, tiles):
+        owners = sorted({seen[(tile, kb)] for kb in range(k_blocks)})
+        assert [part for _, part in owners] == list(range(len(owners)))
+    assert tail * splits <= GG.stream_k_slots(ctas, k_blocks, max_parts, tiles) or tail == 0
+
+
+def test_stream_k_spec_and_options():
+    spec = GG.spec_for("bf16", 128, 256, "direct", "", "streamk")
+    assert spec.uri.endswith("_direct_streamk_sm90a") and spec.params()["STREAM_K"]
+    assert not GG.spec_for("bf16", 128, 256).params()["STREAM_K"]
+    with pytest.raises(ValueError, match="one CTA per tile"):
+        GG.spec_for("bf16", 128, 256, "direct", "m2", "streamk")
+    with pytest.raises(ValueError, match="split"):
+        GG.spec_for("bf16", 128, 256, "direct", "", "splitk")
+    with pytest.raises(ValueError, match="True, False or None"):
+        GG._stream_k(1, 2048, 2, 4096, 14336, 132, (128, 256), "")
+    with pytest.raises(ValueError, match="cluster"):
+        GG._stream_k(True, 2048, 2, 4096, 14336, 132, (128, 256), "m2")
+    with pytest.raises(ValueError, match="32-bit"):
+        GG._stream_k(True, 2048, 2, 4096, 1 << 23, 132, (128, 256), "")
+    assert GG._stream_k(False, 2048, 2, 4096, 14336, 132, (128, 256), "") is False
+    with pytest.raises(ValueError, match="needs k"):
+        GG.build(2048, 2, 4096, "bf16", 0, 132)
+
+
 def test_block_m_rule_and_reference():
     assert GG.choose_block_m(256 * 8, 256) == 64 and GG.choose_block_m(4096, 8) == 128
     rng = np.random.default_rng(0)
@@ -184,6 +231,50 @@ def test_device_offsets_rows_outside_untouched_and_repeatable(epilogue, cluster)
                                 cluster=cluster)
     assert bool((again.view(cupy.uint16) == first.view(cupy.uint16)).all())
     assert _error(first, GG.reference(x, w, inner.get()), inner.get()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GG.test_cases(), ids=lambda c: f"{len(c[0])}groups-{c[1]}x{c[2]}-{c[3]}")
+@pytest.mark.parametrize("block_m,block_n,epilogue", [(128, 256, "direct"), (64, 128, "tma")])
+@pytest.mark.parametrize("sms,max_parts", [(None, 16), (7, 3), (100, 132)])
+def test_stream_k_matches_the_reference_and_repeats_bit_for_bit(case, block_m, block_n, epilogue,
+                                                                sms, max_parts, monkeypatch):
+    import cupy
+
+    from mkrt.kernels.gemm import poison, to_float32
+    sizes, n, k, dtype = case
+    if epilogue == "tma" and n % 8:
+        pytest.skip("TMA stores need N % 8 == 0")
+    monkeypatch.setattr(GG, "STREAM_K_MAX_PARTS", max_parts)
+    x, w, offsets = _operands(cupy, sizes, n, k, dtype, seed=len(sizes) + k)
+    device_offsets = cupy.asarray(offsets)
+    out = poison(cupy.empty((x.shape[0], n), x.dtype))
+    call = dict(out=out, block_m=block_m, block_n=block_n, epilogue=epilogue, sms=sms, stream_k=True)
+    first = GG.grouped_gemm(x, w, device_offsets, **call).copy()
+    assert bool(cupy.isfinite(to_float32(first)).all()), "rows left unwritten (still NaN)"
+    assert _error(first, GG.reference(x, w, offsets), offsets) < 1e-2
+    for _ in range(3):
+        again = GG.grouped_gemm(x, w, device_offsets, **call)
+    assert bool((again.view(cupy.uint16) == first.view(cupy.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_stream_k_leaves_rows_outside_the_groups_and_keeps_streams_apart():
+    import cupy
+    x, w, offsets = _operands(cupy, [300, 0, 1000, 7], 512, 4096, "bf16", seed=5)
+    inner = cupy.asarray(np.array([8, 300, 300, 1300, 1307], np.int32))
+    want = GG.reference(x, w, inner.get())
+    outs = [cupy.full((x.shape[0], 512), 7, dtype=cupy.uint16).view(x.dtype) for _ in range(2)]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for _ in range(5):                 # one signature on two streams at once: own workspaces
+        for out, stream in zip(outs, streams):
+            GG.grouped_gemm(x, w, inner, out=out, stream_k=True, stream=stream)
+    cupy.cuda.Device().synchronize()
+    for out in outs:
+        assert bool((out.view(cupy.uint16)[:8] == 7).all())
+        assert bool((out.view(cupy.uint16)[1307:] == 7).all())
+        assert _error(out, want, inner.get()) < 1e-2
+    assert bool((outs[0].view(cupy.uint16) == outs[1].view(cupy.uint16)).all())
 
 
 @pytest.mark.gpu

@@ -40,13 +40,15 @@ from mkrt.kernels.launcher import KernelLaunch, Parameters
 
 MAX_GROUPS = 1024
 #: the kernel's static shared memory beside the engine's dynamic share: tile_prefix and a
-#: few words the engine adds (4,112 bytes in ptxas's report), with room to spare
-STATIC_SMEM_BYTES = (MAX_GROUPS + 1) * 4 + 64
+#: few words the engine adds (4,112 bytes in ptxas's report; 4,160 with stream-K's state),
+#: with room to spare
+STATIC_SMEM_BYTES = (MAX_GROUPS + 1) * 4 + 96
 
 GROUPED_GEMM = cuda_source("grouped_gemm", r"""
 using namespace mkrt;
 typedef $CTYPE T;
 constexpr bool TMA_STORE = $TMA_STORE;
+constexpr bool STREAM_K = $STREAM_K;
 typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, TMA_STORE ? $BLOCK_M * $BLOCK_N * 2 : 0,
                      $CLUSTER_M> Cfg;
 constexpr int MAX_GROUPS = $MAX_GROUPS;
@@ -70,28 +72,94 @@ struct GroupedWork {
     const int* tile_prefix;             // shared memory
     int groups, rows, n, tiles_n, cta, ctas, group_m, rank;
 
-    __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
-        const int t = cta + i * ctas;
-        if (t >= tile_prefix[groups] * tiles_n) return false;
-        // the group holding tile t: tile_prefix[g] <= t / tiles_n < tile_prefix[g + 1]
-        const int virtual_m = t / tiles_n;
+    __device__ __forceinline__ int tiles() const { return tile_prefix[groups] * tiles_n; }
+    __device__ __forceinline__ gemm::Tile tile_at(int t) const { return tile_at(t, tiles_n); }
+    // tile_at with tiles_n passed in as `columns` (GroupedStreamKWork reads it from shared
+    // memory)
+    __device__ __forceinline__ gemm::Tile tile_at(int t, int columns) const {
+        // the group holding tile t: tile_prefix[g] <= t / columns < tile_prefix[g + 1]
+        const int virtual_m = t / columns;
         int lo = 0, hi = groups;
         while (hi - lo > 1) {
             const int mid = (lo + hi) >> 1;
             if (tile_prefix[mid] <= virtual_m) lo = mid; else hi = mid;
         }
-        const gemm::RasterWork raster{tile_prefix[lo + 1] - tile_prefix[lo], tiles_n, group_m, 0, 1};
-        const gemm::Tile local = raster.tile_at(t - tile_prefix[lo] * tiles_n);
+        const gemm::RasterWork raster{tile_prefix[lo + 1] - tile_prefix[lo], columns, group_m, 0, 1};
+        const gemm::Tile local = raster.tile_at(t - tile_prefix[lo] * columns);
         const int m_tile = local.m * Cfg::CLUSTER_M + rank;          // within the group
+        gemm::Tile tile;
         tile.m = tile_prefix[lo] * Cfg::CLUSTER_M + m_tile;
         tile.n = local.n;
         tile.index = t * Cfg::CLUSTER_M + rank;
         tile.group = lo;
         tile.a_row = clamp_row(offsets[lo], rows) + m_tile * Cfg::BM;
         tile.b_row = lo * n + local.n * Cfg::BN;
+        return tile;
+    }
+    __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
+        const int t = cta + i * ctas;
+        if (t >= tiles()) return false;
+        tile = tile_at(t);
         return true;
     }
     __device__ __forceinline__ bool wait(const gemm::Tile&) const { return true; }
+};
+
+// Stream-K on the last, partial wave (STREAM_K, one CTA per tile): the full waves of the
+// work list run whole, CTA c taking c, c + ctas, ...; the k-block iterations of the tiles
+// after them are shared out over `sharing` CTAs (gemm::StreamKShare): at most max_parts
+// per tail tile, so few long tiles are not cut into more parts than their adding-up
+// repays. The tile count lives on the device (offsets may come from an earlier kernel),
+// so the share is worked out here, once per CTA (plan), into shared memory: the
+// StreamKShare state, then the parts' slot width (most parts of any tail tile) and
+// tiles_n, which get() reads there (a register fewer held across the consumers' loop,
+// where 256-wide tiles' accumulators leave none to spare).
+struct GroupedStreamKWork {
+    GroupedWork tiles;
+    gemm::StreamKShare share;
+    int k_blocks;
+    enum { SPLITS = gemm::StreamKShare::STATE, TILES_N, STATE };
+
+    __device__ static void plan(int* state, const GroupedWork& tiles, int k_blocks, int max_parts) {
+        const int all = tiles.tiles(), ctas = tiles.ctas;
+        const int whole = all / ctas * ctas, tail = all - whole;
+        // every sharing CTA gets at least one iteration
+        const int sharing = max(1, min(min(ctas, tail * max_parts), tail * k_blocks));
+        gemm::StreamKShare::plan(state, all, whole, k_blocks, sharing, tiles.cta, ctas);
+        state[SPLITS] = stream_k_splits(tail, k_blocks, sharing);
+        state[TILES_N] = tiles.tiles_n;
+    }
+    // Most CTAs covering one tile of k_blocks when each of `sharing` CTAs takes at least
+    // q = tail k_blocks / sharing iterations (the host sizes the workspace by the same bound)
+    __device__ static int stream_k_splits(int tail, int k_blocks, int sharing) {
+        if (tail == 0) return 1;
+        const int q = tail * k_blocks / sharing;
+        return (k_blocks + q - 1) / q + 1;
+    }
+    __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
+        return share.get(i, k_blocks, [&](int t) { return tiles.tile_at(t, share.state[TILES_N]); },
+                         tile);
+    }
+    __device__ __forceinline__ bool wait(const gemm::Tile&) const { return true; }
+};
+
+// Tail tiles' parts in [slot][splits] (slot: the tile's place after the full waves);
+// only the rows inside the tile's group are written and read back (a group's ragged last
+// tile moves a fraction of a tile).
+struct GroupedSlots {
+    static constexpr bool LOAD_FIRST_PART = true;     // fits beside 256-wide direct stores
+    const int* offsets;
+    int* arrivals;
+    const int* state;                   // GroupedStreamKWork's, in shared memory
+    int rows;
+    __device__ __forceinline__ long long first_part(const gemm::Tile& t) const {
+        return (long long)t.slot * state[GroupedStreamKWork::SPLITS];
+    }
+    __device__ __forceinline__ int parts(const gemm::Tile& t) const { return t.parts; }
+    __device__ __forceinline__ int* arrival(const gemm::Tile& t) const { return arrivals + t.slot; }
+    __device__ __forceinline__ int rows_left(const gemm::Tile& t) const {
+        return clamp_row(offsets[t.group + 1], rows) - t.a_row;
+    }
 };
 
 // The engine's bounded store, moved to the tile's group: rows from a_row up to the group's
@@ -137,7 +205,8 @@ extern "C" __global__ void $CLUSTER_DIMS __launch_bounds__(Cfg::THREADS, 1)
 grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
              const __grid_constant__ TmaDescriptor tma_b,
              const __grid_constant__ TmaDescriptor tma_out,     // TMA_STORE only
-             T* out, const int* offsets, int groups, int rows, int n, int k, int group_m) {
+             T* out, const int* offsets, int groups, int rows, int n, int k, int group_m,
+             float* partials, int* arrivals, int max_parts) {       // STREAM_K only
     extern __shared__ char dynamic_smem[];
     __shared__ int tile_prefix[MAX_GROUPS + 1];
     // m-tiles per group, scanned by one warp: lane l sums a run of groups, the runs are
@@ -168,9 +237,20 @@ grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
                            (int)blockIdx.x / Cfg::CLUSTER_M, (int)gridDim.x / Cfg::CLUSTER_M,
                            group_m, rank};
     const GroupedStore store{out, offsets, rows, n, (n % 2) == 0, {&tma_out}};
-    gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+    if constexpr (STREAM_K) {
+        __shared__ int stream_k_state[GroupedStreamKWork::STATE];
+        const int k_blocks = (k + Cfg::BK - 1) / Cfg::BK;
+        if (threadIdx.x == 0) GroupedStreamKWork::plan(stream_k_state, work, k_blocks, max_parts);
+        __syncthreads();
+        const GroupedStreamKWork shared_work{work, {stream_k_state}, k_blocks};
+        const gemm::PartialSumEpilogue<GroupedStore, GroupedSlots> parts{
+            store, {offsets, arrivals, stream_k_state, rows}, partials};
+        gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, shared_work, parts, dynamic_smem);
+    } else {
+        gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
+    }
 }
-""", requires=("gemm_tile",), register=False)
+""", requires=("gemm_tile", "partial_sums"), register=False)
 
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
@@ -181,7 +261,8 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
     group). epilogue "direct": every tile by bounded stores from registers; "tma": tiles
     whose rows lie in one group by TMA stores (needs N % 8 == 0), the rest direct.
     cluster "m2": clusters of two CTAs on pairs of one group's m-tiles, each loading half
-    of the weight tile they share (TMA multicast); "": one CTA per tile."""
+    of the weight tile they share (TMA multicast); "": one CTA per tile. split "streamk":
+    the tiles after the full waves are shared out by k-blocks (one CTA per tile)."""
 
     family = "grouped_gemm"
     entry_points = ("grouped_gemm",)
@@ -193,6 +274,7 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
     stages: int = dataclasses.field(default=4, metadata={"short": "s"})
     epilogue: str = "direct"
     cluster: str = ""
+    split: str = ""
 
     def __post_init__(self):
         super().__post_init__()
@@ -200,6 +282,10 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
             raise ValueError(f"mkrt.grouped_gemm: cluster={self.cluster!r}; expected one of {CLUSTERS}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"mkrt.grouped_gemm: epilogue={self.epilogue!r}; expected one of {EPILOGUES}")
+        if self.split not in SPLITS:
+            raise ValueError(f"mkrt.grouped_gemm: split={self.split!r}; expected one of {SPLITS}")
+        if self.split and self.cluster:
+            raise ValueError("mkrt.grouped_gemm: stream-K runs one CTA per tile; it takes cluster=''")
         if self.b_layout != "nk":
             raise ValueError("mkrt.grouped_gemm: weights are [G, N, K] (b_layout 'nk'); "
                              f"got {self.b_layout!r}")
@@ -216,6 +302,7 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
         return {"CTYPE": _CTYPES[self.dtype], "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages, "MAX_GROUPS": MAX_GROUPS,
                 "TMA_STORE": self.epilogue == "tma", "CLUSTER_M": self.cluster_m,
+                "STREAM_K": self.split == "streamk",
                 "CLUSTER_DIMS": "__cluster_dims__(2, 1, 1)" if self.cluster_m == 2 else ""}
 
     @property
@@ -225,18 +312,47 @@ class GroupedGemmSpec(gemm_module.OnEngine, KernelSpec):
 
 EPILOGUES = ("direct", "tma")
 CLUSTERS = ("", "m2")
+SPLITS = ("", "streamk")
 
 
 def spec_for(dtype: str, block_m: int, block_n: int = 256, epilogue: str = "direct",
-             cluster: str = "") -> GroupedGemmSpec:
+             cluster: str = "", split: str = "") -> GroupedGemmSpec:
     return GroupedGemmSpec(dtype, "nk", block_m, block_n,
                            gemm_module.max_stages(block_m, block_n, epilogue, STATIC_SMEM_BYTES),
-                           epilogue, cluster)
+                           epilogue, cluster, split)
 
 
 def default_specs() -> list[GroupedGemmSpec]:
-    return [spec_for(dtype, *tile, epilogue, cluster) for dtype in _CTYPES
-            for tile in TILE_EFFICIENCY for epilogue in EPILOGUES for cluster in CLUSTERS]
+    return [spec_for(dtype, *tile, epilogue, cluster, split) for dtype in _CTYPES
+            for tile in TILE_EFFICIENCY for epilogue in EPILOGUES for cluster in CLUSTERS
+            for split in SPLITS if not (cluster and split)]
+
+
+# ---- stream-K on the last wave -----------------------------------------------------------
+
+#: most parts a tail tile is cut into (GroupedStreamKWork): the CTAs sharing the tail are
+#: at most this many per tail tile
+STREAM_K_MAX_PARTS = 16
+
+
+def stream_k_share(tiles: int, ctas: int, k_blocks: int, max_parts: int) -> tuple[int, int, int]:
+    """(whole, sharing, splits) of GroupedStreamKWork::plan, in Python: tiles [0, whole) run
+    whole (the full waves), the rest's k-blocks go to `sharing` CTAs, and a tail tile has
+    at most `splits` parts."""
+    whole = tiles // ctas * ctas
+    tail = tiles - whole
+    sharing = max(1, min(ctas, tail * max_parts, tail * k_blocks))
+    if tail == 0:
+        return whole, sharing, 1
+    q = tail * k_blocks // sharing
+    return whole, sharing, -(-k_blocks // q) + 1
+
+
+def stream_k_slots(ctas: int, k_blocks: int, max_parts: int, most_tiles: int) -> int:
+    """Parts the workspace must hold for any tile count the device may find (up to
+    most_tiles): the most of tail tiles x splits over every tail size."""
+    return max((tail * stream_k_share(tail, ctas, k_blocks, max_parts)[2]
+                for tail in range(1, min(ctas - 1, most_tiles) + 1)), default=0)
 
 
 def choose_block_m(rows: int, groups: int) -> int:
@@ -376,16 +492,24 @@ def check_host_offsets(offsets, groups: int, rows: int) -> np.ndarray:
 
 class _Prepared:
     def __init__(self, spec: GroupedGemmSpec, device: int, grid: int, rows: int, n: int, k: int,
-                 groups: int):
+                 groups: int, most_tiles: int = 0):
         self.spec, self.rows, self.n, self.k, self.groups = spec, rows, n, k, groups
+        self.device = device
         params = Parameters([("tma_a", 128, 64), ("tma_b", 128, 64), ("tma_out", 128, 64),
                              ("out", np.uint64, 8),
                              ("offsets", np.uint64, 8), ("groups", np.int32, 4),
                              ("rows", np.int32, 4), ("n", np.int32, 4), ("k", np.int32, 4),
-                             ("group_m", np.int32, 4)])
+                             ("group_m", np.int32, 4), ("partials", np.uint64, 8),
+                             ("arrivals", np.uint64, 8), ("max_parts", np.int32, 4)])
         # bands of m-tiles, in the work list's units (pairs of m-tiles with clusters)
         params.set(groups=groups, rows=rows, n=n, k=k,
-                   group_m=max(1, band_m_tiles(n, k) // spec.cluster_m))
+                   group_m=max(1, band_m_tiles(n, k) // spec.cluster_m),
+                   max_parts=STREAM_K_MAX_PARTS)
+        # stream-K: parts of tail tiles, whatever tile count the device finds
+        self.stream_k_parts = stream_k_slots(grid, -(-k // 64), STREAM_K_MAX_PARTS, most_tiles) \
+            if spec.split == "streamk" else 0
+        self._workspaces: dict = {}     # stream -> (partials, arrivals)
+        self._bound_stream = None
         function = spec.function("grouped_gemm", device, spec.smem_bytes)
         if spec.cluster_m > 1:
             grid = gemm_module.cluster_grid(spec, function, grid, device)
@@ -412,6 +536,24 @@ class _Prepared:
             self._out_pointer = out_ptr
         self._out[()] = out_ptr
         self._offsets[()] = offsets_ptr
+
+    def run(self, stream_ptr: int) -> None:
+        """Launch on a stream. Stream-K's parts meet in a workspace of their own per stream
+        (two streams running one signature at once must not add each other's parts)."""
+        if self.stream_k_parts and self._bound_stream != stream_ptr:
+            workspace = self._workspaces.get(stream_ptr)
+            if workspace is None:
+                import cupy
+                # fp32 parts, and per tail tile (fewer than the grid) a counter that is
+                # zero between calls (zeroed on this stream, before its first launch)
+                with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(stream_ptr):
+                    partials = cupy.empty(self.stream_k_parts * self.spec.block_m * self.spec.block_n,
+                                          dtype=np.float32)
+                    arrivals = cupy.zeros(self.launch.grid, dtype=np.int32)
+                workspace = self._workspaces[stream_ptr] = (partials, arrivals)
+            self.launch.params.set(partials=workspace[0].data.ptr, arrivals=workspace[1].data.ptr)
+            self._bound_stream = stream_ptr
+        self.launch(stream_ptr)
 
 
 _PREPARED: "collections.OrderedDict[tuple, _Prepared]" = collections.OrderedDict()
@@ -513,22 +655,52 @@ def _cluster(cluster: str | None, rows: int, groups: int, n: int) -> str:
     return cluster
 
 
+def choose_stream_k(rows: int, groups: int, n: int, k: int, sms: int, tile: tuple[int, int],
+                    cluster: str) -> bool:
+    """Whether the last wave's tiles are shared out by k-blocks (off until measured)."""
+    return False
+
+
+def _stream_k(stream_k, rows: int, groups: int, n: int, k: int, sms: int, tile, cluster: str) -> bool:
+    if stream_k is None:
+        return choose_stream_k(rows, groups, n, k, sms, tile, cluster) and \
+            _stream_k_fits(sms, k)
+    if not isinstance(stream_k, (bool, np.bool_)):
+        raise ValueError(f"mkrt.grouped_gemm: stream_k={stream_k!r} must be True, False or None")
+    if stream_k and cluster:
+        raise ValueError("mkrt.grouped_gemm: stream_k=True runs one CTA per tile; it takes "
+                         "cluster='' (or None)")
+    if stream_k and not _stream_k_fits(sms, k):
+        raise ValueError(f"mkrt.grouped_gemm: stream_k=True with K={k} on {sms} SMs passes the "
+                         "kernel's 32-bit iteration index")
+    return bool(stream_k)
+
+
+def _stream_k_fits(sms: int, k: int) -> bool:
+    """The device's share arithmetic (tail k-blocks x sharing CTAs) stays in 32 bits."""
+    return sms * sms * -(-k // 64) < 2**31
+
+
 def build(rows: int, groups: int, n: int, dtype: str, device: int, sms: int | None = None,
           block_m: int | None = None, block_n: int | None = None,
-          epilogue: str | None = None, cluster: str | None = None) -> None:
+          epilogue: str | None = None, cluster: str | None = None,
+          stream_k: bool | None = None, k: int | None = None) -> None:
     """Compile and load the kernel :func:`grouped_gemm` will launch for `rows` rows in
     `groups` groups of `n` columns on `sms` SMs (callers that launch kernels waiting for
     each other, such as MoE's ranks, build first: a compile between two ranks' launches
-    stalls the first one)."""
+    stalls the first one). ``stream_k=None`` (the rule's) needs ``k``."""
     sms = device_sm_count(device) if sms is None else sms
-    spec = spec_for(dtype, *_tile(rows, groups, n, sms, block_m, block_n),
-                    _epilogue(epilogue, rows, groups, n), _cluster(cluster, rows, groups, n))
+    tile, cluster = _tile(rows, groups, n, sms, block_m, block_n), _cluster(cluster, rows, groups, n)
+    if stream_k is None and k is None:
+        raise ValueError("mkrt.grouped_gemm.build: stream_k=None (the rule's) needs k")
+    split = "streamk" if _stream_k(stream_k, rows, groups, n, k or 64, sms, tile, cluster) else ""
+    spec = spec_for(dtype, *tile, _epilogue(epilogue, rows, groups, n), cluster, split)
     spec.function("grouped_gemm", device, spec.smem_bytes)
 
 
 def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n: int | None = None,
                  sms: int | None = None, epilogue: str | None = None, cluster: str | None = None,
-                 stream=None):
+                 stream_k: bool | None = None, stream=None):
     """``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g].T`` for every g.
 
     x: [R, K] device array; w: [G, N, K] (each group's weight as nn.Linear holds it);
@@ -539,7 +711,10 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
     one group stored by TMA (N % 8 == 0); default: :func:`choose_epilogue`'s, from the rows
     per group. ``cluster`` "m2": clusters of two CTAs on pairs of a group's m-tiles share
     each weight load (TMA multicast); "": one CTA per tile; default: :func:`choose_cluster`'s.
-    Returns out in the type of ``x``.
+    ``stream_k=True``: the tiles after the full waves (as many as the device finds from the
+    offsets) are shared out by k-blocks over the grid, each tile's parts added up in a
+    fixed order (bit-identical between calls; one CTA per tile, a float32 workspace per
+    stream); default: :func:`choose_stream_k`'s. Returns out in the type of ``x``.
     """
     import cupy
 
@@ -568,7 +743,11 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
         raise ValueError(f"mkrt.grouped_gemm: block_m={block_m!r}; expected 64 or 128")
     if block_n not in (None, 128, 256):
         raise ValueError(f"mkrt.grouped_gemm: block_n={block_n!r}; expected 128 or 256")
+    if not (stream_k is None or isinstance(stream_k, (bool, np.bool_))):
+        raise ValueError(f"mkrt.grouped_gemm: stream_k={stream_k!r} must be True, False or None")
     epilogue = _epilogue(epilogue, rows, groups, n)
+    if stream_k is True and cluster is None:
+        cluster = ""
     cluster = _cluster(cluster, rows, groups, n)
     offsets_view = _device_offsets(offsets, groups, rows, device)
     if rows == 0:
@@ -576,27 +755,31 @@ def grouped_gemm(x, w, offsets, out=None, *, block_m: int | None = None, block_n
             return out
         return like_input(as_cupy(out, "out") if out is not None else cupy.empty((0, n), xv.dtype), x)
     # keyed by the tile as asked for: choose_tile runs once per signature, not per call
-    key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), epilogue, cluster, device)
+    key = (rows, n, k, groups, dtype, block_m, block_n, int(sms), epilogue, cluster, stream_k,
+           STREAM_K_MAX_PARTS, device)
     call = _PREPARED.get(key)
     if call is None:
         block_m, block_n = _tile(rows, groups, n, int(sms), block_m, block_n)
-        # the grid: every SM, or fewer when even full groups could not fill them
+        split = "streamk" if _stream_k(stream_k, rows, groups, n, k, int(sms), (block_m, block_n),
+                                       cluster) else ""
+        # the grid: every SM, or fewer when even full groups could not fill them (stream-K:
+        # every SM, the tail's k-blocks go round)
         most_tiles = (-(-rows // block_m) + groups) * -(-n // block_n)
-        spec = spec_for(dtype, block_m, block_n, epilogue, cluster)
+        spec = spec_for(dtype, block_m, block_n, epilogue, cluster, split)
         # clusters: whole pairs, their pair units (a group's last pair may hold one tile)
         units = ((-(-rows // block_m) + 1) // spec.cluster_m + groups) * -(-n // block_n)
-        grid = min(int(sms), most_tiles) if spec.cluster_m == 1 else \
+        grid = int(sms) if split else min(int(sms), most_tiles) if spec.cluster_m == 1 else \
             2 * min(int(sms) // 2, units)
         if grid < 1:
             raise ValueError(f"mkrt.grouped_gemm: cluster='m2' needs sms >= 2; got {sms}")
-        call = _PREPARED[key] = _Prepared(spec, device, grid, rows, n, k, groups)
+        call = _PREPARED[key] = _Prepared(spec, device, grid, rows, n, k, groups, most_tiles)
         if len(_PREPARED) > 256:
             _PREPARED.popitem(last=False)
     with cupy.cuda.Device(device):
         if out_view is None:
             out_view = cupy.empty((rows, n), dtype=xv.dtype)
         call.patch(xv.data.ptr, wv.data.ptr, out_view.data.ptr, offsets_view.data.ptr)
-        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+        call.run((stream or cupy.cuda.get_current_stream()).ptr)
     if out_as_given:
         return out
     return like_input(out_view if out is None else as_cupy(out, "out"), x)

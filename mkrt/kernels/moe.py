@@ -844,8 +844,8 @@ class MoE(Op):
         # The grouped GEMMs' tile: grouped_gemm.choose_tile was fitted on the rows a call
         # really has; here the host knows only the receive buffer's size (up to 16x the
         # capacity), so the tile stays the one the MoE rows were measured with (932f011),
-        # and so do the direct stores and single CTAs (choose_epilogue and choose_cluster
-        # too count rows per group)
+        # and so do the direct stores, single CTAs and whole tiles (choose_epilogue,
+        # choose_cluster and choose_stream_k too count rows per group)
         self._tile = (grouped_module.choose_block_m(self.receive_rows, self.experts_per_rank), 256)
         self.layout = MoeFlags(W, self.world.nodes)
         self._buffers: dict = {}
@@ -1102,7 +1102,7 @@ class MoE(Op):
                 for columns in (2 * shape.inter, shape.hidden):          # w1's, w2's
                     grouped_module.build(self.receive_rows, self.experts_per_rank, columns, "bf16",
                                          info.device, self.world.sm_count(info.rank), *self._tile,
-                                         epilogue="direct", cluster="")
+                                         epilogue="direct", cluster="", stream_k=False)
         streams = self._launch_streams()
         for i, (info, stream_ptr) in enumerate(zip(self.world.local, streams)):
             launches, words, swiglu = prepared[i]
@@ -1136,13 +1136,13 @@ class MoE(Op):
                     block_m, block_n = self._tile
                     grouped_module.grouped_gemm(received, w1s[i], offsets, out=h, sms=sms, stream=stream,
                                                 block_m=block_m, block_n=block_n, epilogue="direct",
-                                                cluster="")
+                                                cluster="", stream_k=False)
                     with stream:
                         swiglu((sms,), (256,), (h, act, offsets, np.int32(self.experts_per_rank),
                                                 np.int32(shape.inter), np.int32(self.receive_rows)))
                     grouped_module.grouped_gemm(act, w2s[i], offsets, out=own_results, sms=sms,
                                                 stream=stream, block_m=block_m, block_n=block_n,
-                                                epilogue="direct", cluster="")
+                                                epilogue="direct", cluster="", stream_k=False)
                 if "combine" in stages:
                     launches[1](stream_ptr)
         if self._local_count != 1:

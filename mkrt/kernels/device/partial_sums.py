@@ -23,6 +23,16 @@ PARTIAL_SUMS = cuda_source("partial_sums", r"""
 namespace mkrt {
 namespace gemm {
 
+// How the parts are read back: one body selecting load or sum per value (the default), or
+// (Slots::LOAD_FIRST_PART) part 0 loaded and the rest added in two bodies. The sums are
+// the same; which form fits in registers beside a 256-wide tile's accumulators depends on
+// the kernel (ptxas spills one or the other: mkrt.gemm fits the first, grouped_gemm the
+// second).
+template <class S, class = void> struct load_first_part { static constexpr bool value = false; };
+template <class S> struct load_first_part<S, decltype(void(S::LOAD_FIRST_PART))> {
+    static constexpr bool value = S::LOAD_FIRST_PART;
+};
+
 // Whole tiles (slot < 0) go straight to `whole`. A part stores its partial: every
 // consumer thread its own fragment words, THREADS apart (coalesced); the last part to
 // arrive adds the parts up in order (a part's loads are all in flight at once), stores
@@ -73,12 +83,29 @@ struct PartialSumEpilogue {
         __threadfence();
         for (int part = 0; part < parts; ++part) {
             const float* p = tile_parts + part * PART;
-            Acc::each_pair_slot(who, [&](int row, int, int i) {
-                if (row >= rows_left) return;
-                const float v0 = __ldcg(p + i * THREADS), v1 = __ldcg(p + (i + 1) * THREADS);
-                acc.d[i] = part == 0 ? v0 : acc.d[i] + v0;
-                acc.d[i + 1] = part == 0 ? v1 : acc.d[i + 1] + v1;
-            });
+            if constexpr (load_first_part<Slots>::value) {
+                // the same sums, part 0 loaded and the next ones added in two bodies
+                if (part == 0) {
+                    Acc::each_pair_slot(who, [&](int row, int, int i) {
+                        if (row >= rows_left) return;
+                        acc.d[i] = __ldcg(p + i * THREADS);
+                        acc.d[i + 1] = __ldcg(p + (i + 1) * THREADS);
+                    });
+                } else {
+                    Acc::each_pair_slot(who, [&](int row, int, int i) {
+                        if (row >= rows_left) return;
+                        acc.d[i] += __ldcg(p + i * THREADS);
+                        acc.d[i + 1] += __ldcg(p + (i + 1) * THREADS);
+                    });
+                }
+            } else {
+                Acc::each_pair_slot(who, [&](int row, int, int i) {
+                    if (row >= rows_left) return;
+                    const float v0 = __ldcg(p + i * THREADS), v1 = __ldcg(p + (i + 1) * THREADS);
+                    acc.d[i] = part == 0 ? v0 : acc.d[i] + v0;
+                    acc.d[i + 1] = part == 0 ? v1 : acc.d[i + 1] + v1;
+                });
+            }
         }
         whole(tile, acc, who);
         if (who.thread == 0) *slots.arrival(tile) = 0;
