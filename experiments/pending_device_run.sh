@@ -11,7 +11,7 @@
 # 4. stream-K against the same tile without it, in turns, on suite cases where the rule
 #    takes it (gemm_streamk_probe.jsonl).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-export MKRT_GEMM_STREAM_K_RULE=1     # the rule under test (off by default)
+export MKRT_GEMM_STREAM_K_RULE=1     # the default since 6888eda's suite run
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "

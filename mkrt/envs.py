@@ -78,9 +78,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MKRT_WAIT_TIMEOUT_MS", "10000", _timeout_ms,
            "Default bound of every device-side wait, in milliseconds; a wait past it "
            "aborts the kernel and the host raises mkrt.CommTimeout. Ops take timeout_ms= too."),
-    EnvVar("MKRT_GEMM_STREAM_K_RULE", "0", _flag,
+    EnvVar("MKRT_GEMM_STREAM_K_RULE", "1", _flag,
            "1: mkrt.gemm's tile rule shares the last wave out by k-blocks where "
-           "gemm_rule.stream_k_pays says (off until that rule is measured on the suite)."),
+           "gemm_rule.stream_k_pays says; 0: never (whole tiles or the fit's split-K)."),
     EnvVar("MKRT_SYNC_CHECK", "0", _flag,
            "1: synchronize after every op and raise its device errors at once (debugging)."),
     EnvVar("MKRT_EMULATE", "", str,

@@ -737,6 +737,18 @@ def _grouped_cluster_text(run):
             f"{sum(x > 1.01 for x in ratios)} faster by more than 1%)")
 
 
+def _grouped_stream_k_text(run):
+    """Grouped stream-K against whole tiles of the same tile, per (case, parts)."""
+    ratios = [r["stream_k_ratio_vs_torch"] / r["whole_ratio_vs_torch"] for r in run
+              if _number(r.get("stream_k_ratio_vs_torch")) and _number(r.get("whole_ratio_vs_torch"))]
+    if not ratios:
+        return "no rows"
+    checked = all(r.get("correct") and r.get("bit_identical") for r in run)
+    return (f"{span(ratios, 'x')} the speed of whole tiles ({len(ratios)} cases x parts, "
+            f"{sum(x > 1.01 for x in ratios)} faster by more than 1%; outputs "
+            f"{'all' if checked else 'NOT all'} right and repeated bit for bit)")
+
+
 def _gemm_streamk_text(run):
     """Stream-K against the same tile without it, per case."""
     by: dict = {}
@@ -813,10 +825,11 @@ PIECES = [
     Piece("GEMM stream-K", "`mkrt.gemm(stream_k=True)`: the full waves run whole tiles, the "
           "k-block iterations of the rest are shared out evenly over the grid and the split "
           "tiles added up in CTA order (one CTA per tile), in turns with the same tile without "
-          "it and the rule's pick (`experiments/gemm_probe.py --probes streamk`); with "
-          "MKRT_GEMM_STREAM_K_RULE=1 the rule takes it for the last wave of 128x256 tiles at "
+          "it and the rule's pick (`experiments/gemm_probe.py --probes streamk`); "
+          "the rule takes it for the last wave of 128x256 tiles at "
           "K >= 4096, 4 or more whole waves and a last wave 20-70% full "
-          "(`gemm_rule.stream_k_pays`; off by default until measured)", "gemm_streamk_probe",
+          "(`gemm_rule.stream_k_pays`; on by default since the suite run at `6888eda`, "
+          "MKRT_GEMM_STREAM_K_RULE=0 turns it off)", "gemm_streamk_probe",
           _described("stream-K", _gemm_streamk_text)),
     Piece("GEMM tail split", "split-K of the last partial wave's tiles only (`split_tail=True`), "
           "against whole tiles of the same tile, in turns (`experiments/gemm_split_probe.py`); "
@@ -929,6 +942,13 @@ PIECES = [
           "on the suite and the held-out expert GEMMs (`experiments/grouped_gemm.py "
           "--clusters-out`); `choose_cluster` keeps single CTAs", "grouped_gemm_cluster",
           _described("clusters", _grouped_cluster_text)),
+    Piece("grouped GEMM stream-K", "the last wave's k-blocks shared out over the grid "
+          "(`grouped_gemm(stream_k=True)`, at most 4, 16 or 132 parts per tile) against whole "
+          "tiles of the same tile, in turns, on the suite and the held-out expert GEMMs "
+          "(`experiments/grouped_gemm.py --stream-k-out`); the best rule fitted on the suite "
+          "lost up to 1.48x on held-out cases (`experiments/grouped_stream_k_fit.py`), so "
+          "`choose_stream_k` keeps whole tiles", "grouped_gemm_stream_k",
+          _described("stream-K", _grouped_stream_k_text)),
     Piece("grouped GEMM stores, noise", "TMA stores against the rule's own choice, in turns: "
           "where the rule picks TMA both sides are one configuration, so the spread is the "
           "timing's noise", "grouped_gemm_epilogue_rule",

@@ -413,10 +413,12 @@ def test_stream_k_config_names_round_trip():
         assert gemm_rule.parse_config(name) is None
 
 
-def test_stream_k_by_rule_is_off_by_default(tmp_path, monkeypatch):
+def test_stream_k_by_rule_is_on_by_default_and_turned_off_by_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("MKRT_JIT_CACHE_DIR", str(tmp_path))
     fit = {"rates": {"128x256": 3e6}, "splits": [1], "launch_us": 5.0}
     monkeypatch.setattr(gemm_rule, "fitted_model", lambda: fit)
-    monkeypatch.delenv("MKRT_GEMM_STREAM_K_RULE", raising=False)      # off by default
+    monkeypatch.delenv("MKRT_GEMM_STREAM_K_RULE", raising=False)      # on by default
+    assert gemm_rule.choose_tile(7168, 7168, 7168, sms=116)[0].stream_k
+    monkeypatch.setenv("MKRT_GEMM_STREAM_K_RULE", "0")
     assert gemm_rule.choose_tile(7168, 7168, 7168, sms=116) == (gemm_rule.Choice(128, 256),
                                                                "rule: the fitted wave model")

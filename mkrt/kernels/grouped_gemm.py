@@ -657,7 +657,10 @@ def _cluster(cluster: str | None, rows: int, groups: int, n: int) -> str:
 
 def choose_stream_k(rows: int, groups: int, n: int, k: int, sms: int, tile: tuple[int, int],
                     cluster: str) -> bool:
-    """Whether the last wave's tiles are shared out by k-blocks (off until measured)."""
+    """Whether the last wave's tiles are shared out by k-blocks: never by default. Measured
+    (grouped_gemm_stream_k.jsonl, 6888eda; experiments/grouped_stream_k_fit.py): the best
+    rule fitted on the suite gained 0.4% there and lost up to 1.48x on held-out expert GEMMs
+    (Llama-4 Scout w2 at 1024 rows); `stream_k=True` stays available."""
     return False
 
 
