@@ -29,7 +29,8 @@ def test_spec_uri_and_shared_memory():
     spec = A.AttentionSpec("bf16", 128, 128, 2)
     assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_sm90a"
     assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_sm90a"
-    assert spec.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 8
+    # Q, two stages of K and V, barriers: q full/empty and per stage k/v full and empty
+    assert spec.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (2 + 4 * 2) * 8
     for spec in A.default_specs():
         assert spec.smem_bytes <= A.SMEM_LIMIT
 

@@ -149,8 +149,9 @@ class AttentionSpec(KernelSpec):
             raise ValueError(f"mkrt.attention: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"mkrt.attention: head dim {self.head_dim}; expected 64 or 128")
-        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-            raise ValueError(f"mkrt.attention: block_kv={self.block_kv}; expected 64, 128, 192 or 256")
+        if self.block_kv % 16 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"mkrt.attention: block_kv={self.block_kv}; expected a multiple of 16 "
+                             "from 64 to 256")
         if self.stages < 2:
             raise ValueError(f"mkrt.attention: stages={self.stages}; at least 2")
         if self.pingpong not in (0, 1):
@@ -168,7 +169,7 @@ class AttentionSpec(KernelSpec):
     def smem_bytes(self) -> int:      # mirrors attention::Config::SMEM_BYTES
         q = BLOCK_Q * self.head_dim * 2
         kv = self.block_kv * self.head_dim * 2
-        return 1024 + q + 2 * self.stages * kv + (2 + 3 * self.stages) * 8
+        return 1024 + q + 2 * self.stages * kv + (2 + 4 * self.stages) * 8
 
     def template(self):
         return ATTENTION

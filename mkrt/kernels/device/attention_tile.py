@@ -14,8 +14,10 @@ One CTA = one producer warpgroup + two consumer warpgroups; a tile is 128 query 
 
 * **producer** (warpgroup 0, one thread): per tile, loads Q once (when the consumers have
   released the previous tile's Q), then streams K and V blocks through ``STAGES``
-  shared-memory stages, K and V on their own barriers so that QK^T can start while V
-  still lands.
+  shared-memory stages. K and V have barriers of their own, full and empty: a K stage is
+  free again as soon as its block's scores are done, a V stage only after its P V, so the
+  producer loads K of block j+1 before V of block j (K runs a block ahead of V) and the
+  next block's scores do not wait for the slower V release.
 * **consumers**: per key block, S = Q K^T (wgmma, A and B from shared memory), the online
   softmax in fp32 registers (running row maximum and sum, in log2 units), and
   O += P V (wgmma with P straight from registers: the accumulator layout of S is the
@@ -73,12 +75,14 @@ struct Config {
     static constexpr int Q_BYTES = BQ * D * 2;
     static constexpr int KV_BYTES = BKV * D * 2;    // K or V of one stage
     // 1024 of slack to align the tiles (128B swizzle), then barriers: q full/empty,
-    // and per stage k full, v full, kv empty.
-    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 3 * STAGES) * 8;
-    static constexpr int PRODUCER_REGISTERS = 40;     // 128 x (40 + 2 x 232) fits the 64K registers
-    static constexpr int CONSUMER_REGISTERS = 232;
+    // and per stage k full, v full, k empty, v empty.
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 4 * STAGES) * 8;
+    // 128 x (producer + 2 x consumer) fits the 64K registers. Blocks of more than 128 keys
+    // hold more scores (BKV / 2 + BKV / 4 registers per thread), so the producer gives up more.
+    static constexpr int PRODUCER_REGISTERS = BKV > 128 ? 24 : 40;
+    static constexpr int CONSUMER_REGISTERS = BKV > 128 ? 240 : 232;
     static_assert(D == 64 || D == 128, "head dim 64 or 128");
-    static_assert(BKV % 64 == 0 && BKV <= 256, "BKV is 64, 128, 192 or 256");
+    static_assert(BKV % 16 == 0 && BKV >= 64 && BKV <= 256, "BKV is a multiple of 16 in [64, 256]");
 };
 
 // One query tile: up to 128 query rows of one (batch, head) against `blocks` key blocks.
@@ -169,7 +173,8 @@ struct Pipeline {
     u64* q_empty;
     u64* k_full;    // [STAGES]
     u64* v_full;    // [STAGES]
-    u64* kv_empty;  // [STAGES]: both consumers done with the stage's K and V
+    u64* k_empty;   // [STAGES]: both consumers' scores of the stage's K are done
+    u64* v_empty;   // [STAGES]: both consumers' P V of the stage's V are done
 
     __device__ __forceinline__ explicit Pipeline(char* dynamic_smem) {
         char* base = reinterpret_cast<char*>(
@@ -181,7 +186,8 @@ struct Pipeline {
         q_empty = q_full + 1;
         k_full = q_empty + 1;
         v_full = k_full + Cfg::STAGES;
-        kv_empty = v_full + Cfg::STAGES;
+        k_empty = v_full + Cfg::STAGES;
+        v_empty = k_empty + Cfg::STAGES;
     }
     __device__ __forceinline__ char* k_stage(int s) const { return k + s * Cfg::KV_BYTES; }
     __device__ __forceinline__ char* v_stage(int s) const { return v + s * Cfg::KV_BYTES; }
@@ -189,7 +195,24 @@ struct Pipeline {
 
 // Producer: one thread walks the work list. Q is a 4-D map over [B, S, H, D] (coordinates
 // d, head, row, batch; box 64 x 1 x 128 x 1); K and V are 5-D maps over [sources][B, S, H, D]
-// (box 64 x 1 x BKV x 1 x 1).
+// (box 64 x 1 x BKV x 1 x 1). Inside a tile the loads go K0, K1, V0, K2, V1, ...: V of a
+// block is loaded after K of the next one, since its stage is released later.
+template <class Cfg>
+__device__ __forceinline__ void load_values(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_v,
+                                            const Tile& tile, const KeyBlock& block, bool ready,
+                                            int stage, u32 phase) {
+    mbarrier_wait(&pipe.v_empty[stage], phase ^ 1);
+    if (ready) {
+        mbarrier_arrive_expect_tx(&pipe.v_full[stage], Cfg::KV_BYTES);
+        #pragma unroll
+        for (int c = 0; c < Cfg::CHUNKS; ++c)
+            tma_load_5d(pipe.v_stage(stage) + c * Cfg::BKV * 128, tma_v, c * 64,
+                        tile.kv_head, block.row, tile.batch, block.source, &pipe.v_full[stage]);
+    } else {
+        mbarrier_arrive(&pipe.v_full[stage]);
+    }
+}
+
 template <class Cfg, class Work>
 __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_q,
                                         const TmaDescriptor* tma_k, const TmaDescriptor* tma_v,
@@ -205,29 +228,35 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
         for (int c = 0; c < Cfg::CHUNKS; ++c)
             tma_load_4d(pipe.q + c * Cfg::BQ * 128, tma_q, c * 64, tile.head, tile.q_row,
                         tile.batch, pipe.q_full);
+        // V of the previous block is held back until this block's K is on its way; it
+        // sits in the stage before this one
+        KeyBlock previous;
+        bool previous_ready = false;
         for (int j = 0; j < tile.blocks; ++j) {
             const KeyBlock block = work.key_block(tile, j);
             const bool ready = work.wait(tile, block);
-            mbarrier_wait(&pipe.kv_empty[stage], phase ^ 1);
+            mbarrier_wait(&pipe.k_empty[stage], phase ^ 1);
             if (ready) {
                 mbarrier_arrive_expect_tx(&pipe.k_full[stage], Cfg::KV_BYTES);
                 #pragma unroll
                 for (int c = 0; c < Cfg::CHUNKS; ++c)
                     tma_load_5d(pipe.k_stage(stage) + c * Cfg::BKV * 128, tma_k, c * 64,
                                 tile.kv_head, block.row, tile.batch, block.source, &pipe.k_full[stage]);
-                mbarrier_arrive_expect_tx(&pipe.v_full[stage], Cfg::KV_BYTES);
-                #pragma unroll
-                for (int c = 0; c < Cfg::CHUNKS; ++c)
-                    tma_load_5d(pipe.v_stage(stage) + c * Cfg::BKV * 128, tma_v, c * 64,
-                                tile.kv_head, block.row, tile.batch, block.source, &pipe.v_full[stage]);
             } else {
                 // The keys never came (a bounded wait gave up): release unloaded so the
                 // consumers drain; the host raises the timeout.
                 mbarrier_arrive(&pipe.k_full[stage]);
-                mbarrier_arrive(&pipe.v_full[stage]);
             }
+            if (j > 0)
+                load_values<Cfg>(pipe, tma_v, tile, previous, previous_ready,
+                                 stage == 0 ? Cfg::STAGES - 1 : stage - 1, stage == 0 ? phase ^ 1 : phase);
+            previous = block;
+            previous_ready = ready;
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
         }
+        if (tile.blocks > 0)
+            load_values<Cfg>(pipe, tma_v, tile, previous, previous_ready,
+                             stage == 0 ? Cfg::STAGES - 1 : stage - 1, stage == 0 ? phase ^ 1 : phase);
     }
 }
 
@@ -364,6 +393,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
         turn_pass<Cfg>(who);
         wgmma_wait<0>();
         fence_accumulators(s);
+        if (warp_leader) mbarrier_arrive(&pipe.k_empty[stage]);
         if (blocks == 1 && warp_leader) mbarrier_arrive(pipe.q_empty);
         softmax_block<Cfg>(s, state, rescale, tile, work.key_block(tile, 0), scale_log2, who);
         for (int j = 1; j < blocks; ++j) {
@@ -385,11 +415,12 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
             turn_pass<Cfg>(who);
             wgmma_wait<1>();
             fence_accumulators(s);
+            if (warp_leader) mbarrier_arrive(&pipe.k_empty[stage]);
             if (j + 1 == blocks && warp_leader) mbarrier_arrive(pipe.q_empty);
             softmax_block<Cfg>(s, state, rescale, tile, work.key_block(tile, j), scale_log2, who);
             wgmma_wait<0>();
             fence_accumulators(state.o);
-            if (warp_leader) mbarrier_arrive(&pipe.kv_empty[previous]);
+            if (warp_leader) mbarrier_arrive(&pipe.v_empty[previous]);
             rescale_output<Cfg>(state, rescale);
         }
         // the last block's P V
@@ -403,7 +434,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
         turn_pass<Cfg>(who);
         wgmma_wait<0>();
         fence_accumulators(state.o);
-        if (warp_leader) mbarrier_arrive(&pipe.kv_empty[stage]);
+        if (warp_leader) mbarrier_arrive(&pipe.v_empty[stage]);
         if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
     }
     // normalise: the rows' sums over the quad of threads that share them
@@ -437,7 +468,8 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaD
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(&pipe.k_full[s], 1);
             mbarrier_init(&pipe.v_full[s], 1);
-            mbarrier_init(&pipe.kv_empty[s], Cfg::CONSUMERS * 4);
+            mbarrier_init(&pipe.k_empty[s], Cfg::CONSUMERS * 4);
+            mbarrier_init(&pipe.v_empty[s], Cfg::CONSUMERS * 4);
         }
         mbarrier_init_fence();
         tma_prefetch_descriptor(tma_q);
