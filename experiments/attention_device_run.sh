@@ -8,15 +8,15 @@
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-SHAPES=${SHAPES:-4:4096:16:16:128:0,4:4096:16:16:128:1,4:12288:16:16:128:0,1:8192:64:8:128:1}
-VARIANTS=${VARIANTS:-bkv64_s4_pp1,bkv128_s2_pp1,bkv128_s3_pp1,bkv176_s2_pp1,bkv192_s2_pp1,bkv128_s2_pp0,bkv176_s2_pp0}
+SHAPES=${SHAPES:-4:4096:16:16:128:0,4:4096:16:16:128:1,4:12288:16:16:128:0,4:12288:16:16:128:1,1:8192:64:8:128:1}
+VARIANTS=${VARIANTS:-bkv64_s4_pp1,bkv128_s2_pp1,bkv128_s3_pp1,bkv176_s2_pp1,bkv192_s2_pp1,bkv128_s2_pp0}
 timeout 200 python3 -m pytest -q -m gpu tests/test_attention.py tests/test_ring_attention_gpu.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -8 | tee $OUT/pytest.txt
 echo "tests done at $SECONDS s"
-timeout 150 python3 experiments/attention.py --shapes $SHAPES --variants $VARIANTS \
+timeout 200 python3 experiments/attention.py --shapes $SHAPES --variants $VARIANTS \
     --out $OUT/attention.jsonl 2>&1 | grep -v Warning | tee $OUT/attention.txt
 timeout 60 python3 experiments/attention.py --shapes 4:4096:16:16:64:0,4:4096:16:16:64:1 \
-    --variants bkv128_s3_pp0,bkv128_s4_pp0,bkv128_s3_pp1,bkv176_s3_pp0,bkv192_s3_pp1 \
+    --variants ${VARIANTS64:-bkv128_s3_pp1,bkv176_s3_pp1,bkv192_s2_pp1,bkv192_s3_pp1,bkv192_s3_pp0} \
     --out $OUT/attention.jsonl 2>&1 | grep -v Warning | tee -a $OUT/attention.txt
 echo "timed at $SECONDS s"
 if [ -f experiments/old_engine/attention_tile.py ]; then
