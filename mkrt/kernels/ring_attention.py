@@ -67,6 +67,7 @@ struct Args {
     int me, node, G, N, compute_ctas, causal;
     int gathered_region, flags_region;
     float scale_log2;
+    int band;                   // (batch, key head) pairs whose tiles run together
     u64* board;                 // roles="search": the split comes from the role board (null: compute_ctas)
 };
 $ARGS_CHECKS
@@ -74,7 +75,7 @@ $ARGS_CHECKS
 // The compute role's tiles and key blocks (mirror: tile_order, source_order, key_blocks).
 struct RingWork {
     int batches, heads, group, chunk, q_blocks, kv_blocks;   // q/kv blocks per chunk
-    int G, N, node, me, causal, cta, ctas;
+    int G, N, node, me, causal, cta, ctas, band;
     const u64* flags;
     Layout L;
     u64 epoch;
@@ -99,17 +100,26 @@ struct RingWork {
         return min(kv_blocks, last / Cfg::BKV + 1);
     }
     __device__ __forceinline__ bool get(int i, Tile& tile) const {
+        // in bands of `band` (batch, key head) pairs whose gathered K/V stay in L2 together
+        // (as mkrt.attention's HeadWork); inside a band by `order`, then key heads, then the
+        // query heads sharing one
         const int t = cta + i * ctas;
-        const int per_block = batches * heads;
-        if (t >= 2 * q_blocks * per_block) return false;
-        const int order = t / per_block;
+        const int kv_heads = heads / group;
+        const int units = batches * kv_heads;
+        if (t >= 2 * q_blocks * units * group) return false;
+        const int per_band = 2 * q_blocks * band * group;
+        const int b = t / per_band;
+        const int width = min(band, units - b * band) * group;
+        const int r = t - b * per_band;
+        const int order = r / width;
         // heaviest first: causal, the later chunk (slot 1) before the earlier; last blocks first
         const int slot = causal ? (order < q_blocks ? 1 : 0) : order / q_blocks;
         const int q_block = q_blocks - 1 - order % q_blocks;
-        const int bh = t - order * per_block;
-        tile.batch = bh / heads;
-        tile.head = bh - tile.batch * heads;
-        tile.kv_head = tile.head / group;
+        const int w = r - order * width;
+        const int unit = b * band + w / group;
+        tile.batch = unit / kv_heads;
+        tile.kv_head = unit - tile.batch * kv_heads;
+        tile.head = tile.kv_head * group + (w - (w / group) * group);
         tile.q_row = slot * chunk + q_block * Cfg::BQ;
         tile.q_rows = min(Cfg::BQ, chunk - q_block * Cfg::BQ);
         const int qc = chunk_of(node * G + me, slot);
@@ -201,7 +211,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
         const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk,
                             (a.chunk + Cfg::BQ - 1) / Cfg::BQ, (a.chunk + Cfg::BKV - 1) / Cfg::BKV,
                             a.G, a.N, a.node, a.me, a.causal, (int)blockIdx.x, compute_ctas,
-                            a.flags, L, epoch, ctx};
+                            a.band, a.flags, L, epoch, ctx};
         const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
         attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
     } else {
@@ -223,7 +233,7 @@ ARGS_DTYPE = np.dtype([
     ("batches", "<i4"), ("heads", "<i4"), ("kv_heads", "<i4"), ("chunk", "<i4"),
     ("me", "<i4"), ("node", "<i4"), ("G", "<i4"), ("N", "<i4"), ("compute_ctas", "<i4"),
     ("causal", "<i4"), ("gathered_region", "<i4"), ("flags_region", "<i4"),
-    ("scale_log2", "<f4"), ("board", "<u8"),
+    ("scale_log2", "<f4"), ("band", "<i4"), ("board", "<u8"),
 ], align=True)
 
 #: kernel parameters, in order (tensor maps 64-byte aligned)
@@ -245,6 +255,13 @@ class RingAttentionSpec(attention_module.AttentionSpec):
     def params(self):
         return {**super().params(), "KERNEL_ID": f"{KERNEL_ID}ull",
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
+
+
+def ring_band(batches: int, kv_heads: int, head_dim: int, rows: int) -> int:
+    """(batch, key head) pairs whose tiles run together: as many as have their gathered K
+    and V (`rows` of the whole sequence) within attention.KV_L2_BYTES, at least one."""
+    per_head = 2 * rows * head_dim * 2
+    return max(1, min(batches * kv_heads, attention_module.KV_L2_BYTES // per_head))
 
 
 def spec_for(dtype: str, head_dim: int) -> RingAttentionSpec:
@@ -447,6 +464,7 @@ class RingAttention(GatheringOp):
         args["compute_ctas"] = call.ctas - call.comm_ctas
         args["causal"] = int(p.causal)
         args["scale_log2"] = call.scale * 1.4426950408889634
+        args["band"] = ring_band(p.batches, p.kv_heads, p.head_dim, self.world.size * p.sk)
         return args
 
     def _call_shape(self, call) -> tuple:

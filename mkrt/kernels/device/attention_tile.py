@@ -77,10 +77,15 @@ struct Config {
     // 1024 of slack to align the tiles (128B swizzle), then barriers: q full/empty,
     // and per stage k full, v full, k empty, v empty.
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 4 * STAGES) * 8;
-    // 128 x (producer + 2 x consumer) fits the 64K registers. Blocks of more than 128 keys
-    // hold more scores (BKV / 2 + BKV / 4 registers per thread), so the producer gives up more.
-    static constexpr int PRODUCER_REGISTERS = BKV > 128 ? 24 : 40;
-    static constexpr int CONSUMER_REGISTERS = BKV > 128 ? 240 : 232;
+    // setmaxnreg moves registers inside the CTA's launch share (168 per thread at 384
+    // threads): producer + 2 x consumer must stay within 3 x 168, or an increase waits
+    // forever. Blocks of more than 128 keys hold more scores (BKV / 2 + BKV / 4 registers
+    // per thread), so the producer gives up more; at 128 or less the ring's producer (its
+    // key_block walks the sources) needs 56 to run without spills.
+    static constexpr int PRODUCER_REGISTERS = BKV > 128 ? 24 : 56;
+    static constexpr int CONSUMER_REGISTERS = BKV > 128 ? 240 : 224;
+    static_assert(PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS <= 3 * 168,
+                  "the register split exceeds the CTA's share");
     static_assert(D == 64 || D == 128, "head dim 64 or 128");
     static_assert(BKV % 16 == 0 && BKV >= 64 && BKV <= 256, "BKV is a multiple of 16 in [64, 256]");
 };
