@@ -3,8 +3,9 @@
 #   bash experiments/attention_device_run.sh
 # 1. GPU tests of mkrt.attention and the ring kernel (they share the engine);
 # 2. the engine's configurations on the main shapes against torch's backends, same run;
-# 3. if experiments/old_engine/ holds an earlier engine, the same shapes on it (same machine);
-# 4. Nsight Compute on one call of the engine and of cuDNN (where the time goes).
+# 3. the ring (1x4 emulated) on two shapes against its baselines;
+# 4. if experiments/old_engine/ holds an earlier engine, the same shapes on it (same machine);
+# 5. Nsight Compute on one call of the engine and of cuDNN (where the time goes).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -19,6 +20,11 @@ timeout 60 python3 experiments/attention.py --shapes 4:4096:16:16:64:0,4:4096:16
     --variants ${VARIANTS64:-bkv128_s3_pp1,bkv176_s3_pp1,bkv192_s2_pp1,bkv192_s3_pp1,bkv192_s3_pp0} \
     --out $OUT/attention.jsonl 2>&1 | grep -v Warning | tee -a $OUT/attention.txt
 echo "timed at $SECONDS s"
+if [ "${RING:-1}" = 1 ]; then
+    timeout 120 python3 experiments/ring_attention.py --layouts 1x4 --shapes 4:3072:16:16:128:0,4:3072:16:16:128:1 \
+        --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | tee $OUT/ring.txt
+    echo "ring timed at $SECONDS s"
+fi
 if [ -f experiments/old_engine/attention_tile.py ]; then
     old=/tmp/old-engine; rm -rf $old; mkdir -p $old; cp -r mkrt experiments $old/
     cp experiments/old_engine/attention_tile.py $old/mkrt/kernels/device/attention_tile.py
