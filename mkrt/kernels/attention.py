@@ -192,18 +192,23 @@ class AttentionSpec(KernelSpec):
                 "PINGPONG": "true" if self.pingpong else "false"}
 
 
-def default_spec(dtype: str, head_dim: int) -> AttentionSpec:
-    """Measured on the H200 (experiments/results/attention_variants.jsonl): at head dim 128,
-    64-key blocks in 4 stages with pingpong turns beat 128-key blocks in 2 stages by 5-8%;
-    at 64, 128-key blocks in 3 stages without pingpong are fastest."""
+def default_spec(dtype: str, head_dim: int, causal: bool = False) -> AttentionSpec:
+    """Measured on an H100 against cuDNN, every configuration in the same run
+    (experiments/results/attention_variants.jsonl, 32702df: B 4 x S 4096 and 12288 x 16
+    heads, causal or not, and Llama-3 70B GQA at 8192). At head dim 128, non-causal:
+    128-key blocks in 3 stages with pingpong (625 and 608 TFLOP/s, 0.96 and 1.01x cuDNN);
+    causal: 128-key blocks in 2 stages with pingpong (544, 557 and 570: 0.996, 0.97, 1.02x),
+    whose shorter rows gain less from a third stage. At head dim 64: 192-key blocks in 2
+    stages with pingpong (0.95 and 0.91x)."""
     if head_dim == 128:
-        return AttentionSpec(dtype, 128, 64, 4, 1)
-    return AttentionSpec(dtype, head_dim, 128, 3, 0)
+        return AttentionSpec(dtype, 128, 128, 2 if causal else 3, 1)
+    return AttentionSpec(dtype, head_dim, 192, 2, 1)
 
 
 def default_specs() -> list[AttentionSpec]:
     """The configurations ``mkrt.attention`` uses (``python -m mkrt compile --all``)."""
-    return [default_spec(dtype, d) for dtype in _CTYPES for d in HEAD_DIMS]
+    return sorted({default_spec(dtype, d, causal) for dtype in _CTYPES for d in HEAD_DIMS
+                   for causal in (False, True)}, key=lambda spec: spec.uri)
 
 
 # ---- checks and planning (pure Python, testable without a GPU) ------------------------
@@ -506,7 +511,7 @@ def _prepare(key, q, k, v, out, lse, causal, scale, sms, overrides) -> _Prepared
         sms = total_sms
     elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
         raise ValueError(f"mkrt.attention: sms={sms!r}; expected an integer in [1, {total_sms}]")
-    spec = default_spec(problem.dtype, problem.head_dim)
+    spec = default_spec(problem.dtype, problem.head_dim, problem.causal)
     block_kv, stages, pingpong = overrides
     if overrides != (None, None, None):      # the spec checks the values
         # unset overrides come from one fixed base (128-key blocks, 2 stages at D 128, 3 at
