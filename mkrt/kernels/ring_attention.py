@@ -264,14 +264,23 @@ def ring_band(batches: int, kv_heads: int, head_dim: int, rows: int) -> int:
     return max(1, min(batches * kv_heads, attention_module.KV_L2_BYTES // per_head))
 
 
-def spec_for(dtype: str, head_dim: int) -> RingAttentionSpec:
-    """The engine configuration the ring was measured with (128-key blocks, no pingpong);
-    mkrt.attention's default at head dim 128 differs (see attention.default_spec)."""
-    return RingAttentionSpec(dtype, head_dim, 128, 2 if head_dim == 128 else 3, 0)
+def spec_for(dtype: str, head_dim: int, causal: bool = False) -> RingAttentionSpec:
+    """mkrt.attention's default configuration (attention.default_spec) in the ring kernel,
+    but at most 128-key blocks: above that the producer keeps 24 registers, and the ring's
+    producer (its key_block walks the sources) spills there; head dim 64 takes 128-key
+    blocks in 3 stages with pingpong instead (2-3% slower alone, attention_variants.jsonl,
+    32702df). The ring ran 128-key blocks in 2 (D 64: 3) stages without pingpong until
+    93a5fd8."""
+    base = attention_module.default_spec(dtype, head_dim, causal)
+    if base.block_kv > 128:
+        return RingAttentionSpec(dtype, head_dim, 128, 3, 1)
+    return RingAttentionSpec(dtype, head_dim, base.block_kv, base.stages, base.pingpong)
 
 
 def default_specs() -> list[RingAttentionSpec]:
-    return [spec_for(dtype, d) for dtype in ("bf16", "f16") for d in attention_module.HEAD_DIMS]
+    return sorted({spec_for(dtype, d, causal) for dtype in ("bf16", "f16")
+                   for d in attention_module.HEAD_DIMS for causal in (False, True)},
+                  key=lambda spec: spec.uri)
 
 
 # ---- what the kernel does, in Python (mirrors of RingWork, checked on the CPU) -----------
@@ -417,7 +426,7 @@ class RingAttention(GatheringOp):
             lses = self.new_outputs((p.batches, p.heads, p.sq), np.float32)
         if self.world.size == 1:
             # one rank holds the whole sequence in order: the engine alone
-            spec = spec_for(p.dtype, p.head_dim)     # the ring's engine configuration
+            spec = spec_for(p.dtype, p.head_dim, p.causal)     # the ring's engine configuration
             attention_module.attention(q_list[0], k_list[0], v_list[0], causal=p.causal,
                                        scale=call.scale, out=outs[0], lse=lses[0],
                                        block_kv=spec.block_kv, stages=spec.stages,
@@ -433,7 +442,7 @@ class RingAttention(GatheringOp):
         if call.launches is not None and call.generation == self._generation:
             return call.launches
         self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
-        p, spec = call.problem, spec_for(call.problem.dtype, call.problem.head_dim)
+        p, spec = call.problem, spec_for(call.problem.dtype, call.problem.head_dim, call.problem.causal)
         launches, words = [], []
         for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
