@@ -202,19 +202,22 @@ struct Pipeline {
 // d, head, row, batch; box 64 x 1 x 128 x 1); K and V are 5-D maps over [sources][B, S, H, D]
 // (box 64 x 1 x BKV x 1 x 1). Inside a tile the loads go K0, K1, V0, K2, V1, ...: V of a
 // block is loaded after K of the next one, since its stage is released later.
+// K or V of one block into its stage, once the consumers have released the stage. A block
+// whose keys never came (a bounded wait gave up) is released unloaded so the consumers
+// drain; the host raises the timeout.
 template <class Cfg>
-__device__ __forceinline__ void load_values(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_v,
-                                            const Tile& tile, const KeyBlock& block, bool ready,
-                                            int stage, u32 phase) {
-    mbarrier_wait(&pipe.v_empty[stage], phase ^ 1);
+__device__ __forceinline__ void load_block(char* destination, u64* full, u64* empty,
+                                           const TmaDescriptor* map, const Tile& tile,
+                                           const KeyBlock& block, bool ready, u32 phase) {
+    mbarrier_wait(empty, phase ^ 1);
     if (ready) {
-        mbarrier_arrive_expect_tx(&pipe.v_full[stage], Cfg::KV_BYTES);
+        mbarrier_arrive_expect_tx(full, Cfg::KV_BYTES);
         #pragma unroll
         for (int c = 0; c < Cfg::CHUNKS; ++c)
-            tma_load_5d(pipe.v_stage(stage) + c * Cfg::BKV * 128, tma_v, c * 64,
-                        tile.kv_head, block.row, tile.batch, block.source, &pipe.v_full[stage]);
+            tma_load_5d(destination + c * Cfg::BKV * 128, map, c * 64, tile.kv_head, block.row,
+                        tile.batch, block.source, full);
     } else {
-        mbarrier_arrive(&pipe.v_full[stage]);
+        mbarrier_arrive(full);
     }
 }
 
@@ -237,31 +240,22 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
         // sits in the stage before this one
         KeyBlock previous;
         bool previous_ready = false;
+        auto load_previous_values = [&]() {
+            const int s = stage == 0 ? Cfg::STAGES - 1 : stage - 1;
+            load_block<Cfg>(pipe.v_stage(s), &pipe.v_full[s], &pipe.v_empty[s], tma_v, tile,
+                            previous, previous_ready, stage == 0 ? phase ^ 1 : phase);
+        };
         for (int j = 0; j < tile.blocks; ++j) {
             const KeyBlock block = work.key_block(tile, j);
             const bool ready = work.wait(tile, block);
-            mbarrier_wait(&pipe.k_empty[stage], phase ^ 1);
-            if (ready) {
-                mbarrier_arrive_expect_tx(&pipe.k_full[stage], Cfg::KV_BYTES);
-                #pragma unroll
-                for (int c = 0; c < Cfg::CHUNKS; ++c)
-                    tma_load_5d(pipe.k_stage(stage) + c * Cfg::BKV * 128, tma_k, c * 64,
-                                tile.kv_head, block.row, tile.batch, block.source, &pipe.k_full[stage]);
-            } else {
-                // The keys never came (a bounded wait gave up): release unloaded so the
-                // consumers drain; the host raises the timeout.
-                mbarrier_arrive(&pipe.k_full[stage]);
-            }
-            if (j > 0)
-                load_values<Cfg>(pipe, tma_v, tile, previous, previous_ready,
-                                 stage == 0 ? Cfg::STAGES - 1 : stage - 1, stage == 0 ? phase ^ 1 : phase);
+            load_block<Cfg>(pipe.k_stage(stage), &pipe.k_full[stage], &pipe.k_empty[stage], tma_k,
+                            tile, block, ready, phase);
+            if (j > 0) load_previous_values();
             previous = block;
             previous_ready = ready;
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
         }
-        if (tile.blocks > 0)
-            load_values<Cfg>(pipe, tma_v, tile, previous, previous_ready,
-                             stage == 0 ? Cfg::STAGES - 1 : stage - 1, stage == 0 ? phase ^ 1 : phase);
+        if (tile.blocks > 0) load_previous_values();
     }
 }
 
