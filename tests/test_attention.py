@@ -114,6 +114,35 @@ def test_tile_order_deals_every_tile_once_in_bands_that_fit_l2(shape):
     assert A.check_operands((1, 8192, 64, 128), (1, 8192, 8, 128), (1, 8192, 8, 128), F16, F16, F16).band == 5
 
 
+def _head_work_get(p, t):
+    """HeadWork::get's index arithmetic (attention.py's kernel source), line for line."""
+    group, q_blocks = p.heads // p.kv_heads, -(-p.sq // A.BLOCK_Q)
+    units = p.batches * p.kv_heads
+    if t >= q_blocks * units * group:
+        return None
+    per_band = q_blocks * p.band * group
+    b = t // per_band
+    width = min(p.band, units - b * p.band) * group
+    r = t - b * per_band
+    q_block = q_blocks - 1 - r // width
+    w = r - (r // width) * width
+    unit = b * p.band + w // group
+    batch = unit // p.kv_heads
+    kv_head = unit - batch * p.kv_heads
+    return batch, kv_head * group + (w - (w // group) * group), q_block
+
+
+@pytest.mark.parametrize("shape", [(3, 700, 12, 4, 64), (2, 4096, 16, 16, 128), (5, 9000, 8, 2, 128)])
+def test_the_kernels_tile_arithmetic_matches_tile_order(shape, monkeypatch):
+    B, S, Hq, Hkv, D = shape
+    for budget in (1, 3 * 2 * S * D * 2, A.KV_L2_BYTES):     # bands of 1, of 3 (a partial last), default
+        monkeypatch.setattr(A, "KV_L2_BYTES", budget)
+        p = A.check_operands((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), F16, F16, F16)
+        order = A.tile_order(p)
+        assert [_head_work_get(p, t) for t in range(len(order))] == order
+        assert _head_work_get(p, len(order)) is None
+
+
 def test_reference_matches_the_float64_ring_reference():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 9, 4, 64))
