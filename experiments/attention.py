@@ -117,9 +117,10 @@ def main():
             except RuntimeError:
                 theirs[name] = None
         for variant in filter(None, args.variants.split(",")):
-            bkv, st, pp = (int(part[len(prefix):]) for part, prefix in
-                           zip(variant.split("_"), ("bkv", "s", "pp")))
-            options = dict(block_kv=bkv, stages=st, pingpong=pp)
+            # bkv128_s3_pp1, optionally _c3 (three consumer warpgroups)
+            values = [int(part[len(prefix):]) for part, prefix in
+                      zip(variant.split("_"), ("bkv", "s", "pp", "c"))]
+            options = dict(zip(("block_kv", "stages", "pingpong", "consumers"), values))
             try:
                 check = torch.full_like(q, float("nan"))
                 mkrt.attention(q, k, v, causal=causal, out=check, lse=lse, **options)

@@ -27,8 +27,11 @@ def test_default_specs_compile_without_spills(spec):
 
 def test_spec_uri_and_shared_memory():
     spec = A.AttentionSpec("bf16", 128, 128, 2)
-    assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_sm90a"
-    assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_sm90a"
+    assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_c2_sm90a"
+    assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_c2_sm90a"
+    three = A.AttentionSpec("bf16", 64, 128, 3, 1, 3)
+    assert (three.threads, three.block_q) == (512, 192)
+    assert three.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 3 * 128 * 64 * 2 + (2 + 4 * 3) * 8
     # Q, two stages of K and V, barriers: q full/empty and per stage k/v full and empty
     assert spec.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (2 + 4 * 2) * 8
     for spec in A.default_specs():
@@ -36,8 +39,8 @@ def test_spec_uri_and_shared_memory():
 
 
 @pytest.mark.parametrize("kwargs", [dict(dtype="f32"), dict(head_dim=96), dict(block_kv=100),
-                                    dict(block_kv=320), dict(stages=1), dict(stages=4),
-                                    dict(pingpong=2)])
+                                    dict(block_kv=320), dict(block_kv=96), dict(stages=1), dict(stages=4),
+                                    dict(pingpong=2), dict(consumers=4)])
 def test_spec_refuses_bad_configurations(kwargs):
     with pytest.raises(ValueError, match="^mkrt.attention:"):
         A.AttentionSpec(**kwargs)
@@ -114,9 +117,9 @@ def test_tile_order_deals_every_tile_once_in_bands_that_fit_l2(shape):
     assert A.check_operands((1, 8192, 64, 128), (1, 8192, 8, 128), (1, 8192, 8, 128), F16, F16, F16).band == 5
 
 
-def _head_work_get(p, t):
+def _head_work_get(p, t, block_q):
     """HeadWork::get's index arithmetic (attention.py's kernel source), line for line."""
-    group, q_blocks = p.heads // p.kv_heads, -(-p.sq // A.BLOCK_Q)
+    group, q_blocks = p.heads // p.kv_heads, -(-p.sq // block_q)
     units = p.batches * p.kv_heads
     if t >= q_blocks * units * group:
         return None
@@ -138,9 +141,10 @@ def test_the_kernels_tile_arithmetic_matches_tile_order(shape, monkeypatch):
     for budget in (1, 3 * 2 * S * D * 2, A.KV_L2_BYTES):     # bands of 1, of 3 (a partial last), default
         monkeypatch.setattr(A, "KV_L2_BYTES", budget)
         p = A.check_operands((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), F16, F16, F16)
-        order = A.tile_order(p)
-        assert [_head_work_get(p, t) for t in range(len(order))] == order
-        assert _head_work_get(p, len(order)) is None
+        for block_q in (128, 192):      # two or three consumer warpgroups
+            order = A.tile_order(p, block_q)
+            assert [_head_work_get(p, t, block_q) for t in range(len(order))] == order
+            assert _head_work_get(p, len(order), block_q) is None
 
 
 def test_reference_matches_the_float64_ring_reference():
@@ -298,7 +302,9 @@ def test_bad_arrays_raise_before_launch():
                                      dict(block_kv=128, stages=2, pingpong=0),
                                      dict(block_kv=192, stages=2, pingpong=1),
                                      dict(block_kv=176, stages=2, pingpong=1),
-                                     dict(block_kv=192, stages=3, pingpong=1)])
+                                     dict(block_kv=192, stages=3, pingpong=1),
+                                     dict(block_kv=128, stages=3, pingpong=1, consumers=3),
+                                     dict(block_kv=64, stages=4, pingpong=1, consumers=3)])
 @pytest.mark.parametrize("case", [(2, 700, 700, 4, 2, 64, True), (1, 513, 1025, 2, 1, 128, False),
                                   (1, 1000, 1000, 2, 2, 128, True)])
 def test_other_configurations_match_the_reference(case, options):

@@ -110,3 +110,9 @@ def test_op_checks_before_launch():
             mkrt.RingAttention(world, muted_rank=4)
     finally:
         world.close()
+
+
+def test_the_ring_runs_two_consumer_warpgroups():
+    assert RA.spec_for("bf16", 64).consumers == 2
+    with pytest.raises(ValueError, match="the ring runs 2"):
+        RA.RingAttentionSpec("bf16", 64, 128, 3, 1, 3)

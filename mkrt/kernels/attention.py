@@ -35,12 +35,12 @@ from mkrt.arrays import HALF_DTYPES, TorchView, as_cupy, dtype_name, is_torch, l
 from mkrt.cuda import device_sm_count
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
-from mkrt.kernels.device import attention_tile, tma, wgmma  # noqa: F401  (register the pieces)
+from mkrt.kernels.device import attention_tile, tma, wgmma  # noqa: F401  (register the pieces; WIDTHS)
 from mkrt.kernels.gemm import SMEM_LIMIT, tma_descriptor, to_float32
 from mkrt.kernels.launcher import KernelLaunch, Parameters
 
 ATTENTION = cuda_source("attention", r"""
-typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG> Cfg;
+typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG, $CONSUMERS> Cfg;
 typedef mkrt::attention::Tile Tile;
 typedef mkrt::attention::KeyBlock KeyBlock;
 
@@ -134,6 +134,8 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 HEAD_DIMS = (64, 128)
 BLOCK_Q = 128
+#: keys per block: the widths of the wgmma shapes the device vocabulary generates
+KEY_BLOCKS = wgmma.WIDTHS
 #: K and V bytes the tiles running at once should read (HeadWork's bands): about 40% of
 #: the 50 MB L2 of an H100 or H200, the rest left to Q, O and the other half's misses
 KV_L2_BYTES = 20 << 20
@@ -141,10 +143,11 @@ KV_L2_BYTES = 20 << 20
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
-    """Compile-time shape of one attention kernel (URI e.g. ``attention_bf16_d128_bkv128_s2_pp0_sm90a``).
+    """Compile-time shape of one attention kernel (URI e.g.
+    ``attention_bf16_d128_bkv128_s2_pp0_c2_sm90a``).
 
-    pingpong 1: the two consumer warpgroups take turns on the tensor cores (one's softmax
-    overlaps the other's MMAs)."""
+    pingpong 1: the consumer warpgroups take turns on the tensor cores (one's softmax
+    overlaps another's MMAs). consumers: 2 (128 query rows per tile) or 3 (192)."""
 
     family = "attention"
     entry_points = ("attention_forward",)
@@ -154,6 +157,7 @@ class AttentionSpec(KernelSpec):
     block_kv: int = dataclasses.field(default=128, metadata={"short": "bkv"})
     stages: int = dataclasses.field(default=2, metadata={"short": "s"})
     pingpong: int = dataclasses.field(default=0, metadata={"short": "pp"})   # 0 or 1
+    consumers: int = dataclasses.field(default=2, metadata={"short": "c"})   # 2 or 3
 
     def __post_init__(self):
         super().__post_init__()
@@ -161,13 +165,14 @@ class AttentionSpec(KernelSpec):
             raise ValueError(f"mkrt.attention: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"mkrt.attention: head dim {self.head_dim}; expected 64 or 128")
-        if self.block_kv % 16 or not 64 <= self.block_kv <= 256:
-            raise ValueError(f"mkrt.attention: block_kv={self.block_kv}; expected a multiple of 16 "
-                             "from 64 to 256")
+        if self.block_kv not in KEY_BLOCKS:
+            raise ValueError(f"mkrt.attention: block_kv={self.block_kv}; expected one of {KEY_BLOCKS}")
         if self.stages < 2:
             raise ValueError(f"mkrt.attention: stages={self.stages}; at least 2")
         if self.pingpong not in (0, 1):
             raise ValueError(f"mkrt.attention: pingpong={self.pingpong}; expected 0 or 1")
+        if self.consumers not in (2, 3):
+            raise ValueError(f"mkrt.attention: consumers={self.consumers}; expected 2 or 3")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.attention: {self.stages} stages of {self.block_kv} keys at head "
                              f"dim {self.head_dim} need {self.smem_bytes} bytes of shared memory; "
@@ -175,11 +180,16 @@ class AttentionSpec(KernelSpec):
 
     @property
     def threads(self) -> int:
-        return 384
+        return 128 * (1 + self.consumers)
+
+    @property
+    def block_q(self) -> int:
+        """Query rows per tile: 64 per consumer warpgroup."""
+        return 64 * self.consumers
 
     @property
     def smem_bytes(self) -> int:      # mirrors attention::Config::SMEM_BYTES
-        q = BLOCK_Q * self.head_dim * 2
+        q = self.block_q * self.head_dim * 2
         kv = self.block_kv * self.head_dim * 2
         return 1024 + q + 2 * self.stages * kv + (2 + 4 * self.stages) * 8
 
@@ -189,7 +199,7 @@ class AttentionSpec(KernelSpec):
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "HEAD_DIM": self.head_dim,
                 "BLOCK_KV": self.block_kv, "STAGES": self.stages,
-                "PINGPONG": "true" if self.pingpong else "false"}
+                "PINGPONG": "true" if self.pingpong else "false", "CONSUMERS": self.consumers}
 
 
 def default_spec(dtype: str, head_dim: int, causal: bool = False) -> AttentionSpec:
@@ -224,9 +234,8 @@ class AttentionProblem:
     dtype: str
     causal: bool
 
-    @property
-    def tiles(self) -> int:
-        return -(-self.sq // BLOCK_Q) * self.batches * self.heads
+    def tiles(self, block_q: int = BLOCK_Q) -> int:
+        return -(-self.sq // block_q) * self.batches * self.heads
 
     @property
     def band(self) -> int:
@@ -248,11 +257,11 @@ class AttentionProblem:
         return full * visible / (self.sq * self.sk)
 
 
-def tile_order(problem: AttentionProblem) -> list[tuple[int, int, int]]:
+def tile_order(problem: AttentionProblem, block_q: int = BLOCK_Q) -> list[tuple[int, int, int]]:
     """(batch, query head, query block) of every tile in the order HeadWork deals them out
-    (CTA c takes tiles c, c + ctas, ...)."""
+    (CTA c takes tiles c, c + ctas, ...), for tiles of `block_q` rows."""
     p = problem
-    group, q_blocks = p.heads // p.kv_heads, -(-p.sq // BLOCK_Q)
+    group, q_blocks = p.heads // p.kv_heads, -(-p.sq // block_q)
     units, order = p.batches * p.kv_heads, []
     for first in range(0, units, p.band):
         width = min(p.band, units - first)
@@ -344,7 +353,8 @@ class _PreparedAttention:
         params.set(batches=p.batches, heads=p.heads, kv_heads=p.kv_heads, sq=p.sq, sk=p.sk,
                    causal=int(p.causal), scale_log2=scale * _LOG2E, band=p.band)
         function = spec.function("attention_forward", device, spec.smem_bytes)
-        self.launch = KernelLaunch(function, min(p.tiles, sms), spec.threads, spec.smem_bytes, params)
+        self.launch = KernelLaunch(function, min(p.tiles(spec.block_q), sms), spec.threads,
+                                   spec.smem_bytes, params)
         self._out, self._lse = params.view("out"), params.view("lse")
         self._maps = None
 
@@ -353,7 +363,7 @@ class _PreparedAttention:
         if maps != self._maps:
             p, params = self.problem, self.launch.params
             for name, x in (("tma_q", q), ("tma_k", k), ("tma_v", v)):
-                descriptor = head_major_map(x, p.dtype, BLOCK_Q if name == "tma_q" else self.spec.block_kv,
+                descriptor = head_major_map(x, p.dtype, self.spec.block_q if name == "tma_q" else self.spec.block_kv,
                                             sources=None if name == "tma_q" else 1)
                 ctypes.memmove(params.address(name), descriptor.address, 128)
             self._maps = maps
@@ -411,20 +421,20 @@ def _check_arrays(q, k, v, out, lse, problem: AttentionProblem, area: str = "att
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=None, lse=None,
               sms: int | None = None, block_kv: int | None = None, stages: int | None = None,
-              pingpong: int | None = None, stream=None):
+              pingpong: int | None = None, consumers: int | None = None, stream=None):
     """(O, LSE) of softmax(scale q k^T) v, scale defaulting to 1/sqrt(D).
 
     q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] device arrays (CuPy, torch through DLPack, ...),
     bf16/f16, D in {64, 128}, Hq a multiple of Hkv. Optional ``out`` [B, Sq, Hq, D] and
     ``lse`` [B, Hq, Sq] float32 are written in place. ``sms`` caps the persistent grid;
-    ``block_kv``, ``stages``, ``pingpong`` override the compiled configuration (for
+    ``block_kv``, ``stages``, ``pingpong``, ``consumers`` override the compiled configuration (for
     experiments: see :class:`AttentionSpec`; default :func:`default_spec`).
     Returns (out, lse) in the type of ``q`` (torch in, torch out).
     """
     import cupy
 
     if all(is_torch(x) for x in (q, k, v, out, lse) if x is not None):
-        return _attention_torch(q, k, v, causal, scale, out, lse, sms, (block_kv, stages, pingpong),
+        return _attention_torch(q, k, v, causal, scale, out, lse, sms, (block_kv, stages, pingpong, consumers),
                                 stream)
     qv = q if type(q) is cupy.ndarray else as_cupy(q, "q")
     kv = k if type(k) is cupy.ndarray else as_cupy(k, "k")
@@ -433,11 +443,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
     lse_view = lse if lse is None or type(lse) is cupy.ndarray else as_cupy(lse, "lse")
     device = qv.data.device_id
     key = _signature(qv, kv, vv, out_view, lse_view, causal, scale, sms,
-                     (block_kv, stages, pingpong), device)
+                     (block_kv, stages, pingpong, consumers), device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, qv, kv, vv, out_view, lse_view):
         call = _prepare(key, qv, kv, vv, out_view, lse_view, causal, scale, sms,
-                        (block_kv, stages, pingpong))
+                        (block_kv, stages, pingpong, consumers))
     problem = call.problem
     with cupy.cuda.Device(device):
         if out_view is None:
@@ -512,14 +522,16 @@ def _prepare(key, q, k, v, out, lse, causal, scale, sms, overrides) -> _Prepared
     elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
         raise ValueError(f"mkrt.attention: sms={sms!r}; expected an integer in [1, {total_sms}]")
     spec = default_spec(problem.dtype, problem.head_dim, problem.causal)
-    block_kv, stages, pingpong = overrides
-    if overrides != (None, None, None):      # the spec checks the values
+    block_kv, stages, pingpong, consumers = overrides
+    if overrides != (None, None, None, None):      # the spec checks the values
         # unset overrides come from one fixed base (128-key blocks, 2 stages at D 128, 3 at
-        # D 64, no pingpong), not from the default, which may change with measurements
+        # D 64, no pingpong, 2 consumers), not from the default, which may change with
+        # measurements
         spec = AttentionSpec(problem.dtype, problem.head_dim,
                              128 if block_kv is None else block_kv,
                              (2 if problem.head_dim == 128 else 3) if stages is None else stages,
-                             0 if pingpong is None else pingpong)
+                             0 if pingpong is None else pingpong,
+                             2 if consumers is None else consumers)
     call = _PREPARED.get(key)
     if call is None:
         call = _PREPARED[key] = _PreparedAttention(problem, spec, device, int(sms), scale)

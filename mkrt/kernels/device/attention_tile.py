@@ -9,8 +9,8 @@ Every attention-bearing kernel of mkrt computes its query tiles with
 for one (batch, query head) at a time, over the keys of one (batch, key head) (GQA: several
 query heads read the same key head).
 
-One CTA = one producer warpgroup + two consumer warpgroups; a tile is 128 query rows
-(64 per consumer) against the keys in blocks of ``BKV``.
+One CTA = one producer warpgroup + two (or three) consumer warpgroups; a tile is 64 query
+rows per consumer (``BQ``: 128 or 192) against the keys in blocks of ``BKV``.
 
 * **producer** (warpgroup 0, one thread): per tile, loads Q once (when the consumers have
   released the previous tile's Q), then streams K and V blocks through ``STAGES``
@@ -57,19 +57,22 @@ namespace mkrt {
 namespace attention {
 
 // Compile-time shape. T: __nv_bfloat16 or __half; D: head dim (64 or 128).
-// PINGPONG: the two consumers take turns issuing their MMAs (named barriers 4 and 5), so
-// that one's softmax runs while the other's MMAs occupy the tensor cores. The turns pair
-// up only because both consumers run the same tiles with the same block counts (the
-// engine's work list is shared): a work list that split them would deadlock.
-template <class T_, int D_, int BKV_, int STAGES_, bool PINGPONG_ = false>
+// PINGPONG: the consumers take turns issuing their MMAs (named barriers 4 .. 3 + CONSUMERS,
+// round robin), so that one's softmax runs while another's MMAs occupy the tensor cores.
+// The turns pair up only because every consumer runs the same tiles with the same block
+// counts (the engine's work list is shared): a work list that split them would deadlock.
+// CONSUMERS: 2, or 3 (192 query rows per tile, 512 threads; a third issuer of MMAs where
+// the softmax is large against them, head dim 64). Kernels that use named barriers of their
+// own (the ring's 6 and 7) keep 2.
+template <class T_, int D_, int BKV_, int STAGES_, bool PINGPONG_ = false, int CONSUMERS_ = 2>
 struct Config {
     typedef T_ T;
     static constexpr int D = D_;
-    static constexpr int BQ = 128;                  // query rows per tile, 64 per consumer
+    static constexpr int CONSUMERS = CONSUMERS_;
+    static constexpr int BQ = 64 * CONSUMERS;       // query rows per tile, 64 per consumer
     static constexpr int BKV = BKV_;                // keys per block (= wgmma N of QK^T)
     static constexpr int STAGES = STAGES_;
     static constexpr bool PINGPONG = PINGPONG_;
-    static constexpr int CONSUMERS = 2;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int CHUNKS = D / 64;           // 64-column boxes (one 128-byte swizzle row)
     static constexpr int Q_BYTES = BQ * D * 2;
@@ -77,20 +80,22 @@ struct Config {
     // 1024 of slack to align the tiles (128B swizzle), then barriers: q full/empty,
     // and per stage k full, v full, k empty, v empty.
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 4 * STAGES) * 8;
-    // setmaxnreg moves registers inside the CTA's launch share (168 per thread at 384
-    // threads): producer + 2 x consumer must stay within 3 x 168, or an increase waits
+    // setmaxnreg moves registers inside the CTA's launch share (SHARE per thread: 168 at 384
+    // threads, 128 at 512): producer + consumers must stay within it, or an increase waits
     // forever. Blocks of more than 128 keys hold more scores (BKV / 2 + BKV / 4 registers
     // per thread), so the producer gives up more; at 128 or less the ring's producer (its
-    // key_block walks the sources) needs 56 to run without spills.
-    static constexpr int PRODUCER_REGISTERS = BKV > 128 ? 24 : 56;
-    static constexpr int CONSUMER_REGISTERS = BKV > 128 ? 240 : 224;
-    static_assert(PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS <= 3 * 168,
+    // key_block walks the sources) needs 56 to run without spills. Three consumers get 160.
+    static constexpr int SHARE = 65536 / THREADS / 8 * 8;
+    static constexpr int PRODUCER_REGISTERS = CONSUMERS == 3 ? 24 : BKV > 128 ? 24 : 56;
+    static constexpr int CONSUMER_REGISTERS = CONSUMERS == 3 ? 160 : BKV > 128 ? 240 : 224;
+    static_assert(PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS <= (1 + CONSUMERS) * SHARE,
                   "the register split exceeds the CTA's share");
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
     static_assert(D == 64 || D == 128, "head dim 64 or 128");
-    static_assert(BKV % 16 == 0 && BKV >= 64 && BKV <= 256, "BKV is a multiple of 16 in [64, 256]");
+    static_assert(BKV % 16 == 0 && BKV >= 64 && BKV <= 256, "BKV is a wgmma width (wgmma.WIDTHS)");
 };
 
-// One query tile: up to 128 query rows of one (batch, head) against `blocks` key blocks.
+// One query tile: up to BQ query rows of one (batch, head) against `blocks` key blocks.
 struct Tile {
     int batch = 0, head = 0, kv_head = 0;
     int q_row = 0;          // first query row of the tile (in the Q tensor)
@@ -266,7 +271,8 @@ __device__ __forceinline__ void turn_wait(const ConsumerThread<CONSUMERS>& who) 
 }
 template <class Cfg, int CONSUMERS>
 __device__ __forceinline__ void turn_pass(const ConsumerThread<CONSUMERS>& who) {
-    if constexpr (Cfg::PINGPONG) asm volatile("bar.arrive %0, 256;" :: "r"(5 - who.warpgroup) : "memory");
+    if constexpr (Cfg::PINGPONG)
+        asm volatile("bar.arrive %0, 256;" :: "r"(4 + (who.warpgroup + 1) % CONSUMERS) : "memory");
 }
 
 // S = Q K^T for this warpgroup's 64 rows against one key block (issued, not waited).
@@ -487,7 +493,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaD
         who.thread = threadIdx.x - 128;
         RowState<Cfg> state;
         // the first turn is the first consumer's
-        if (Cfg::PINGPONG && who.warpgroup == 1) asm volatile("bar.arrive 4, 256;" ::: "memory");
+        if (Cfg::PINGPONG && who.warpgroup == Cfg::CONSUMERS - 1) asm volatile("bar.arrive 4, 256;" ::: "memory");
         int stage = 0;
         u32 phase = 0, q_phase = 0;
         Tile tile;
