@@ -42,7 +42,8 @@ def parse():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variants", default="",
-                        help="also time these configurations: bkv128_s2_pp1,... (rows per variant)")
+                        help="also time these configurations: bkv128_s2_pp1, bkv128_s3_pp1_c3 (three "
+                             "consumer warpgroups), ... (rows per variant)")
     parser.add_argument("--out", default="", help="append JSON lines here")
     return parser.parse_args()
 
