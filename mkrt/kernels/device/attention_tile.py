@@ -183,8 +183,8 @@ struct Pipeline {
     u64* q_empty;
     u64* k_full;    // [STAGES]
     u64* v_full;    // [STAGES]
-    u64* k_empty;   // [STAGES]: both consumers' scores of the stage's K are done
-    u64* v_empty;   // [STAGES]: both consumers' P V of the stage's V are done
+    u64* k_empty;   // [STAGES]: every consumer's scores of the stage's K are done
+    u64* v_empty;   // [STAGES]: every consumer's P V of the stage's V is done
 
     __device__ __forceinline__ explicit Pipeline(char* dynamic_smem) {
         char* base = reinterpret_cast<char*>(
@@ -203,10 +203,6 @@ struct Pipeline {
     __device__ __forceinline__ char* v_stage(int s) const { return v + s * Cfg::KV_BYTES; }
 };
 
-// Producer: one thread walks the work list. Q is a 4-D map over [B, S, H, D] (coordinates
-// d, head, row, batch; box 64 x 1 x 128 x 1); K and V are 5-D maps over [sources][B, S, H, D]
-// (box 64 x 1 x BKV x 1 x 1). Inside a tile the loads go K0, K1, V0, K2, V1, ...: V of a
-// block is loaded after K of the next one, since its stage is released later.
 // K or V of one block into its stage, once the consumers have released the stage. A block
 // whose keys never came (a bounded wait gave up) is released unloaded so the consumers
 // drain; the host raises the timeout.
@@ -226,6 +222,10 @@ __device__ __forceinline__ void load_block(char* destination, u64* full, u64* em
     }
 }
 
+// Producer: one thread walks the work list. Q is a 4-D map over [B, S, H, D] (coordinates
+// d, head, row, batch; box 64 x 1 x BQ x 1); K and V are 5-D maps over [sources][B, S, H, D]
+// (box 64 x 1 x BKV x 1 x 1). Inside a tile the loads go K0, K1, V0, K2, V1, ...: V of a
+// block is loaded after K of the next one, since its stage is released later.
 template <class Cfg, class Work>
 __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_q,
                                         const TmaDescriptor* tma_k, const TmaDescriptor* tma_v,
