@@ -116,3 +116,42 @@ def test_the_ring_runs_two_consumer_warpgroups():
     assert RA.spec_for("bf16", 64).consumers == 2
     with pytest.raises(ValueError, match="the ring runs 2"):
         RA.RingAttentionSpec("bf16", 64, 128, 3, 1, 3)
+
+
+def _ring_work_get(batches, heads, kv_heads, chunk, band, causal, t, block_q=128):
+    """RingWork::get's index arithmetic (ring_attention.py's kernel source), line for line."""
+    group, q_blocks = heads // kv_heads, -(-chunk // block_q)
+    units = batches * kv_heads
+    if t >= 2 * q_blocks * units * group:
+        return None
+    per_band = 2 * q_blocks * band * group
+    b = t // per_band
+    width = min(band, units - b * band) * group
+    r = t - b * per_band
+    order = r // width
+    slot = (1 if order < q_blocks else 0) if causal else order // q_blocks
+    q_block = q_blocks - 1 - order % q_blocks
+    w = r - order * width
+    unit = b * band + w // group
+    batch = unit // kv_heads
+    kv_head = unit - batch * kv_heads
+    return batch, kv_head * group + (w - (w // group) * group), slot * chunk + q_block * block_q
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 3, 300), (4, 16, 16, 3072), (1, 64, 8, 4096)])
+def test_ring_tiles_come_once_each_in_bands_and_match_the_kernels_arithmetic(shape):
+    B, Hq, Hkv, chunk = shape
+    q_blocks = -(-chunk // 128)
+    for band in (1, 3, B * Hkv):
+        for causal in (False, True):
+            order = RA.tile_order(B, Hq, Hkv, chunk, band, causal)
+            assert sorted(order) == sorted((b, h, slot * chunk + q * 128) for b in range(B)
+                                           for h in range(Hq) for slot in (0, 1)
+                                           for q in range(q_blocks))
+            assert [_ring_work_get(B, Hq, Hkv, chunk, band, causal, t)
+                    for t in range(len(order))] == order
+            assert _ring_work_get(B, Hq, Hkv, chunk, band, causal, len(order)) is None
+    # 2 x 3072 rows per rank on 4 ranks: 24576 gathered rows, 12 MB of K and V per head;
+    # 16384 rows (2 ranks of 2 x 4096): 8 MB, two heads per band
+    assert RA.ring_band(4, 16, 128, 4 * 2 * 3072) == 1
+    assert RA.ring_band(1, 8, 128, 2 * 2 * 4096) == 2

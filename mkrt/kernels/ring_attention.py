@@ -72,7 +72,7 @@ struct Args {
 };
 $ARGS_CHECKS
 
-// The compute role's tiles and key blocks (mirror: tile_order, source_order, key_blocks).
+// The compute role's tiles and key blocks (mirrors: tile_order, source_order, tile_blocks).
 struct RingWork {
     int batches, heads, group, chunk, q_blocks, kv_blocks;   // q/kv blocks per chunk
     int G, N, node, me, causal, cta, ctas, band;
@@ -294,6 +294,24 @@ def source_order(node: int, me: int, G: int, N: int) -> list[int]:
     """The sources rank (node, me) visits, in order (RingWork::source_at)."""
     order = [node * G + (me + step) % G for step in range(G)]
     order += [((node + i) % N) * G + (me + j) % G for i in range(1, N) for j in range(G)]
+    return order
+
+
+def tile_order(batches: int, heads: int, kv_heads: int, chunk: int, band: int, causal: bool,
+               block_q: int = attention_module.BLOCK_Q) -> list[tuple[int, int, int]]:
+    """(batch, query head, first query row of the rank's two chunks) of every compute tile,
+    in the order RingWork::get deals them out (CTA c takes tiles c, c + ctas, ...): bands of
+    `band` (batch, key head) pairs; inside a band the later chunk's (causal: the heavier)
+    last query blocks first, then key heads, then the query heads sharing one."""
+    group, q_blocks, units = heads // kv_heads, -(-chunk // block_q), batches * kv_heads
+    order = []
+    for first in range(0, units, band):
+        for rank_order in range(2 * q_blocks):
+            slot = (1 if rank_order < q_blocks else 0) if causal else rank_order // q_blocks
+            q_row = slot * chunk + (q_blocks - 1 - rank_order % q_blocks) * block_q
+            for unit in range(first, min(first + band, units)):
+                batch, kv_head = divmod(unit, kv_heads)
+                order += [(batch, kv_head * group + g, q_row) for g in range(group)]
     return order
 
 
