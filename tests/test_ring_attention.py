@@ -153,5 +153,5 @@ def test_ring_tiles_come_once_each_in_bands_and_match_the_kernels_arithmetic(sha
             assert _ring_work_get(B, Hq, Hkv, chunk, band, causal, len(order)) is None
     # 2 x 3072 rows per rank on 4 ranks: 24576 gathered rows, 12 MB of K and V per head;
     # 16384 rows (2 ranks of 2 x 4096): 8 MB, two heads per band
-    assert RA.ring_band(4, 16, 128, 4 * 2 * 3072) == 1
-    assert RA.ring_band(1, 8, 128, 2 * 2 * 4096) == 2
+    assert A.kv_band(4, 16, 128, 4 * 2 * 3072) == 1
+    assert A.kv_band(1, 8, 128, 2 * 2 * 4096) == 2

@@ -35,7 +35,7 @@ from mkrt.arrays import HALF_DTYPES, TorchView, as_cupy, dtype_name, is_torch, l
 from mkrt.cuda import device_sm_count
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
-from mkrt.kernels.device import attention_tile, tma, wgmma  # noqa: F401  (register the pieces; WIDTHS)
+from mkrt.kernels.device import attention_tile, tma, wgmma  # noqa: F401  (register the pieces)
 from mkrt.kernels.gemm import SMEM_LIMIT, tma_descriptor, to_float32
 from mkrt.kernels.launcher import KernelLaunch, Parameters
 
@@ -239,10 +239,8 @@ class AttentionProblem:
 
     @property
     def band(self) -> int:
-        """(batch, key head) pairs whose tiles run together (HeadWork): as many as have
-        K and V within KV_L2_BYTES, at least one."""
-        per_head = 2 * self.sk * self.head_dim * 2
-        return max(1, min(self.batches * self.kv_heads, KV_L2_BYTES // per_head))
+        """(batch, key head) pairs whose tiles run together (HeadWork)."""
+        return kv_band(self.batches, self.kv_heads, self.head_dim, self.sk)
 
     @property
     def flops(self) -> float:
@@ -255,6 +253,14 @@ class AttentionProblem:
         sq, sk = self.sq, self.sk
         visible = sq * (sq + 1) / 2 if sq <= sk else sk * (sk + 1) / 2 + (sq - sk) * sk
         return full * visible / (self.sq * self.sk)
+
+
+def kv_band(batches: int, kv_heads: int, head_dim: int, rows: int) -> int:
+    """(batch, key head) pairs whose tiles run together: as many as have their K and V
+    (`rows` keys of 2-byte elements) within KV_L2_BYTES, at least one. mkrt.attention's
+    and the ring's work lists deal tiles out in such bands."""
+    per_head = 2 * rows * head_dim * 2
+    return max(1, min(batches * kv_heads, KV_L2_BYTES // per_head))
 
 
 def tile_order(problem: AttentionProblem, block_q: int = BLOCK_Q) -> list[tuple[int, int, int]]:

@@ -36,9 +36,9 @@
    a FIT shape are left out (the fit's ``splits``, and ``tail_splits`` for the tail).
    Without a fit the rule is the engine's one measured tile, 128 x 256, for every shape.
 3. Unless ``MKRT_GEMM_STREAM_K_RULE=0``, stream-K for the last wave (``stream_k_pays``),
-   on top of the fitted model's pick: when that pick is one CTA per 128 x 256 tile, K is at least STREAM_K_MIN_K, and the last of
-   at least STREAM_K_WAVES waves keeps between STREAM_K_FILL of the grid busy, that wave's
-   k-blocks are shared out over every CTA instead. It is a rule of its own because the
+   on top of the fitted model's pick: when that pick is one CTA per 128 x 256 tile, K is
+   at least STREAM_K_MIN_K, and the last of at least STREAM_K_WAVES waves keeps between
+   STREAM_K_FILL of the grid busy, that wave's k-blocks are shared out over every CTA instead. It is a rule of its own because the
    wave model prices it wrong: its split-K cost per element, put on stream-K's fix-up,
    predicts a 16% gain on 8192 x 1024 x 8192 on 116 SMs (2.2 waves), which ran 0.89x
    (experiments/results/gemm_streamk_probe.jsonl).

@@ -262,13 +262,6 @@ class RingAttentionSpec(attention_module.AttentionSpec):
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
 
-def ring_band(batches: int, kv_heads: int, head_dim: int, rows: int) -> int:
-    """(batch, key head) pairs whose tiles run together: as many as have their gathered K
-    and V (`rows` of the whole sequence) within attention.KV_L2_BYTES, at least one."""
-    per_head = 2 * rows * head_dim * 2
-    return max(1, min(batches * kv_heads, attention_module.KV_L2_BYTES // per_head))
-
-
 def spec_for(dtype: str, head_dim: int, causal: bool = False) -> RingAttentionSpec:
     """mkrt.attention's default configuration (attention.default_spec) in the ring kernel,
     but at most 128-key blocks: above that the producer keeps 24 registers, and the ring's
@@ -465,7 +458,8 @@ class RingAttention(GatheringOp):
         if call.launches is not None and call.generation == self._generation:
             return call.launches
         self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
-        p, spec = call.problem, spec_for(call.problem.dtype, call.problem.head_dim, call.problem.causal)
+        p = call.problem
+        spec = spec_for(p.dtype, p.head_dim, p.causal)
         launches, words = [], []
         for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
@@ -496,7 +490,9 @@ class RingAttention(GatheringOp):
         args["compute_ctas"] = call.ctas - call.comm_ctas
         args["causal"] = int(p.causal)
         args["scale_log2"] = call.scale * 1.4426950408889634
-        args["band"] = ring_band(p.batches, p.kv_heads, p.head_dim, self.world.size * p.sk)
+        # bands over the gathered K/V: every rank's keys
+        args["band"] = attention_module.kv_band(p.batches, p.kv_heads, p.head_dim,
+                                                self.world.size * p.sk)
         return args
 
     def _call_shape(self, call) -> tuple:
