@@ -42,6 +42,8 @@ def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=["1x2", "1x4", "2x2"])
     parser.add_argument("--shapes", default="suite", help="'suite' or B:S:Hq:Hkv:D:causal,...")
+    parser.add_argument("--comm-ctas", nargs="+", default=["default"],
+                        help="communication CTAs per rank to time ('default': the op's rule)")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
@@ -94,7 +96,9 @@ def main():
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
         W = world.size
-        op = mkrt.RingAttention(world, timeout_ms=20000)
+        ops = {c: mkrt.RingAttention(world, timeout_ms=20000,
+                                     comm_ctas=None if c == "default" else int(c))
+               for c in args.comm_ctas}
         gather = mkrt.AllGather(world, timeout_ms=20000)
         for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
             c, S = rows // 2, rows * W
@@ -110,15 +114,19 @@ def main():
                                        causal=causal)
             flops = problem.flops
 
-            # correctness of this run's ring against the engine on the whole sequence
-            op(qs, ks, vs, causal=causal, out=outs, lse=lses)
+            # correctness of this run's rings against the engine on the whole sequence
             whole, _ = mkrt.attention(q, k, v, causal=causal)
-            world.synchronize()
-            got = RA.unshard(outs, causal=causal)
-            error = float(cupy.abs(got.astype(cupy.float32) - whole.astype(cupy.float32)).max()
-                          / cupy.abs(whole.astype(cupy.float32)).max())
-            ring_ms = batch_ms(lambda: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
-                              iterations=args.iterations, repeats=args.repeats)
+            errors, ring_ms = {}, {}
+            for name, op in ops.items():
+                for x in outs:
+                    x.fill(float("nan"))         # poisoned: a tile left unwritten shows
+                op(qs, ks, vs, causal=causal, out=outs, lse=lses)
+                world.synchronize()
+                got = RA.unshard(outs, causal=causal).astype(cupy.float32)
+                errors[name] = float(cupy.abs(got - whole.astype(cupy.float32)).max()
+                                     / cupy.abs(whole.astype(cupy.float32)).max())
+                ring_ms[name] = batch_ms(lambda: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                                         iterations=args.iterations, repeats=args.repeats)
             floor_ms = batch_ms(lambda: mkrt.attention(q, k, v, causal=causal),
                                iterations=args.iterations, repeats=args.repeats)
 
@@ -183,25 +191,31 @@ def main():
                 except RuntimeError:
                     theirs[name] = None
             best = min((t for t in theirs.values() if t), default=None)
-            ring_tflops = flops / ring_ms / 1e9
-            row = record("ring_attention", case, "tflops", ring_tflops,
-                         flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms,
-                         baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
-                         floor_tflops=flops / floor_ms / 1e9, of_floor=floor_ms / ring_ms,
-                         per_step_tflops=flops / per_step_ms / 1e9, x_per_step=per_step_ms / ring_ms,
-                         max_rel_error=error, correct=error < 2e-2, layout=layout,
-                         rows=rows, causal=causal,
-                         note="emulated ranks share one GPU: aggregate throughput")
-            print(f"{case}: ring {ring_tflops:.0f} TFLOP/s, (a) "
-                  f"{'-' if not best else f'{flops / best / 1e9:.0f}'} "
-                  f"({', '.join(f'{n} {t:.2f} ms' for n, t in theirs.items() if t)}), floor "
-                  f"{flops / floor_ms / 1e9:.0f}, (b) {flops / per_step_ms / 1e9:.0f}; "
-                  f"x(a) {row['ratio'] or float('nan'):.3f}, x(b) {row['x_per_step']:.3f}, "
-                  f"of floor {row['of_floor']:.3f}, err {error:.4f}", flush=True)
-            recorded.append(row)
-            if args.out:
-                append_jsonl(args.out, [row])
-        op.close()
+            for name, op in ops.items():
+                ring_tflops = flops / ring_ms[name] / 1e9
+                error = errors[name]
+                label = case + ("" if name == "default" else f"_comm{name}")
+                row = record("ring_attention", label, "tflops", ring_tflops,
+                             flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms[name],
+                             baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
+                             floor_tflops=flops / floor_ms / 1e9, of_floor=floor_ms / ring_ms[name],
+                             per_step_tflops=flops / per_step_ms / 1e9,
+                             x_per_step=per_step_ms / ring_ms[name],
+                             max_rel_error=error, correct=error < 2e-2, layout=layout,
+                             rows=rows, causal=causal, ctas=op.split()[0], comm_ctas=op.split()[1],
+                             note="emulated ranks share one GPU: aggregate throughput")
+                print(f"{label}: ring {ring_tflops:.0f} TFLOP/s (comm {op.split()[1]} of "
+                      f"{op.split()[0]}), (a) "
+                      f"{'-' if not best else f'{flops / best / 1e9:.0f}'} "
+                      f"({', '.join(f'{n} {t:.2f} ms' for n, t in theirs.items() if t)}), floor "
+                      f"{flops / floor_ms / 1e9:.0f}, (b) {flops / per_step_ms / 1e9:.0f}; "
+                      f"x(a) {row['ratio'] or float('nan'):.3f}, x(b) {row['x_per_step']:.3f}, "
+                      f"of floor {row['of_floor']:.3f}, err {error:.4f}", flush=True)
+                recorded.append(row)
+                if args.out:
+                    append_jsonl(args.out, [row])
+        for op in ops.values():
+            op.close()
         gather.close()
         world.close()
     if args.plot and recorded:

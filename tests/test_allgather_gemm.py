@@ -92,8 +92,53 @@ def _chunk_begin(nbytes, c, chunks):
     return nbytes if c >= chunks else (nbytes * c // chunks) & ~15
 
 
-def _gather_chunks(comm_ctas):
-    return min(comm_ctas * -(-16 // comm_ctas), GATHER_MAX_CHUNKS)
+def _gather_chunks(comm_ctas, want=16):
+    return min(comm_ctas * -(-want // comm_ctas), GATHER_MAX_CHUNKS)
+
+
+def _chunk_holding(nbytes, x, chunks):
+    """The device's chunk_holding."""
+    c = min(x * chunks // nbytes, chunks - 1)
+    while c + 1 < chunks and _chunk_begin(nbytes, c + 1, chunks) <= x:
+        c += 1
+    return c
+
+
+def _chunk_at(k, chunks, pairs):
+    """The device's chunk_at."""
+    return (k & 1) * (chunks // 2) + (k >> 1) if pairs else k
+
+
+def test_device_chunk_helpers_are_the_mirrored_ones():
+    text = agg.AllGatherGemmSpec().render()
+    assert "return min(comm_ctas * ((want + comm_ctas - 1) / comm_ctas), GATHER_MAX_CHUNKS);" in text
+    assert "int c = min((int)(x * (u64)chunks / nbytes), chunks - 1);" in text
+    assert "while (c + 1 < chunks && chunk_begin(nbytes, c + 1, chunks) <= x) ++c;" in text
+    assert "return pairs ? (k & 1) * (chunks / 2) + (k >> 1) : k;" in text
+    assert "const bool pairs = a.bytes1 == a.bytes0 && chunks % 2 == 0;" in text
+
+
+@pytest.mark.parametrize("nbytes,comm_ctas,want", [(100 << 20, 16, 64), (4096 * 16, 2, 16),
+                                                   (1000 * 72 * 2, 7, 64), (48, 1, 16),
+                                                   (2 * 130 * 4 * 64 * 2, 8, 64)])
+def test_chunk_holding_finds_the_chunk_of_every_byte(nbytes, comm_ctas, want):
+    chunks = _gather_chunks(comm_ctas, want)
+    bounds = [_chunk_begin(nbytes, c, chunks) for c in range(chunks + 1)]
+    step = max(1, nbytes // 5000)
+    for x in sorted({*range(0, nbytes, step), *(b - 1 for b in bounds[1:] if b), *bounds[:-1]}):
+        c = _chunk_holding(nbytes, x, chunks)
+        assert bounds[c] <= x < bounds[c + 1], (x, c)
+
+
+@pytest.mark.parametrize("chunks", [16, 64, 14])
+def test_two_equal_spans_are_copied_k_and_v_chunks_alternating(chunks):
+    """Every chunk is copied once; with two equal spans the visit order alternates between
+    the first span's chunks and the second's, each in order."""
+    order = [_chunk_at(k, chunks, True) for k in range(chunks)]
+    assert sorted(order) == list(range(chunks))
+    assert order[0::2] == list(range(chunks // 2))
+    assert order[1::2] == list(range(chunks // 2, chunks))
+    assert [_chunk_at(k, chunks, False) for k in range(chunks)] == list(range(chunks))
 
 
 @pytest.mark.parametrize("rows,k,comm_ctas", [(4096, 8192, 2), (1000, 72, 7), (3, 8, 25),

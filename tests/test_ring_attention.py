@@ -103,7 +103,10 @@ def test_op_checks_before_launch():
     world = mkrt.init(emulate="2x2", gpus=0)
     try:
         op = mkrt.RingAttention(world)
-        assert op.split()[1] >= 1
+        assert op.split() == (132, 33)       # no GPU: 132 CTAs, a quarter of them copy first
+        assert mkrt.RingAttention(world, ctas=66).split() == (66, 16)
+        assert mkrt.RingAttention(world, ctas=8).split() == (8, 2)       # the gathering default
+        assert mkrt.RingAttention(world, ctas=2).split() == (2, 1)
         with pytest.raises(ValueError, match="comm_ctas"):
             mkrt.RingAttention(world, comm_ctas=500).split()
         with pytest.raises(ValueError, match="muted_rank"):

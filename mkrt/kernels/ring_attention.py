@@ -12,12 +12,14 @@ One persistent kernel per rank, two roles (the plan: mkrt/kernels/ring_attention
 * **communication** CTAs gather every rank's K and V into the rank's symmetric
   ``gathered`` buffer with the shared gathering role (``gather_role``, as AllGather+GEMM
   gathers A): each K/V block crosses to each other node once, through the proxy, to the
-  rank with the same local index, which spreads it inside its node by peer stores; a
-  ``ready[source]`` flag says a source's K and V are in place.
-* **compute** CTAs run the attention engine (kernels/device/attention_tile.py) over the
-  rank's query tiles, heaviest first. A tile visits its key blocks source by source in
-  the plan's order -- its own K/V first, then its node peers', then other nodes' -- and
-  the engine's producer waits for each source's flag before loading its blocks. Chunk
+  rank with the same local index, which spreads it inside its node by peer stores, in 64
+  chunks (K and V chunks alternating), each with a flag; a ``ready[source]`` flag says a
+  source's K and V are all in place. Once their copies are done they join the compute.
+* **compute**: every CTA claims the rank's query tiles from one counter, heaviest first,
+  and runs the attention engine (kernels/device/attention_tile.py) on them. A tile visits
+  its key blocks source by source in the plan's order -- its own K/V first, then its node
+  peers', then other nodes' -- and the engine's producer waits for the chunks holding a
+  block's rows (one load once the source is ready) before loading it. Chunk
   pairs that the causal mask hides entirely are never visited; the diagonal chunk only up
   to the tile's last query. Partial results never leave the registers: the online softmax
   merges source after source in fp32, so the error does not grow with the world size.
@@ -72,14 +74,24 @@ struct Args {
 };
 $ARGS_CHECKS
 
+// Chunks per gathered block: fine enough that a key block waits for little more than its
+// own rows (at most GATHER_MAX_CHUNKS).
+constexpr int RING_CHUNKS = 64;
+
 // The compute role's tiles and key blocks (mirrors: tile_order, source_order, tile_blocks).
+// Every CTA claims tiles from one counter in tile_at's order (the communication CTAs too,
+// once their copies are done), so the order is the queue's, not a fixed deal per CTA.
 struct RingWork {
     int batches, heads, group, chunk, q_blocks, kv_blocks;   // q/kv blocks per chunk
-    int G, N, node, me, causal, cta, ctas, band;
+    int G, N, node, me, causal, band;
     const u64* flags;
     Layout L;
     u64 epoch;
     Context ctx;
+    roles::CountedQueue queue;  // tile positions claimed this launch
+    roles::Ring* ring;          // passes the producer's claim to the consumers
+    int chunks;                 // chunk flags per gathered block this launch
+    u64 row_bytes;              // one row of K (or V): Hkv x D elements
 
     __device__ __forceinline__ int world() const { return G * N; }
     // Global chunk id of slot 0 or 1 of rank r: zigzag when causal.
@@ -100,13 +112,17 @@ struct RingWork {
         return min(kv_blocks, last / Cfg::BKV + 1);
     }
     __device__ __forceinline__ bool get(int i, Tile& tile) const {
-        // in bands of `band` (batch, key head) pairs whose gathered K/V stay in L2 together
-        // (as mkrt.attention's HeadWork); inside a band by `order`, then key heads, then the
-        // query heads sharing one
-        const int t = cta + i * ctas;
+        const int t = roles::claimed_position(queue, ring, i);
+        if (t < 0) return false;
+        tile_at(t, tile);
+        return true;
+    }
+    // Tile t: in bands of `band` (batch, key head) pairs whose gathered K/V stay in L2
+    // together (as mkrt.attention's HeadWork); inside a band by `order`, then key heads,
+    // then the query heads sharing one.
+    __device__ __forceinline__ void tile_at(int t, Tile& tile) const {
         const int kv_heads = heads / group;
         const int units = batches * kv_heads;
-        if (t >= 2 * q_blocks * units * group) return false;
         const int per_band = 2 * q_blocks * band * group;
         const int b = t / per_band;
         const int width = min(band, units - b * band) * group;
@@ -132,7 +148,6 @@ struct RingWork {
             blocks += blocks_of(tile, qc, chunk_of(s, 0)) + blocks_of(tile, qc, chunk_of(s, 1));
         }
         tile.blocks = blocks;
-        return true;
     }
     __device__ __forceinline__ KeyBlock key_block(const Tile& tile, int j) const {
         const int qc = tile.q_position / chunk;
@@ -154,9 +169,22 @@ struct RingWork {
         }
         return block;
     }
-    // Before loading a block: its source's K and V are in our gathered buffer.
+    // Before loading a block: its rows of K and V are in our gathered buffer. A source
+    // whose whole block is in costs one load; otherwise only the chunks holding the rows
+    // (K rows batch x 2c + row.., V the same B x 2c rows further on). Our own block on
+    // several nodes has no chunk flags: it is whole once ready.
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
-        if (!wait_gathered(flags, L, block.source, epoch, ctx, tile.index)) return false;
+        if (ld_acquire_sys(flags + L.ready(block.source)) < epoch) {
+            const int rows = batches * 2 * chunk;
+            const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;
+            const bool ok = block.source == node * G + me && N > 1
+                ? wait_gathered(flags, L, block.source, epoch, ctx, tile.index)
+                : wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks,
+                                     epoch, ctx, tile.index) &&
+                  wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes,
+                                     2 * rows, chunks, epoch, ctx, tile.index);
+            if (!ok) return false;
+        }
         fence_proxy_async_global();      // peers wrote it with generic stores; TMA reads it
         return true;
     }
@@ -207,19 +235,27 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
     const u64 epoch = launch.epoch;
 
-    if ((int)blockIdx.x < compute_ctas) {
-        const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk,
-                            (a.chunk + Cfg::BQ - 1) / Cfg::BQ, (a.chunk + Cfg::BKV - 1) / Cfg::BKV,
-                            a.G, a.N, a.node, a.me, a.causal, (int)blockIdx.x, compute_ctas,
-                            a.band, a.flags, L, epoch, ctx};
-        const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
-        attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
-    } else {
-        const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);
-        const GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes);
+    // Communication CTAs copy first, then every CTA computes: the engine is entered from
+    // this one place (a second entry would cost ptxas's register split between warpgroups),
+    // and no SM idles once the copies are done.
+    const u64 row_bytes = (u64)a.kv_heads * Cfg::D * sizeof(T);
+    if ((int)blockIdx.x >= compute_ctas) {
+        const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * row_bytes;
+        const GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
         gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
+        __syncthreads();                 // the role's shared memory is the ring's and the engine's now
     }
+    __shared__ roles::Ring ring;
+    roles::ring_init<Cfg::CONSUMERS>(ring);
+    const int q_blocks = (a.chunk + Cfg::BQ - 1) / Cfg::BQ;
+    const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk, q_blocks,
+                        (a.chunk + Cfg::BKV - 1) / Cfg::BKV, a.G, a.N, a.node, a.me, a.causal,
+                        a.band, a.flags, L, epoch, ctx,
+                        {a.flags + L.claims(), 2 * q_blocks * a.batches * a.heads}, &ring,
+                        gather_chunks(comm_ctas, RING_CHUNKS), row_bytes};
+    const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
+    attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
     launch.end(a.flags, L);
     roles::leave_launch(a.board);
 }
@@ -293,7 +329,7 @@ def source_order(node: int, me: int, G: int, N: int) -> list[int]:
 def tile_order(batches: int, heads: int, kv_heads: int, chunk: int, band: int, causal: bool,
                block_q: int = attention_module.BLOCK_Q) -> list[tuple[int, int, int]]:
     """(batch, query head, first query row of the rank's two chunks) of every compute tile,
-    in the order RingWork::get deals them out (CTA c takes tiles c, c + ctas, ...): bands of
+    in the order the CTAs claim them (RingWork::tile_at of positions 0, 1, ...): bands of
     `band` (batch, key head) pairs; inside a band the later chunk's (causal: the heavier)
     last query blocks first, then key heads, then the query heads sharing one."""
     group, q_blocks, units = heads // kv_heads, -(-chunk // block_q), batches * kv_heads
@@ -361,6 +397,14 @@ def unshard(parts, *, causal: bool, axis: int = 1):
 
 # ---- the op --------------------------------------------------------------------------------
 
+def ring_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:
+    """Communication CTAs of a rank's ring kernel: a quarter of its CTAs (at least the
+    gathering default). They join the compute once their copies are done, so many cost
+    little, and the compute's first key blocks wait for the copies: with 2 of 66 CTAs
+    copying (about 40 GB/s each) a 1x2 ring at 3072 rows per rank spent about half its
+    time waiting for K/V (ring_attention.jsonl, 25c42d9)."""
+    return max(default_comm_ctas(ctas, nodes, ranks_per_node), min(ctas // 4, ctas - 1))
+
 class RingAttention(GatheringOp):
     """``out, lse = op(q, k, v, causal=...)``: each rank's queries attend to the whole
     sequence, whose K and V are spread over the world.
@@ -389,7 +433,7 @@ class RingAttention(GatheringOp):
         info = self.world.local[0]
         ctas = self.ctas or (self.world.sm_count(info.rank) if info.device is not None else 132)
         comm = self.comm_ctas if self.comm_ctas is not None else \
-            default_comm_ctas(ctas, self.world.nodes, self.world.ranks_per_node)
+            ring_comm_ctas(ctas, self.world.nodes, self.world.ranks_per_node)
         if not 1 <= comm < ctas:
             raise ValueError(f"mkrt.ring_attention: comm_ctas={comm} must be in [1, {ctas - 1}]")
         return ctas, comm

@@ -100,15 +100,27 @@ struct GatheredFlags {
 
 // Blocks are spread chunk by chunk, a CTA copying whole chunks, so the compute role can
 // start on a block's first rows before its last have arrived. A launch with comm_ctas
-// communication CTAs cuts each block in gather_chunks(comm_ctas) chunks (a multiple of
-// comm_ctas, so every CTA copies as many; at least 16 where that fits). Chunk c of an
-// nbytes block is bytes [chunk_begin(nbytes, c, chunks), chunk_begin(.., c + 1, ..)),
+// communication CTAs cuts each block in gather_chunks(comm_ctas, want) chunks (a multiple
+// of comm_ctas, so every CTA copies as many; at least `want` where that fits). Chunk c of
+// an nbytes block is bytes [chunk_begin(nbytes, c, chunks), chunk_begin(.., c + 1, ..)),
 // 16-byte aligned.
-__device__ __forceinline__ int gather_chunks(int comm_ctas) {
-    return min(comm_ctas * ((16 + comm_ctas - 1) / comm_ctas), GATHER_MAX_CHUNKS);
+__device__ __forceinline__ int gather_chunks(int comm_ctas, int want = 16) {
+    return min(comm_ctas * ((want + comm_ctas - 1) / comm_ctas), GATHER_MAX_CHUNKS);
 }
 __device__ __forceinline__ u64 chunk_begin(u64 nbytes, int c, int chunks) {
     return c >= chunks ? nbytes : (nbytes * (u64)c / (u64)chunks) & ~(u64)15;
+}
+// The chunk holding byte x < nbytes: the estimate, moved past chunks that chunk_begin's
+// rounding left ending at or before x (one step unless chunks are under 16 bytes).
+__device__ __forceinline__ int chunk_holding(u64 nbytes, u64 x, int chunks) {
+    int c = min((int)(x * (u64)chunks / nbytes), chunks - 1);
+    while (c + 1 < chunks && chunk_begin(nbytes, c + 1, chunks) <= x) ++c;
+    return c;
+}
+// The k-th chunk a launch copies. A block of two equal spans (ring attention's K and V)
+// goes K0, V0, K1, V1, ...: the rows a consumer needs first are whole soonest.
+__device__ __forceinline__ int chunk_at(int k, int chunks, bool pairs) {
+    return pairs ? (k & 1) * (chunks / 2) + (k >> 1) : k;
 }
 
 // What the gathering role needs. A rank's block is its two input spans back to back
@@ -125,6 +137,7 @@ struct GatherArgs {
     const Queue* queue;         // the proxy queue (several nodes)
     int me, node, G, N;
     int gathered_region, flags_region;
+    int want_chunks;            // gather_chunks(comm_ctas, want_chunks) chunks per block
 };
 
 constexpr int GATHER_MAX_NODE_RANKS = 32;
@@ -134,10 +147,10 @@ constexpr int GATHER_MAX_NODE_RANKS = 32;
 // flags_region), with the rank's block as the spans input0 and input1.
 template <class A>
 __device__ __forceinline__ GatherArgs gather_args(const A& a, const void* input0, u64 bytes0,
-                                                  const void* input1, u64 bytes1) {
+                                                  const void* input1, u64 bytes1, int want_chunks = 16) {
     return GatherArgs{(const unsigned char*)input0, bytes0, (const unsigned char*)input1, bytes1,
                       (unsigned char*)a.gathered, a.flags, a.peer_flags, a.peer_gathered, a.queue,
-                      a.me, a.node, a.G, a.N, a.gathered_region, a.flags_region};
+                      a.me, a.node, a.G, a.N, a.gathered_region, a.flags_region, want_chunks};
 }
 
 // A gathering kernel's launch bookkeeping: this launch's epoch and CTA counts, from the
@@ -202,12 +215,10 @@ __device__ __forceinline__ bool wait_gathered(const u64* flags, const GatheredFl
 __device__ __forceinline__ bool wait_gathered_rows(const u64* flags, const GatheredFlags& L, int block,
                                                    int row0, int row1, u64 row_bytes, int rows,
                                                    int chunks, u64 epoch, const Context& ctx, int tile) {
-    const u64 nbytes = (u64)rows * row_bytes, x0 = (u64)row0 * row_bytes, x1 = (u64)(row1 + 1) * row_bytes;
-    for (int c = 0; c < chunks; ++c) {
-        if (chunk_begin(nbytes, c, chunks) < x1 && chunk_begin(nbytes, c + 1, chunks) > x0 &&
-            !wait_gathered_word(flags, L.chunk(block, c), epoch, ctx, tile))
-            return false;
-    }
+    const u64 nbytes = (u64)rows * row_bytes;
+    const int last = chunk_holding(nbytes, (u64)(row1 + 1) * row_bytes - 1, chunks);
+    for (int c = chunk_holding(nbytes, (u64)row0 * row_bytes, chunks); c <= last; ++c)
+        if (!wait_gathered_word(flags, L.chunk(block, c), epoch, ctx, tile)) return false;
     return true;
 }
 
@@ -238,7 +249,8 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
     __shared__ unsigned char* targets[GATHER_MAX_NODE_RANKS];
     const u64 nbytes = a.bytes0 + a.bytes1;
     const int mine = a.node * a.G + a.me;
-    const int chunks = gather_chunks(comm_ctas);
+    const int chunks = gather_chunks(comm_ctas, a.want_chunks);
+    const bool pairs = a.bytes1 == a.bytes0 && chunks % 2 == 0;
     const u64 worker = (u64)comm * blockDim.x + threadIdx.x;
     const u64 workers = (u64)comm_ctas * blockDim.x;
     unsigned char* gathered = a.gathered;
@@ -268,6 +280,7 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
         copy_span(gathered + (u64)mine * nbytes, a.input0, a.bytes0, worker, workers);
         if (a.bytes1) copy_span(gathered + (u64)mine * nbytes + a.bytes0, a.input1, a.bytes1, worker, workers);
         if (last_cta_done(a.flags + L.sent(), comm_all) && !muted) {
+            st_release_sys(a.flags + L.ready(mine), epoch);     // whole here: our compute may read it
             const Queue q = *a.queue;
             for (int step = 1; step < a.N; ++step) {
                 const int other = (a.node + step) % a.N;
@@ -280,8 +293,9 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
     }
 
     // 3. push: our block into every node rank's buffer once it has arrived, chunk by
-    // chunk (this CTA copies chunks comm, comm + comm_ctas, ...; chunk(mine, c) at each
-    // node peer says chunk c is there), then ready(mine) once every chunk is.
+    // chunk (this CTA copies chunks chunk_at(comm), chunk_at(comm + comm_ctas), ...;
+    // chunk(mine, c) at each node rank it was copied to says chunk c is there: our own
+    // buffer too on one node), then ready(mine) once every chunk is.
     if (!cta_wait_words(a.flags, L.arrive(0), 1, a.G, -1, epoch, ctx, ROLE_INTRA, a.node * a.G, 1,
                         nullptr))
         return;
@@ -293,11 +307,12 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
                      : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes;
     }
     __syncthreads();
-    for (int c = comm; c < chunks && !muted; c += comm_ctas) {
+    for (int k = comm; k < chunks && !muted; k += comm_ctas) {
+        const int c = chunk_at(k, chunks, pairs);
         spread_chunk(targets, a.G, (a.me + 1) % a.G, a.input0, a.bytes0, a.input1, nbytes, c, chunks);
         __threadfence_system();
         __syncthreads();
-        if (threadIdx.x < a.G && threadIdx.x != a.me)
+        if (threadIdx.x < a.G && targets[threadIdx.x] != nullptr)
             st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.chunk(mine, c), epoch);
     }
     if (last_cta_done(a.flags + L.pushed(), comm_all) && !muted) {
@@ -320,7 +335,8 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
         }
         __syncthreads();
         const unsigned char* landed = gathered + (u64)block * nbytes;
-        for (int c = comm; c < chunks; c += comm_ctas) {
+        for (int k = comm; k < chunks; k += comm_ctas) {
+            const int c = chunk_at(k, chunks, pairs);
             spread_chunk(targets, a.G, (a.me + 1) % a.G, landed, nbytes, nullptr, nbytes, c, chunks);
             __threadfence_system();
             __syncthreads();

@@ -372,6 +372,27 @@ __device__ __forceinline__ int claim(const CountedQueue& q, int* left_because) {
     return (int)position;
 }
 
+// The queue position of an engine's i-th tile: the producer (one thread of warpgroup 0)
+// claims it and every consumer thread reads it from the ring; -1 when the queue is empty.
+template <class Source>
+__device__ __forceinline__ int claimed_position(const Source& source, Ring* ring, int i) {
+    const int slot = i % RING;
+    const u32 phase = (u32)(i / RING) & 1u;
+    int position;
+    if (threadIdx.x < 128) {
+        mbarrier_wait(&ring->empty[slot], phase ^ 1u);
+        position = claim(source, &ring->left_because);
+        ring->position[slot] = position;
+        mbarrier_arrive(&ring->full[slot]);
+    } else {
+        mbarrier_wait(&ring->full[slot], phase);
+        position = ring->position[slot];
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbarrier_arrive(&ring->empty[slot]);
+    }
+    return position;
+}
+
 template <class Inner, class Source = Board>
 struct ClaimedWork {
     Source source;             // where positions come from: a Board or a CountedQueue
@@ -379,20 +400,7 @@ struct ClaimedWork {
     Ring* ring;
 
     __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
-        const int slot = i % RING;
-        const u32 phase = (u32)(i / RING) & 1u;
-        int position;
-        if (threadIdx.x < 128) {               // the producer (one thread)
-            mbarrier_wait(&ring->empty[slot], phase ^ 1u);
-            position = claim(source, &ring->left_because);
-            ring->position[slot] = position;
-            mbarrier_arrive(&ring->full[slot]);
-        } else {
-            mbarrier_wait(&ring->full[slot], phase);
-            position = ring->position[slot];
-            __syncwarp();
-            if ((threadIdx.x & 31) == 0) mbarrier_arrive(&ring->empty[slot]);
-        }
+        const int position = claimed_position(source, ring, i);
         if (position < 0) return false;
         tile = inner.tile_at(position);
         return true;
