@@ -118,10 +118,11 @@ def test_tile_order_deals_every_tile_once_in_bands_that_fit_l2(shape):
 
 
 def _head_work_get(p, t, block_q):
-    """HeadWork::get's index arithmetic (attention.py's kernel source), line for line."""
+    """HeadWork::get's index arithmetic (attention.py's kernel source), line for line, for
+    queue position t (the queue's count, q_blocks x batches x heads, ends it)."""
     group, q_blocks = p.heads // p.kv_heads, -(-p.sq // block_q)
     units = p.batches * p.kv_heads
-    if t >= q_blocks * units * group:
+    if t >= q_blocks * p.batches * p.heads:
         return None
     per_band = q_blocks * p.band * group
     b = t // per_band
@@ -218,13 +219,38 @@ def test_repeated_calls_are_bit_identical_and_fewer_sms_agree():
     k = _random(cupy, (1, 1500, 2, 64), BF16, 6)
     v = _random(cupy, (1, 1500, 2, 64), BF16, 7)
     first, first_lse = A.attention(q, k, v, causal=True)
-    first = first.copy()
-    for _ in range(50):
-        out, lse = A.attention(q, k, v, causal=True)
-    assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
-    assert bool((lse == first_lse).all())
+    first, first_lse = first.copy(), first_lse.copy()
+    # every call writes every tile: each call's output poisoned first and kept (the CTAs
+    # claim tiles from a counter that the last CTA out of a launch zeroes for the next)
+    outs = [cupy.full_like(first, float("nan")) for _ in range(50)]
+    lses = [cupy.full_like(first_lse, float("nan")) for _ in range(50)]
+    for out, lse in zip(outs, lses):
+        A.attention(q, k, v, causal=True, out=out, lse=lse)
+    for out, lse in zip(outs, lses):
+        assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
+        assert bool((lse == first_lse).all())
     few, few_lse = A.attention(q, k, v, causal=True, sms=7)
     assert bool((few.view(cupy.uint16) == first.view(cupy.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_calls_on_several_streams_at_once_each_write_every_tile():
+    """Each stream has its own tile counter: launches overlapping on four streams, no
+    synchronisation between calls, all outputs identical to a lone call's."""
+    import cupy
+    q = _random(cupy, (2, 2000, 8, 128), BF16, 8)
+    k = _random(cupy, (2, 2000, 4, 128), BF16, 9)
+    v = _random(cupy, (2, 2000, 4, 128), BF16, 10)
+    first, _ = A.attention(q, k, v, causal=True)
+    cupy.cuda.Device().synchronize()
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(4)]
+    outs = [cupy.full_like(first, float("nan")) for _ in range(4 * 6)]
+    cupy.cuda.Device().synchronize()
+    for i, out in enumerate(outs):
+        A.attention(q, k, v, causal=True, out=out, stream=streams[i % 4])
+    cupy.cuda.Device().synchronize()
+    for out in outs:
+        assert bool((out.view(cupy.uint16) == first.view(cupy.uint16)).all())
 
 
 @pytest.mark.gpu

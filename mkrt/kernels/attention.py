@@ -44,19 +44,34 @@ typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG
 typedef mkrt::attention::Tile Tile;
 typedef mkrt::attention::KeyBlock KeyBlock;
 
-// Every (query block, batch, head) of the problem; CTA c takes tiles c, c + ctas, ...
-// (mirror: tile_order). The tiles go in bands of `band` (batch, key head) pairs, so the
+// Every (query block, batch, head) of the problem, claimed by the CTAs in this order from a
+// counter (mirror: tile_order): a CTA that drew light tiles (causal: few keys) takes more,
+// where a fixed deal (CTA c: tiles c, c + ctas, ...) leaves the last round up to 12% longer
+// than the average (B 4, S 4096, D 64, in a simulation with tile time = key blocks + 1).
+// The tiles go in bands of `band` (batch, key head) pairs, so the
 // CTAs running at once read the K/V of a few heads, which stay in L2 (heads fastest over
 // the whole problem made every tile read its K/V from memory: 4 x 4096 x 16 x 128 ran with
 // L2 99% busy). Inside a band: query blocks from the last (the most keys when causal) to
 // the first, then key heads, then the query heads that share a key head.
 struct HeadWork {
     int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas, band;
+    mkrt::roles::CountedQueue queue;
+    mkrt::roles::Ring* ring;
+    // Claiming costs registers that three consumer warpgroups, and the producer's 24 at
+    // head dim 128 above 128-key blocks, do not have (ptxas spilled): those builds keep
+    // the fixed deal.
+    static constexpr bool CLAIMED = Cfg::CONSUMERS == 2 && (Cfg::BKV <= 128 || Cfg::D == 64);
     __device__ __forceinline__ bool get(int i, Tile& tile) const {
-        const int t = cta + i * ctas;
+        int t;
+        if constexpr (CLAIMED) {
+            t = mkrt::roles::claimed_position(queue, ring, i);
+            if (t < 0) return false;
+        } else {
+            t = cta + i * ctas;
+            if (t >= q_blocks * batches * heads) return false;
+        }
         const int kv_heads = heads / group;
         const int units = batches * kv_heads;               // (batch, key head) pairs
-        if (t >= q_blocks * units * group) return false;
         const int per_band = q_blocks * band * group;
         const int b = t / per_band;
         const int width = min(band, units - b * band) * group;  // query heads in this band
@@ -121,15 +136,33 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
                   const __grid_constant__ mkrt::TmaDescriptor tma_k,
                   const __grid_constant__ mkrt::TmaDescriptor tma_v,
                   $CTYPE* out, float* lse, int batches, int heads, int kv_heads, int sq, int sk,
-                  int causal, float scale_log2, int band) {
+                  int causal, float scale_log2, int band, mkrt::u64* counter) {
     extern __shared__ char dynamic_smem[];
-    const HeadWork work{batches, heads, heads / kv_heads, (sq + Cfg::BQ - 1) / Cfg::BQ,
-                        (sk + Cfg::BKV - 1) / Cfg::BKV, sq, sk, causal, (int)blockIdx.x,
-                        (int)gridDim.x, band};
+    const int q_blocks = (sq + Cfg::BQ - 1) / Cfg::BQ;
     const StoreOutput store{out, lse, sq, heads};
-    mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
+    if constexpr (HeadWork::CLAIMED) {
+        // in shared memory: the producer reads the fields when it needs them (held in its
+        // registers, they spilled where it keeps 32)
+        __shared__ HeadWork work;
+        __shared__ mkrt::roles::Ring ring;
+        if (threadIdx.x == 0) {
+            work.batches = batches, work.heads = heads, work.group = heads / kv_heads;
+            work.q_blocks = q_blocks, work.kv_blocks = (sk + Cfg::BKV - 1) / Cfg::BKV;
+            work.sq = sq, work.sk = sk, work.causal = causal, work.band = band;
+            work.cta = blockIdx.x, work.ctas = gridDim.x;
+            work.queue = {counter, q_blocks * batches * heads};
+            work.ring = &ring;
+        }
+        mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);     // and a barrier: work is set
+        mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
+        mkrt::roles::reset_when_last_out(counter);   // counter = {next tile, CTAs out}: one per stream
+    } else {
+        const HeadWork work{batches, heads, heads / kv_heads, q_blocks, (sk + Cfg::BKV - 1) / Cfg::BKV,
+                            sq, sk, causal, (int)blockIdx.x, (int)gridDim.x, band, {nullptr, 0}, nullptr};
+        mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
+    }
 }
-""", requires=("attention_tile",), register=False)
+""", requires=("attention_tile", "tile_queue"), register=False)
 
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 HEAD_DIMS = (64, 128)
@@ -264,8 +297,8 @@ def kv_band(batches: int, kv_heads: int, head_dim: int, rows: int) -> int:
 
 
 def tile_order(problem: AttentionProblem, block_q: int = BLOCK_Q) -> list[tuple[int, int, int]]:
-    """(batch, query head, query block) of every tile in the order HeadWork deals them out
-    (CTA c takes tiles c, c + ctas, ...), for tiles of `block_q` rows."""
+    """(batch, query head, query block) of every tile in the order the CTAs claim them
+    (HeadWork::get of queue positions 0, 1, ...), for tiles of `block_q` rows."""
     p = problem
     group, q_blocks = p.heads // p.kv_heads, -(-p.sq // block_q)
     units, order = p.batches * p.kv_heads, []
@@ -354,7 +387,7 @@ class _PreparedAttention:
                              ("batches", np.int32, 4), ("heads", np.int32, 4),
                              ("kv_heads", np.int32, 4), ("sq", np.int32, 4), ("sk", np.int32, 4),
                              ("causal", np.int32, 4), ("scale_log2", np.float32, 4),
-                             ("band", np.int32, 4)])
+                             ("band", np.int32, 4), ("counter", np.uint64, 8)])
         p = problem
         params.set(batches=p.batches, heads=p.heads, kv_heads=p.kv_heads, sq=p.sq, sk=p.sk,
                    causal=int(p.causal), scale_log2=scale * _LOG2E, band=p.band)
@@ -362,9 +395,10 @@ class _PreparedAttention:
         self.launch = KernelLaunch(function, min(p.tiles(spec.block_q), sms), spec.threads,
                                    spec.smem_bytes, params)
         self._out, self._lse = params.view("out"), params.view("lse")
+        self._counter = params.view("counter")
         self._maps = None
 
-    def patch(self, q, k, v, out, lse) -> None:
+    def patch(self, q, k, v, out, lse, counter: int) -> None:
         maps = (q.data.ptr, q.strides, k.data.ptr, k.strides, v.data.ptr, v.strides)
         if maps != self._maps:
             p, params = self.problem, self.launch.params
@@ -375,6 +409,27 @@ class _PreparedAttention:
             self._maps = maps
         self._out[()] = out.data.ptr
         self._lse[()] = lse.data.ptr
+        self._counter[()] = counter
+
+
+#: (device, stream) -> the tile counter {next tile, CTAs out} of launches on that stream:
+#: launches on one stream run one after another, so each finds it zeroed by the last one
+#: out of the launch before. Two streams never share one. (A captured graph keeps the
+#: counter of the stream it was captured on: replay it on one stream at a time.)
+_COUNTERS: dict = {}
+
+
+def tile_counter(device: int, stream_ptr: int) -> int:
+    """Address of the tile counter of `stream_ptr` on `device` (made, zeroed, on first use)."""
+    key = (device, stream_ptr)
+    found = _COUNTERS.get(key)
+    if found is None:
+        import cupy
+        with cupy.cuda.Device(device):
+            found = cupy.zeros(2, dtype=np.uint64)
+            cupy.cuda.runtime.deviceSynchronize()     # zeroed before any stream reads it
+        _COUNTERS[key] = found
+    return found.data.ptr
 
 
 _PREPARED: "collections.OrderedDict[tuple, _PreparedAttention]" = collections.OrderedDict()
@@ -461,8 +516,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
                                   dtype=qv.dtype)
         if lse_view is None:
             lse_view = cupy.empty((problem.batches, problem.heads, problem.sq), dtype=np.float32)
-        call.patch(qv, kv, vv, out_view, lse_view)
-        call.launch((stream or cupy.cuda.get_current_stream()).ptr)
+        stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
+        call.patch(qv, kv, vv, out_view, lse_view, tile_counter(device, stream_ptr))
+        call.launch(stream_ptr)
     return like_input(out_view, q), like_input(lse_view, q)
 
 
@@ -498,8 +554,8 @@ def _attention_torch(q, k, v, causal, scale, out, lse, sms, overrides, stream):
             if lse is None:
                 lse = torch.empty((p.batches, p.heads, p.sq), dtype=torch.float32, device=q.device)
                 lse_view = TorchView(lse, "lse")
-    call.patch(qv, kv, vv, out_view, lse_view)
     stream_ptr = stream.ptr if stream is not None else torch.cuda.current_stream(device).cuda_stream
+    call.patch(qv, kv, vv, out_view, lse_view, tile_counter(device, stream_ptr))
     if _runtime.getDevice() == device:
         call.launch(stream_ptr)
     else:

@@ -334,64 +334,9 @@ __device__ __forceinline__ int claim_tile(const Board& b, int* left_because) {
 }
 
 // A work list for gemm::run_tiles whose tiles come from a queue (the board's compute
-// queue, or a plain CountedQueue): the producer claims each tile and passes its number to
-// the consumers through a small ring in shared memory (full/empty barriers, like the
-// engine's stages). Inner maps a queue position to a Tile (e.g. gemm::RasterWork::tile_at).
-constexpr int RING = 4;
-struct Ring {
-    int position[RING];
-    u64 full[RING];
-    u64 empty[RING];
-    int left_because;
-};
-
-template <int CONSUMERS>
-__device__ __forceinline__ void ring_init(Ring& ring) {
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < RING; ++i) {
-            mbarrier_init(&ring.full[i], 1);
-            mbarrier_init(&ring.empty[i], CONSUMERS * 4);
-        }
-        ring.left_because = 0;
-        mbarrier_init_fence();
-    }
-    __syncthreads();
-}
-
-// A queue with no controller: positions 0 .. count - 1 of one counter word, which the
-// kernel resets between launches (AllGather+GEMM: its last CTA out).
-struct CountedQueue {
-    u64* next;
-    int count;
-};
-
+// queue, or a plain CountedQueue; the ring that passes a claim to the consumers is in
+// tile_queue). Inner maps a queue position to a Tile (e.g. gemm::RasterWork::tile_at).
 __device__ __forceinline__ int claim(const Board& b, int* left_because) { return claim_tile(b, left_because); }
-__device__ __forceinline__ int claim(const CountedQueue& q, int* left_because) {
-    const u64 position = atomicAdd((unsigned long long*)q.next, 1ull);
-    if (position >= (u64)q.count) { *left_because = 1; return -1; }
-    return (int)position;
-}
-
-// The queue position of an engine's i-th tile: the producer (one thread of warpgroup 0)
-// claims it and every consumer thread reads it from the ring; -1 when the queue is empty.
-template <class Source>
-__device__ __forceinline__ int claimed_position(const Source& source, Ring* ring, int i) {
-    const int slot = i % RING;
-    const u32 phase = (u32)(i / RING) & 1u;
-    int position;
-    if (threadIdx.x < 128) {
-        mbarrier_wait(&ring->empty[slot], phase ^ 1u);
-        position = claim(source, &ring->left_because);
-        ring->position[slot] = position;
-        mbarrier_arrive(&ring->full[slot]);
-    } else {
-        mbarrier_wait(&ring->full[slot], phase);
-        position = ring->position[slot];
-        __syncwarp();
-        if ((threadIdx.x & 31) == 0) mbarrier_arrive(&ring->empty[slot]);
-    }
-    return position;
-}
 
 template <class Inner, class Source = Board>
 struct ClaimedWork {
@@ -591,4 +536,4 @@ __device__ __forceinline__ void leave_launch(u64* board) {
 
 }  // namespace roles
 }  // namespace mkrt
-""", requires=("gemm_tile", "tma", "wgmma", "base"))
+""", requires=("tile_queue", "gemm_tile", "tma", "wgmma", "base"))
