@@ -26,3 +26,15 @@ for old in old_*; do
         grep -v Warning | grep -v "return torch" | tee $OUT/ring_$old.txt)
     echo "$old done at $SECONDS s"
 done
+# 4. mkrt.attention (tiles claimed from a counter since 79501e3) against torch's backends on
+#    a few shapes, and the same shapes on the earlier checkout, same machine
+ASHAPES=${ASHAPES:-4:4096:16:16:64:1,4:4096:16:16:64:0,4:4096:16:16:128:1,4:4096:16:16:128:0,1:8192:64:8:128:1,2:8192:32:32:64:1}
+timeout ${ATT_S:-70} python3 experiments/attention.py --shapes $ASHAPES --out $OUT/attention.jsonl 2>&1 | \
+    grep -v Warning | grep -v "return torch" | tee $OUT/attention.txt
+for old in old_*; do
+    [ -d "$old/mkrt" ] || continue
+    (cd $old && MKRT_BENCH_COMMIT=${old#old_} PYTHONPATH=$PWD timeout ${ATT_S:-70} python3 experiments/attention.py \
+        --shapes $ASHAPES --out $OUT/attention_$old.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
+        tee $OUT/attention_$old.txt)
+done
+echo "attention done at $SECONDS s"
