@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mkrt.kernels import allgather_gemm as agg
+from mkrt.kernels import gathering
 from mkrt.kernels.gathering import GATHER_MAX_CHUNKS
 
 WORLDS = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 3), (2, 4), (3, 1), (3, 2), (4, 2), (4, 8)]
@@ -87,26 +88,8 @@ def test_flag_layout_words_do_not_overlap():
     assert "int claims() const { return chunk(N * G, 0); }" in text
 
 
-def _chunk_begin(nbytes, c, chunks):
-    """The device's chunk_begin."""
-    return nbytes if c >= chunks else (nbytes * c // chunks) & ~15
-
-
-def _gather_chunks(comm_ctas, want=16):
-    return min(comm_ctas * -(-want // comm_ctas), GATHER_MAX_CHUNKS)
-
-
-def _chunk_holding(nbytes, x, chunks):
-    """The device's chunk_holding."""
-    c = min(x * chunks // nbytes, chunks - 1)
-    while c + 1 < chunks and _chunk_begin(nbytes, c + 1, chunks) <= x:
-        c += 1
-    return c
-
-
-def _chunk_at(k, chunks, pairs):
-    """The device's chunk_at."""
-    return (k & 1) * (chunks // 2) + (k >> 1) if pairs else k
+_chunk_begin, _gather_chunks = gathering.chunk_begin, gathering.gather_chunks
+_chunk_holding, _chunk_at = gathering.chunk_holding, gathering.chunk_at
 
 
 def test_device_chunk_helpers_are_the_mirrored_ones():

@@ -158,3 +158,38 @@ def test_ring_tiles_come_once_each_in_bands_and_match_the_kernels_arithmetic(sha
     # 16384 rows (2 ranks of 2 x 4096): 8 MB, two heads per band
     assert A.kv_band(4, 16, 128, 4 * 2 * 3072) == 1
     assert A.kv_band(1, 8, 128, 2 * 2 * 4096) == 2
+
+
+@pytest.mark.parametrize("batches,chunk,row_bytes,comm_ctas", [(4, 1536, 16 * 128 * 2, 16),
+                                                               (1, 4096, 8 * 128 * 2, 8),
+                                                               (2, 100, 2 * 64 * 2, 2),
+                                                               (3, 130, 1 * 64 * 2, 33)])
+def test_a_key_block_waits_for_exactly_the_chunks_holding_its_k_and_v_rows(batches, chunk, row_bytes,
+                                                                            comm_ctas):
+    from mkrt.kernels.gathering import chunk_begin, gather_chunks
+    chunks = gather_chunks(comm_ctas, RA.RING_CHUNKS)
+    rows = batches * 2 * chunk
+    nbytes = 2 * rows * row_bytes
+    bounds = [chunk_begin(nbytes, c, chunks) for c in range(chunks + 1)]
+    for batch in range(batches):
+        for row in range(0, 2 * chunk, 128):
+            count = min(128, 2 * chunk - row)
+            waited = RA.block_chunks(batch, row, count, batches, chunk, row_bytes, comm_ctas)
+            spans = [((batch * 2 * chunk + row) * row_bytes, (batch * 2 * chunk + row + count) * row_bytes)]
+            spans.append((spans[0][0] + rows * row_bytes, spans[0][1] + rows * row_bytes))
+            # every byte of the K rows and the V rows lies in a waited chunk ...
+            for x0, x1 in spans:
+                covering = [c for c in range(chunks) if bounds[c] < x1 and bounds[c + 1] > x0]
+                assert set(covering) <= set(waited)
+            # ... and every waited chunk holds some of them
+            for c in waited:
+                assert any(bounds[c] < x1 and bounds[c + 1] > x0 for x0, x1 in spans)
+
+
+def test_the_kernels_wait_is_the_mirrored_one():
+    text = RA.spec_for("bf16", 128).render()
+    assert f"constexpr int RING_CHUNKS = {RA.RING_CHUNKS};" in text
+    assert "const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;" in text
+    assert "wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks," in text
+    assert "wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes," in text
+    assert "gather_chunks(comm_ctas, RING_CHUNKS), row_bytes};" in text

@@ -43,6 +43,31 @@ class FlagLayout:
         return self.claims() + 1
 
 
+# ---- the device's chunk arithmetic (kernels/device/gather.py), for CPU checks -----------
+
+def gather_chunks(comm_ctas: int, want: int = 16) -> int:
+    """Chunks per block of a launch with `comm_ctas` communication CTAs."""
+    return min(comm_ctas * -(-want // comm_ctas), GATHER_MAX_CHUNKS)
+
+
+def chunk_begin(nbytes: int, c: int, chunks: int) -> int:
+    """First byte of chunk c of an nbytes block (16-byte aligned)."""
+    return nbytes if c >= chunks else (nbytes * c // chunks) & ~15
+
+
+def chunk_holding(nbytes: int, x: int, chunks: int) -> int:
+    """The chunk holding byte x < nbytes."""
+    c = min(x * chunks // nbytes, chunks - 1)
+    while c + 1 < chunks and chunk_begin(nbytes, c + 1, chunks) <= x:
+        c += 1
+    return c
+
+
+def chunk_at(k: int, chunks: int, pairs: bool) -> int:
+    """The k-th chunk a launch copies (two equal spans: their chunks alternating)."""
+    return (k & 1) * (chunks // 2) + (k >> 1) if pairs else k
+
+
 def default_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:
     """CTAs of the communication role (AllGather+GEMM, ring attention): a few (copies are
     bandwidth-bound and short next to the compute), more when there are more peers to store

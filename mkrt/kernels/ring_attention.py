@@ -75,7 +75,7 @@ struct Args {
 $ARGS_CHECKS
 
 // Chunks per gathered block: fine enough that a key block waits for little more than its
-// own rows (at most GATHER_MAX_CHUNKS).
+// own rows (at most GATHER_MAX_CHUNKS; mirror: RING_CHUNKS below).
 constexpr int RING_CHUNKS = 64;
 
 // The compute role's tiles and key blocks (mirrors: tile_order, source_order, tile_blocks).
@@ -262,6 +262,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
 """, requires=("attention_tile", "gather_role", "roles"), register=False)
 
 KERNEL_ID = kernel_id("ring_attention")
+#: chunks per gathered K/V block (the kernel's RING_CHUNKS; at most GATHER_MAX_CHUNKS)
+RING_CHUNKS = 64
 
 ARGS_DTYPE = np.dtype([
     ("k", "<u8"), ("v", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("gathered", "<u8"),
@@ -365,6 +367,25 @@ def tile_blocks(rank: int, G: int, N: int, chunk: int, q_row: int, q_rows: int, 
             blocks += [(s, kslot * chunk + j * block_kv, kc * chunk + j * block_kv,
                         min(block_kv, chunk - j * block_kv)) for j in range(n)]
     return blocks
+
+
+def block_chunks(batch: int, row: int, count: int, batches: int, chunk: int, row_bytes: int,
+                 comm_ctas: int) -> list[int]:
+    """The chunk flags of a source's gathered block that a key block (rows [row, row +
+    count) of the source's 2c, batch `batch`) waits for before the source is ready: those
+    holding its K rows, then those holding its V rows (RingWork::wait; the block is
+    [K | V], each [B, 2c, Hkv, D], in rows of `row_bytes`)."""
+    from mkrt.kernels.gathering import chunk_holding, gather_chunks
+    chunks = gather_chunks(comm_ctas, RING_CHUNKS)
+    rows = batches * 2 * chunk
+    nbytes = 2 * rows * row_bytes
+    row0 = batch * 2 * chunk + row
+    row1 = row0 + count - 1
+    waited = []
+    for first, last in ((row0, row1), (rows + row0, rows + row1)):
+        end = chunk_holding(nbytes, (last + 1) * row_bytes - 1, chunks)
+        waited += range(chunk_holding(nbytes, first * row_bytes, chunks), end + 1)
+    return waited
 
 
 def shard(x, rank: int, world: int, *, causal: bool):
