@@ -609,4 +609,5 @@ def test_cases():
     """(layout, B, rows per chunk, Hq, Hkv, D, causal, dtype) the GPU tests run."""
     return [("1x2", 1, 256, 2, 2, 128, False, "bf16"), ("1x2", 2, 200, 4, 2, 64, True, "bf16"),
             ("1x4", 1, 384, 4, 1, 128, True, "bf16"), ("2x2", 1, 256, 2, 2, 128, True, "f16"),
-            ("2x2", 2, 130, 4, 4, 64, False, "bf16"), ("3x1", 1, 128, 2, 1, 128, True, "bf16")]
+            ("2x2", 2, 130, 4, 4, 64, False, "bf16"), ("3x1", 1, 128, 2, 1, 128, True, "bf16"),
+            ("1x3", 2, 192, 4, 2, 128, True, "bf16"), ("1x3", 1, 300, 2, 2, 64, False, "f16")]
