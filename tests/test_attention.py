@@ -254,6 +254,36 @@ def test_calls_on_several_streams_at_once_each_write_every_tile():
 
 
 @pytest.mark.gpu
+def test_a_graph_captured_on_a_fresh_stream_replays_and_eager_calls_follow():
+    """A launch captured on a stream that never ran one gets a tile counter zeroed by its
+    graph; replays and later eager calls on that stream each write every tile."""
+    import cupy
+    q = _random(cupy, (2, 1000, 4, 64), BF16, 11)
+    k = _random(cupy, (2, 1000, 2, 64), BF16, 12)
+    v = _random(cupy, (2, 1000, 2, 64), BF16, 13)
+    want = cupy.empty_like(q)
+    A.attention(q, k, v, causal=True, out=want)           # prepared (and right) on the default stream
+    out = cupy.full_like(want, float("nan"))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    stream.begin_capture()
+    A.attention(q, k, v, causal=True, out=out, stream=stream)
+    graph = stream.end_capture()
+    for _ in range(3):
+        out.fill(float("nan"))
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        assert bool((out.view(cupy.uint16) == want.view(cupy.uint16)).all())
+    for _ in range(3):
+        out.fill(float("nan"))
+        cupy.cuda.Device().synchronize()
+        A.attention(q, k, v, causal=True, out=out, stream=stream)
+        stream.synchronize()
+        assert bool((out.view(cupy.uint16) == want.view(cupy.uint16)).all())
+
+
+@pytest.mark.gpu
 def test_bands_of_key_heads_change_the_order_not_the_bits(monkeypatch):
     import cupy
     # 2 batches x 3 key heads x 2 query heads each: bands of 1, 4 (a partial last band), all

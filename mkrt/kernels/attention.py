@@ -413,22 +413,28 @@ class _PreparedAttention:
 
 
 #: (device, stream) -> the tile counter {next tile, CTAs out} of launches on that stream:
-#: launches on one stream run one after another, so each finds it zeroed by the last one
-#: out of the launch before. Two streams never share one. (A captured graph keeps the
-#: counter of the stream it was captured on: replay it on one stream at a time.)
+#: launches on one stream run one after another, so each finds it zeroed by the last CTA
+#: out of the launch before. Two streams never share one.
 _COUNTERS: dict = {}
+#: counters of launches captured into CUDA graphs: one per captured launch, zeroed by a
+#: node of its graph before the kernel, shared with no eager launch (and launches of one
+#: graph run one after another)
+_CAPTURED_COUNTERS: list = []
 
 
 def tile_counter(device: int, stream_ptr: int) -> int:
-    """Address of the tile counter of `stream_ptr` on `device` (made, zeroed, on first use)."""
-    key = (device, stream_ptr)
-    found = _COUNTERS.get(key)
+    """Address of the tile counter for a launch on `stream_ptr` of `device` (made on first
+    use, zeroed on that stream: no synchronisation, so a capture stays valid)."""
+    capturing = stream_ptr != 0 and _runtime.streamIsCapturing(stream_ptr) != 0
+    found = None if capturing else _COUNTERS.get((device, stream_ptr))
     if found is None:
         import cupy
-        with cupy.cuda.Device(device):
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream_ptr):
             found = cupy.zeros(2, dtype=np.uint64)
-            cupy.cuda.runtime.deviceSynchronize()     # zeroed before any stream reads it
-        _COUNTERS[key] = found
+        if capturing:
+            _CAPTURED_COUNTERS.append(found)
+        else:
+            _COUNTERS[(device, stream_ptr)] = found
     return found.data.ptr
 
 
