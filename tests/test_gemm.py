@@ -353,6 +353,32 @@ def test_split_k_on_two_streams_at_once_keeps_the_parts_apart():
         assert float(cupy.abs(got - want).max()) <= 0.02 * float(cupy.abs(want).max())
 
 
+@pytest.mark.gpu
+def test_split_k_captured_first_on_a_stream_then_eager_there():
+    """A stream whose first split-K launch is captured into a graph: the graph zeroes a
+    workspace of its own at each replay, and the eager launches after it on that stream get
+    one zeroed eagerly (they inherited the graph's, never zeroed outside it, before)."""
+    import cupy
+    m, n, k = 64, 4096, 4096
+    a, b = _random((m, k), bfloat16, 24), _random((n, k), bfloat16, 25)
+    want = G.reference(a, b, b_layout="nk")
+    out = G.poison(cupy.empty((m, n), dtype=bfloat16))
+    options = dict(b_layout="nk", block_m=64, block_n=128, split_k=4)
+    G.gemm(a, b, out, **options)                    # prepared on the null stream
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    stream.begin_capture()
+    G.gemm(a, b, out, stream=stream, **options)
+    graph = stream.end_capture()
+    for run in [lambda: graph.launch(stream)] * 3 + [lambda: G.gemm(a, b, out, stream=stream, **options)] * 3:
+        G.poison(out)
+        cupy.cuda.Device().synchronize()
+        run()
+        stream.synchronize()
+        got = G.to_float32(out)
+        assert float(cupy.abs(got - want).max()) <= 0.02 * float(cupy.abs(want).max())
+
+
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
 @pytest.mark.parametrize("block_m,block_n,epilogue", [(128, 256, "tma"), (128, 128, "direct"),
                                                       (64, 256, "tma")])

@@ -37,7 +37,7 @@ from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels.device import attention_tile, tma, wgmma  # noqa: F401  (register the pieces)
 from mkrt.kernels.gemm import SMEM_LIMIT, tma_descriptor, to_float32
-from mkrt.kernels.launcher import KernelLaunch, Parameters
+from mkrt.kernels.launcher import KernelLaunch, Parameters, stream_workspace
 
 ATTENTION = cuda_source("attention", r"""
 typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG, $CONSUMERS> Cfg;
@@ -412,30 +412,19 @@ class _PreparedAttention:
         self._counter[()] = counter
 
 
-#: (device, stream) -> the tile counter {next tile, CTAs out} of launches on that stream:
-#: launches on one stream run one after another, so each finds it zeroed by the last CTA
-#: out of the launch before. Two streams never share one.
+#: device -> {stream: tile counter {next tile, CTAs out}} (launcher.stream_workspace):
+#: launches on one stream run one after another, so each finds its counter zeroed by the
+#: last CTA out of the launch before; two streams never share one, and a launch captured
+#: into a CUDA graph gets its own, zeroed by its graph.
 _COUNTERS: dict = {}
-#: counters of launches captured into CUDA graphs: one per captured launch, zeroed by a
-#: node of its graph before the kernel, shared with no eager launch (and launches of one
-#: graph run one after another)
-_CAPTURED_COUNTERS: list = []
 
 
 def tile_counter(device: int, stream_ptr: int) -> int:
-    """Address of the tile counter for a launch on `stream_ptr` of `device` (made on first
-    use, zeroed on that stream: no synchronisation, so a capture stays valid)."""
-    capturing = stream_ptr != 0 and _runtime.streamIsCapturing(stream_ptr) != 0
-    found = None if capturing else _COUNTERS.get((device, stream_ptr))
-    if found is None:
-        import cupy
-        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream_ptr):
-            found = cupy.zeros(2, dtype=np.uint64)
-        if capturing:
-            _CAPTURED_COUNTERS.append(found)
-        else:
-            _COUNTERS[(device, stream_ptr)] = found
-    return found.data.ptr
+    """Address of the tile counter for a launch on `stream_ptr` of `device`."""
+    import cupy
+    counter, _ = stream_workspace(_COUNTERS.setdefault(device, {}), device, stream_ptr,
+                                  lambda: cupy.zeros(2, dtype=np.uint64))
+    return counter.data.ptr
 
 
 _PREPARED: "collections.OrderedDict[tuple, _PreparedAttention]" = collections.OrderedDict()

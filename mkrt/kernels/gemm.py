@@ -34,7 +34,7 @@ from mkrt.jit import cuda_source
 from mkrt.kernels.device import gemm_tile, partial_sums, tma, wgmma  # noqa: F401  (register the pieces)
 from mkrt.cuda import device_sm_count
 from mkrt.jit.spec import KernelSpec
-from mkrt.kernels.launcher import KernelLaunch, Parameters, function_handle
+from mkrt.kernels.launcher import KernelLaunch, Parameters, function_handle, stream_workspace
 
 GEMM = cuda_source("gemm", r"""
 constexpr bool TMA_STORE = $TMA_STORE;
@@ -740,19 +740,15 @@ class _PreparedGemm:
         two streams running the same signature at once (an emulated world's ranks on one
         GPU) must not add each other's parts."""
         if self._split and self._bound_stream != stream_ptr:
-            workspace = self._workspaces.get(stream_ptr)
-            if workspace is None:
-                import cupy
-                p = self.plan
-                # float32 parts of every split tile, and per split tile a counter that is
-                # zero between calls (zeroed on this stream, before its first launch)
-                with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(stream_ptr):
-                    partials = cupy.empty(p.split_slots * p.splits * p.spec.block_m * p.spec.block_n,
-                                          dtype=np.float32)
-                    arrivals = cupy.zeros(p.split_slots, dtype=np.int32)
-                workspace = self._workspaces[stream_ptr] = (partials, arrivals)
+            import cupy
+            p = self.plan
+            # float32 parts of every split tile, and per split tile a counter that is zero
+            # between calls (zeroed on this stream, before its first launch)
+            workspace, kept = stream_workspace(self._workspaces, self.device, stream_ptr, lambda: (
+                cupy.empty(p.split_slots * p.splits * p.spec.block_m * p.spec.block_n, dtype=np.float32),
+                cupy.zeros(p.split_slots, dtype=np.int32)))
             self.launch.params.set(partials=workspace[0].data.ptr, arrivals=workspace[1].data.ptr)
-            self._bound_stream = stream_ptr
+            self._bound_stream = stream_ptr if kept else None
         self.launch(stream_ptr)
 
     def patch(self, a_ptr: int, b_ptr: int, out_ptr: int) -> None:

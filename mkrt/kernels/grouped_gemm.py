@@ -36,7 +36,7 @@ from mkrt.cuda import device_sm_count
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import gemm as gemm_module
-from mkrt.kernels.launcher import KernelLaunch, Parameters
+from mkrt.kernels.launcher import KernelLaunch, Parameters, stream_workspace
 
 MAX_GROUPS = 1024
 #: the kernel's static shared memory beside the engine's dynamic share: tile_prefix and a
@@ -541,18 +541,14 @@ class _Prepared:
         """Launch on a stream. Stream-K's parts meet in a workspace of their own per stream
         (two streams running one signature at once must not add each other's parts)."""
         if self.stream_k_parts and self._bound_stream != stream_ptr:
-            workspace = self._workspaces.get(stream_ptr)
-            if workspace is None:
-                import cupy
-                # fp32 parts, and per tail tile (fewer than the grid) a counter that is
-                # zero between calls (zeroed on this stream, before its first launch)
-                with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(stream_ptr):
-                    partials = cupy.empty(self.stream_k_parts * self.spec.block_m * self.spec.block_n,
-                                          dtype=np.float32)
-                    arrivals = cupy.zeros(self.launch.grid, dtype=np.int32)
-                workspace = self._workspaces[stream_ptr] = (partials, arrivals)
+            import cupy
+            # fp32 parts, and per tail tile (fewer than the grid) a counter that is zero
+            # between calls (zeroed on this stream, before its first launch)
+            workspace, kept = stream_workspace(self._workspaces, self.device, stream_ptr, lambda: (
+                cupy.empty(self.stream_k_parts * self.spec.block_m * self.spec.block_n, dtype=np.float32),
+                cupy.zeros(self.launch.grid, dtype=np.int32)))
             self.launch.params.set(partials=workspace[0].data.ptr, arrivals=workspace[1].data.ptr)
-            self._bound_stream = stream_ptr
+            self._bound_stream = stream_ptr if kept else None
         self.launch(stream_ptr)
 
 

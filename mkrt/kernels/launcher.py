@@ -139,3 +139,22 @@ class KernelLaunch:
         except self._error as error:
             raise RuntimeError(f"mkrt.launch: cuLaunchKernel failed: {error} (grid {self.grid}, "
                                f"block {self.block}, shared {self.shared_mem})") from None
+
+
+def stream_workspace(cache: dict, device: int, stream_ptr: int, make):
+    """(workspace, kept) of launches on `stream_ptr`: what ``make()`` builds, on that stream
+    (its zeroing ordered before the launches), made on first use and kept in `cache` by
+    stream, so two streams never share one. On a stream being captured into a CUDA graph a
+    new one is made each time and kept under a key of its own, not the stream's: its
+    zeroing is a node of the graph, which runs at each replay but never ran eagerly, so an
+    eager launch must not inherit it (``kept`` is then False: do not bind to the stream)."""
+    import cupy
+    from cupy_backends.cuda.api import runtime
+
+    capturing = stream_ptr != 0 and runtime.streamIsCapturing(stream_ptr) != 0
+    found = None if capturing else cache.get(stream_ptr)
+    if found is None:
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream_ptr):
+            found = make()
+        cache[("captured", len(cache)) if capturing else stream_ptr] = found
+    return found, not capturing
