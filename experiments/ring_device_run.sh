@@ -2,7 +2,7 @@
 # One device call for the ring's copy-then-join change (files under $OUT):
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/ring_device_run.sh
 # 1. GPU tests of ring attention, AllGather+GEMM (they share the gathering role) and
-#    mkrt.attention (the engine);
+#    mkrt.attention (the engine), and GEMM split-K's workspaces per stream and under capture;
 # 2. the ring on 1x2, 1x4, 2x2 at its default split and with 2 communication CTAs, against
 #    its baselines, same run;
 # 3. if old_<commit>/ holds an earlier checkout (git archive <commit> mkrt experiments/
@@ -14,6 +14,8 @@ SHAPES=${SHAPES:-4:3072:16:16:128:0,4:3072:16:16:128:1}
 LAYOUTS=${LAYOUTS:-1x2 1x4 2x2}
 timeout ${TEST_S:-200} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py tests/test_allgather_gemm_gpu.py \
     tests/test_attention.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -12 | tee $OUT/pytest.txt
+timeout 90 python3 -m pytest -q -m gpu tests/test_gemm.py -k "split_k_captured or two_streams" -p no:cacheprovider \
+    2>&1 | grep -v Warning | tail -4 | tee -a $OUT/pytest.txt
 echo "tests done at $SECONDS s"
 timeout ${RING_S:-150} python3 experiments/ring_attention.py --layouts $LAYOUTS --shapes $SHAPES \
     --comm-ctas default 2 --out $OUT/ring_attention.jsonl 2>&1 | \
