@@ -66,3 +66,37 @@ def test_context_params_fill_the_context_fields_of_every_prepared_kernel():
         assert [int(params.view(name)) for name in values] == list(values.values())
     op.context_params = lambda rank: Op.context_params(op, rank)
     assert [int(v) for v in Op.context_args(op, 2)] == [0x1000, 0x2000, 1, 2, 2_500_000]
+
+
+def test_stream_workspace_keeps_one_per_stream_and_a_fresh_one_per_capture(monkeypatch):
+    """Eager launches on a stream share its workspace; a launch being captured gets a new
+    one each time, kept alive but never handed to an eager launch."""
+    import contextlib
+
+    import cupy
+    from cupy_backends.cuda.api import runtime
+
+    from mkrt.kernels.launcher import stream_workspace
+
+    capturing = set()
+    monkeypatch.setattr(runtime, "streamIsCapturing", lambda ptr: 1 if ptr in capturing else 0)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cupy.cuda, "ExternalStream", lambda ptr: contextlib.nullcontext())
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+
+    cache = {}
+    first, kept = stream_workspace(cache, 0, 7, make)
+    assert kept and stream_workspace(cache, 0, 7, make) == (first, True) and len(made) == 1
+    capturing.add(7)
+    graph1, kept1 = stream_workspace(cache, 0, 7, make)
+    graph2, kept2 = stream_workspace(cache, 0, 7, make)
+    assert not kept1 and not kept2 and len({id(first), id(graph1), id(graph2)}) == 3
+    assert graph1 in cache.values() and graph2 in cache.values()       # alive as long as the cache
+    capturing.clear()
+    assert stream_workspace(cache, 0, 7, make) == (first, True)
+    other, _ = stream_workspace(cache, 0, 8, make)
+    assert other is not first and len(made) == 4
