@@ -54,7 +54,7 @@ typedef mkrt::attention::KeyBlock KeyBlock;
 // L2 99% busy). Inside a band: query blocks from the last (the most keys when causal) to
 // the first, then key heads, then the query heads that share a key head.
 struct HeadWork {
-    int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas, band;
+    int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas, band;   // cta, ctas: the fixed deal
     mkrt::roles::CountedQueue queue;
     mkrt::roles::Ring* ring;
     // Claiming costs registers that three consumer warpgroups, and the producer's 24 at
@@ -149,7 +149,6 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
             work.batches = batches, work.heads = heads, work.group = heads / kv_heads;
             work.q_blocks = q_blocks, work.kv_blocks = (sk + Cfg::BKV - 1) / Cfg::BKV;
             work.sq = sq, work.sk = sk, work.causal = causal, work.band = band;
-            work.cta = blockIdx.x, work.ctas = gridDim.x;
             work.queue = {counter, q_blocks * batches * heads};
             work.ring = &ring;
         }

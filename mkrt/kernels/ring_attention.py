@@ -426,6 +426,7 @@ def ring_comm_ctas(ctas: int, nodes: int, ranks_per_node: int) -> int:
     time waiting for K/V (ring_attention.jsonl, 25c42d9)."""
     return max(default_comm_ctas(ctas, nodes, ranks_per_node), min(ctas // 4, ctas - 1))
 
+
 class RingAttention(GatheringOp):
     """``out, lse = op(q, k, v, causal=...)``: each rank's queries attend to the whole
     sequence, whose K and V are spread over the world.
