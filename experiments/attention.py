@@ -43,7 +43,8 @@ def parse():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variants", default="",
                         help="also time these configurations: bkv128_s2_pp1, bkv128_s3_pp1_c3 (three "
-                             "consumer warpgroups), ... (rows per variant)")
+                             "consumer warpgroups), bkv128_s3_pp1_c2_q0 (tiles dealt out, not claimed), ... "
+                             "(rows per variant)")
     parser.add_argument("--out", default="", help="append JSON lines here")
     return parser.parse_args()
 
@@ -118,10 +119,11 @@ def main():
             except RuntimeError:
                 theirs[name] = None
         for variant in filter(None, args.variants.split(",")):
-            # bkv128_s3_pp1, optionally _c3 (three consumer warpgroups)
+            # bkv128_s3_pp1, optionally _c3 (three consumer warpgroups), then _q0 or _q1
+            # (tiles dealt out or claimed)
             values = [int(part[len(prefix):]) for part, prefix in
-                      zip(variant.split("_"), ("bkv", "s", "pp", "c"))]
-            options = dict(zip(("block_kv", "stages", "pingpong", "consumers"), values))
+                      zip(variant.split("_"), ("bkv", "s", "pp", "c", "q"))]
+            options = dict(zip(("block_kv", "stages", "pingpong", "consumers", "claimed"), values))
             try:
                 check = torch.full_like(q, float("nan"))
                 mkrt.attention(q, k, v, causal=causal, out=check, lse=lse, **options)

@@ -3,6 +3,7 @@ correctness, strided inputs and repeatability on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -27,8 +28,8 @@ def test_default_specs_compile_without_spills(spec):
 
 def test_spec_uri_and_shared_memory():
     spec = A.AttentionSpec("bf16", 128, 128, 2)
-    assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_c2_sm90a"
-    assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_c2_sm90a"
+    assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_c2_q1_sm90a"
+    assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_c2_q1_sm90a"
     three = A.AttentionSpec("bf16", 64, 128, 3, 1, 3)
     assert (three.threads, three.block_q) == (512, 192)
     assert three.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 3 * 128 * 64 * 2 + (2 + 4 * 3) * 8
@@ -36,6 +37,32 @@ def test_spec_uri_and_shared_memory():
     assert spec.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (2 + 4 * 2) * 8
     for spec in A.default_specs():
         assert spec.smem_bytes <= A.SMEM_LIMIT
+
+
+def test_claimed_defaults_to_where_the_build_can_claim():
+    # claiming costs registers: not with three consumers, nor above 128-key blocks at D 128
+    assert A.AttentionSpec("bf16", 128, 128, 2).claimed == 1
+    assert A.AttentionSpec("bf16", 64, 192, 2).claimed == 1
+    assert A.AttentionSpec("bf16", 128, 192, 2).claimed == 0
+    assert A.AttentionSpec("bf16", 64, 128, 3, 1, 3).claimed == 0
+    assert A.AttentionSpec("bf16", 128, 128, 2, claimed=0).uri.endswith("_c2_q0_sm90a")
+    for spec in A.default_specs():
+        assert spec.claimed == A.can_claim(spec.head_dim, spec.block_kv, spec.consumers)
+    with pytest.raises(ValueError, match="claimed=1 needs 2 consumer warpgroups"):
+        A.AttentionSpec("bf16", 128, 192, 2, claimed=1)
+    with pytest.raises(ValueError, match="claimed=1 needs"):
+        A.AttentionSpec("bf16", 64, 128, 3, 1, 3, claimed=1)
+    with pytest.raises(ValueError, match="claimed=2; expected 0 or 1"):
+        A.AttentionSpec(claimed=2)
+    with pytest.raises(TypeError, match="claimed must be an int"):
+        A.AttentionSpec(claimed=True)
+
+
+@pytest.mark.parametrize("spec", [dataclasses.replace(s, claimed=0) for s in A.default_specs()],
+                         ids=lambda s: s.uri)
+def test_dealt_out_builds_compile_without_spills(spec):
+    resources = spec.build(check_spills=True).resources["attention_forward"]
+    assert resources.spills == 0 and resources.stack_frame == 0, resources
 
 
 @pytest.mark.parametrize("kwargs", [dict(dtype="f32"), dict(head_dim=96), dict(block_kv=100),

@@ -119,6 +119,8 @@ def test_the_ring_runs_two_consumer_warpgroups():
     assert RA.spec_for("bf16", 64).consumers == 2
     with pytest.raises(ValueError, match="the ring runs 2"):
         RA.RingAttentionSpec("bf16", 64, 128, 3, 1, 3)
+    with pytest.raises(ValueError, match="always claim"):
+        RA.RingAttentionSpec("bf16", 64, 128, 3, 1, 2, claimed=0)
 
 
 def _ring_work_get(batches, heads, kv_heads, chunk, band, causal, t, block_q=128):

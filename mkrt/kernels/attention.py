@@ -57,10 +57,13 @@ struct HeadWork {
     int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas, band;   // cta, ctas: the fixed deal
     mkrt::roles::CountedQueue queue;
     mkrt::roles::Ring* ring;
-    // Claiming costs registers that three consumer warpgroups, and the producer's 24 at
-    // head dim 128 above 128-key blocks, do not have (ptxas spilled): those builds keep
-    // the fixed deal.
-    static constexpr bool CLAIMED = Cfg::CONSUMERS == 2 && (Cfg::BKV <= 128 || Cfg::D == 64);
+    // $CLAIMED: the spec's choice (AttentionSpec.claimed; can_claim says where it is
+    // possible: claiming costs registers that three consumer warpgroups, and the
+    // producer's 24 at head dim 128 above 128-key blocks, do not have).
+    static constexpr bool CLAIMED = $CLAIMED;
+    static_assert(!CLAIMED || (Cfg::CONSUMERS == 2 && (Cfg::BKV <= 128 || Cfg::D == 64)),
+                  "claiming tiles needs two consumer warpgroups and blocks of at most 128 keys "
+                  "at head dim 128 (registers)");
     __device__ __forceinline__ bool get(int i, Tile& tile) const {
         int t;
         if constexpr (CLAIMED) {
@@ -176,10 +179,13 @@ KV_L2_BYTES = 20 << 20
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
     """Compile-time shape of one attention kernel (URI e.g.
-    ``attention_bf16_d128_bkv128_s2_pp0_c2_sm90a``).
+    ``attention_bf16_d128_bkv128_s2_pp0_c2_q1_sm90a``).
 
     pingpong 1: the consumer warpgroups take turns on the tensor cores (one's softmax
-    overlaps another's MMAs). consumers: 2 (128 query rows per tile) or 3 (192)."""
+    overlaps another's MMAs). consumers: 2 (128 query rows per tile) or 3 (192).
+    claimed 1: the CTAs claim tiles from a counter (HeadWork); 0: CTA c runs tiles c,
+    c + ctas, ... (the only choice where :func:`can_claim` is False); by default the first
+    where it can."""
 
     family = "attention"
     entry_points = ("attention_forward",)
@@ -190,8 +196,16 @@ class AttentionSpec(KernelSpec):
     stages: int = dataclasses.field(default=2, metadata={"short": "s"})
     pingpong: int = dataclasses.field(default=0, metadata={"short": "pp"})   # 0 or 1
     consumers: int = dataclasses.field(default=2, metadata={"short": "c"})   # 2 or 3
+    claimed: int = dataclasses.field(default=-1, metadata={"short": "q"})    # 0, 1; -1: can_claim
 
     def __post_init__(self):
+        known = all(type(x) is int for x in (self.head_dim, self.block_kv, self.consumers))
+        if self.claimed == -1 and type(self.claimed) is int and known:
+            object.__setattr__(self, "claimed", int(can_claim(self.head_dim, self.block_kv,
+                                                              self.consumers)))
+        self._check()
+
+    def _check(self):
         super().__post_init__()
         if self.dtype not in _CTYPES:
             raise ValueError(f"mkrt.attention: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
@@ -205,6 +219,12 @@ class AttentionSpec(KernelSpec):
             raise ValueError(f"mkrt.attention: pingpong={self.pingpong}; expected 0 or 1")
         if self.consumers not in (2, 3):
             raise ValueError(f"mkrt.attention: consumers={self.consumers}; expected 2 or 3")
+        if self.claimed not in (0, 1):
+            raise ValueError(f"mkrt.attention: claimed={self.claimed}; expected 0 or 1")
+        if self.claimed and not can_claim(self.head_dim, self.block_kv, self.consumers):
+            raise ValueError(f"mkrt.attention: claimed=1 needs 2 consumer warpgroups and at most "
+                             f"128-key blocks at head dim 128 (registers); got {self.consumers} "
+                             f"consumers, {self.block_kv}-key blocks at head dim {self.head_dim}")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.attention: {self.stages} stages of {self.block_kv} keys at head "
                              f"dim {self.head_dim} need {self.smem_bytes} bytes of shared memory; "
@@ -231,7 +251,15 @@ class AttentionSpec(KernelSpec):
     def params(self):
         return {"CTYPE": _CTYPES[self.dtype], "HEAD_DIM": self.head_dim,
                 "BLOCK_KV": self.block_kv, "STAGES": self.stages,
-                "PINGPONG": "true" if self.pingpong else "false", "CONSUMERS": self.consumers}
+                "PINGPONG": "true" if self.pingpong else "false", "CONSUMERS": self.consumers,
+                "CLAIMED": "true" if self.claimed else "false"}
+
+
+def can_claim(head_dim: int, block_kv: int, consumers: int) -> bool:
+    """Whether a build can claim its tiles from a counter: the claim costs registers that
+    three consumer warpgroups, and the producer's 24 at head dim 128 above 128-key blocks,
+    do not have (ptxas spilled)."""
+    return consumers == 2 and (block_kv <= 128 or head_dim == 64)
 
 
 def default_spec(dtype: str, head_dim: int, causal: bool = False) -> AttentionSpec:
@@ -476,21 +504,22 @@ def _check_arrays(q, k, v, out, lse, problem: AttentionProblem, area: str = "att
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=None, lse=None,
               sms: int | None = None, block_kv: int | None = None, stages: int | None = None,
-              pingpong: int | None = None, consumers: int | None = None, stream=None):
+              pingpong: int | None = None, consumers: int | None = None, claimed: int | None = None,
+              stream=None):
     """(O, LSE) of softmax(scale q k^T) v, scale defaulting to 1/sqrt(D).
 
     q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] device arrays (CuPy, torch through DLPack, ...),
     bf16/f16, D in {64, 128}, Hq a multiple of Hkv. Optional ``out`` [B, Sq, Hq, D] and
     ``lse`` [B, Hq, Sq] float32 are written in place. ``sms`` caps the persistent grid;
-    ``block_kv``, ``stages``, ``pingpong``, ``consumers`` override the compiled configuration (for
-    experiments: see :class:`AttentionSpec`; default :func:`default_spec`).
+    ``block_kv``, ``stages``, ``pingpong``, ``consumers``, ``claimed`` override the compiled
+    configuration (for experiments: see :class:`AttentionSpec`; default :func:`default_spec`).
     Returns (out, lse) in the type of ``q`` (torch in, torch out).
     """
     import cupy
 
     if all(is_torch(x) for x in (q, k, v, out, lse) if x is not None):
-        return _attention_torch(q, k, v, causal, scale, out, lse, sms, (block_kv, stages, pingpong, consumers),
-                                stream)
+        return _attention_torch(q, k, v, causal, scale, out, lse, sms,
+                                (block_kv, stages, pingpong, consumers, claimed), stream)
     qv = q if type(q) is cupy.ndarray else as_cupy(q, "q")
     kv = k if type(k) is cupy.ndarray else as_cupy(k, "k")
     vv = v if type(v) is cupy.ndarray else as_cupy(v, "v")
@@ -498,11 +527,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
     lse_view = lse if lse is None or type(lse) is cupy.ndarray else as_cupy(lse, "lse")
     device = qv.data.device_id
     key = _signature(qv, kv, vv, out_view, lse_view, causal, scale, sms,
-                     (block_kv, stages, pingpong, consumers), device)
+                     (block_kv, stages, pingpong, consumers, claimed), device)
     call = _PREPARED.get(key)
     if call is None or not _quick_checks(device, qv, kv, vv, out_view, lse_view):
         call = _prepare(key, qv, kv, vv, out_view, lse_view, causal, scale, sms,
-                        (block_kv, stages, pingpong, consumers))
+                        (block_kv, stages, pingpong, consumers, claimed))
     problem = call.problem
     with cupy.cuda.Device(device):
         if out_view is None:
@@ -578,8 +607,8 @@ def _prepare(key, q, k, v, out, lse, causal, scale, sms, overrides) -> _Prepared
     elif isinstance(sms, bool) or not isinstance(sms, (int, np.integer)) or not 1 <= sms <= total_sms:
         raise ValueError(f"mkrt.attention: sms={sms!r}; expected an integer in [1, {total_sms}]")
     spec = default_spec(problem.dtype, problem.head_dim, problem.causal)
-    block_kv, stages, pingpong, consumers = overrides
-    if overrides != (None, None, None, None):      # the spec checks the values
+    block_kv, stages, pingpong, consumers, claimed = overrides
+    if overrides != (None,) * 5:      # the spec checks the values
         # unset overrides come from one fixed base (128-key blocks, 2 stages at D 128, 3 at
         # D 64, no pingpong, 2 consumers), not from the default, which may change with
         # measurements
@@ -587,7 +616,8 @@ def _prepare(key, q, k, v, out, lse, causal, scale, sms, overrides) -> _Prepared
                              128 if block_kv is None else block_kv,
                              (2 if problem.head_dim == 128 else 3) if stages is None else stages,
                              0 if pingpong is None else pingpong,
-                             2 if consumers is None else consumers)
+                             2 if consumers is None else consumers,
+                             -1 if claimed is None else claimed)
     call = _PREPARED.get(key)
     if call is None:
         call = _PREPARED[key] = _PreparedAttention(problem, spec, device, int(sms), scale)

@@ -282,15 +282,17 @@ LAUNCH_PARAMETERS = [("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
 @dataclasses.dataclass(frozen=True)
 class RingAttentionSpec(attention_module.AttentionSpec):
     """The attention engine's configuration, in the ring kernel (URI e.g.
-    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_sm90a``)."""
+    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_sm90a``)."""
 
     family = "ring_attention"
     entry_points = ("ring_attention",)
 
-    def __post_init__(self):
-        super().__post_init__()
+    def _check(self):
+        super()._check()
         if self.consumers != 2:       # the ring's roles use named barriers 6 and 7
             raise ValueError(f"mkrt.ring_attention: consumers={self.consumers}; the ring runs 2")
+        if not self.claimed:          # RingWork always claims
+            raise ValueError("mkrt.ring_attention: claimed=0; the ring's CTAs always claim tiles")
 
     def template(self):
         return RING_ATTENTION
