@@ -143,14 +143,16 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
     extern __shared__ char dynamic_smem[];
     const int q_blocks = (sq + Cfg::BQ - 1) / Cfg::BQ;
     const StoreOutput store{out, lse, sq, heads};
-    if constexpr (HeadWork::CLAIMED) {
-        // in shared memory: the producer reads the fields when it needs them (held in its
-        // registers, they spilled where it keeps 32)
+    const int kv_blocks = (sk + Cfg::BKV - 1) / Cfg::BKV;
+    if constexpr (HeadWork::CLAIMED && Cfg::PRODUCER_REGISTERS < 56) {
+        // in shared memory where the producer keeps 32 registers (held in them, the fields
+        // spilled); elsewhere in registers: read from shared memory after every asm memory
+        // clobber of the consumers' loop, they cost ... (attention_deal_*.log)
         __shared__ HeadWork work;
         __shared__ mkrt::roles::Ring ring;
         if (threadIdx.x == 0) {
             work.batches = batches, work.heads = heads, work.group = heads / kv_heads;
-            work.q_blocks = q_blocks, work.kv_blocks = (sk + Cfg::BKV - 1) / Cfg::BKV;
+            work.q_blocks = q_blocks, work.kv_blocks = kv_blocks;
             work.sq = sq, work.sk = sk, work.causal = causal, work.band = band;
             work.queue = {counter, q_blocks * batches * heads};
             work.ring = &ring;
@@ -158,9 +160,16 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
         mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);     // and a barrier: work is set
         mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
         mkrt::roles::reset_when_last_out(counter);   // counter = {next tile, CTAs out}: one per stream
+    } else if constexpr (HeadWork::CLAIMED) {
+        __shared__ mkrt::roles::Ring ring;
+        mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);
+        const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
+                            0, 0, band, {counter, q_blocks * batches * heads}, &ring};
+        mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
+        mkrt::roles::reset_when_last_out(counter);
     } else {
-        const HeadWork work{batches, heads, heads / kv_heads, q_blocks, (sk + Cfg::BKV - 1) / Cfg::BKV,
-                            sq, sk, causal, (int)blockIdx.x, (int)gridDim.x, band, {nullptr, 0}, nullptr};
+        const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
+                            (int)blockIdx.x, (int)gridDim.x, band, {nullptr, 0}, nullptr};
         mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
     }
 }
