@@ -4,7 +4,8 @@
 # build keeps its work list in registers (in shared memory before, reloaded after each asm
 # memory clobber of the consumers' loop); both builds alternately on each shape:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/attention_deal_run2.sh
-# then the intermittent 2x2 graph-replay CommTimeout of the measured-fusion test, repeated.
+# then the 2x2 measured-fusion test (now ordered before its capture) six times, and the
+# unordered eager-then-replay loop that it used to run into (experiments/unordered_replay.py).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -25,3 +26,6 @@ for i in 1 2 3 4 5 6; do
     tail -1 $OUT/flaky_$i.txt
 done
 echo "flaky loop done at $SECONDS s"
+timeout 90 python3 experiments/unordered_replay.py --rounds 20 --out $OUT/unordered_replay.jsonl 2>&1 | \
+    grep -v Warning | tee $OUT/unordered_replay.txt
+echo "unordered replay done at $SECONDS s"

@@ -33,7 +33,10 @@ PROXY_STALL_HINT = (
     "where nodes share a host, a CUDA call of this process that waits for the device (a "
     "first cuBLAS call of a new shape, a memory allocation or free), or many CUDA graph "
     "replays queued ahead of the GPU, while a fused call is in flight hold that work back; "
-    "call world.synchronize() before such calls and every few dozen replays")
+    "call world.synchronize() before such calls and every few dozen replays. If the wait saw "
+    "the launch before's value (seen = expected - 1), two launches of one op may also have "
+    "overlapped: a CUDA graph replayed on a stream not ordered after an eager call of the "
+    "same op, or replays on two unordered streams; order them (world.synchronize()) first")
 
 @dataclass(frozen=True)
 class RankInfo:

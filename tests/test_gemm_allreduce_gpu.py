@@ -271,6 +271,11 @@ def test_measured_fusion_settles_and_every_output_comes_from_its_path(make_world
     with pytest.raises(ValueError, match="before capturing"):
         capture(lambda: op(a_list, b_list, out=outs))
     op(a_list, b_list, out=outs)
+    # the replay's stream is not ordered after the eager call (launches of one op must be:
+    # each reads its epoch on the device); unsynchronised, the replay could start while the
+    # eager call's last inter-node flags were in flight and run as the same epoch
+    # (experiments/unordered_replay.py shows the CommTimeout that gives)
+    world.synchronize()
     graph, stream = capture(lambda: op(a_list, b_list, out=outs))
     with stream:
         for out in outs:
