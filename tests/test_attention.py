@@ -46,8 +46,6 @@ def test_claimed_defaults_to_where_the_build_can_claim():
     assert A.AttentionSpec("bf16", 128, 192, 2).claimed == 0
     assert A.AttentionSpec("bf16", 64, 128, 3, 1, 3).claimed == 0
     assert A.AttentionSpec("bf16", 128, 128, 2, claimed=0).uri.endswith("_c2_q0_sm90a")
-    for spec in A.default_specs():
-        assert spec.claimed == A.can_claim(spec.head_dim, spec.block_kv, spec.consumers)
     with pytest.raises(ValueError, match="claimed=1 needs 2 consumer warpgroups"):
         A.AttentionSpec("bf16", 128, 192, 2, claimed=1)
     with pytest.raises(ValueError, match="claimed=1 needs"):
@@ -58,9 +56,10 @@ def test_claimed_defaults_to_where_the_build_can_claim():
         A.AttentionSpec(claimed=True)
 
 
-@pytest.mark.parametrize("spec", [dataclasses.replace(s, claimed=0) for s in A.default_specs()],
+@pytest.mark.parametrize("spec", [dataclasses.replace(s, claimed=1 - s.claimed) for s in A.default_specs()
+                                  if A.can_claim(s.head_dim, s.block_kv, s.consumers)],
                          ids=lambda s: s.uri)
-def test_dealt_out_builds_compile_without_spills(spec):
+def test_the_other_deal_compiles_without_spills(spec):
     resources = spec.build(check_spills=True).resources["attention_forward"]
     assert resources.spills == 0 and resources.stack_frame == 0, resources
 
