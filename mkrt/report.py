@@ -913,8 +913,9 @@ PIECES = [
     Piece("`mkrt.ring_attention`", "the whole ring in one persistent kernel per rank: K/V "
           "gathered hierarchically (each chunk crosses to each node once), the engine visiting "
           "key blocks source by source as they arrive, merged in fp32 registers; zigzag causal "
-          "with masked chunk pairs skipped; since `ddbc9bb` (not yet timed) blocks waited for "
-          "chunk by chunk and the copying CTAs join the compute (`experiments/ring_attention.py`)",
+          "with masked chunk pairs skipped; since `ddbc9bb` blocks are waited for "
+          "chunk by chunk and the copying CTAs join the compute (`experiments/ring_attention.py`; "
+          "the default split and 2 copying CTAs are both rows)",
           "ring_attention", _ring_lines),
     Piece("attention configurations", "other engine configurations (key block, stages, "
           "pingpong) against the default of the same run", "attention_variants",
