@@ -4,7 +4,8 @@
 # build keeps its work list in registers (in shared memory before, reloaded after each asm
 # memory clobber of the consumers' loop); both builds alternately on each shape:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/attention_deal_run2.sh
-# then the 2x2 measured-fusion test (now ordered before its capture) six times, and the
+# then the ring's band in the rank's share of the L2 against the whole L2, the 2x2
+# measured-fusion test (now ordered before its capture) six times, and the
 # unordered eager-then-replay loop that it used to run into (experiments/unordered_replay.py).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,6 +21,12 @@ attention 4:4096:16:16:128:0,4:12288:16:16:128:0,2:1000:16:4:128:0 $D128_S3
 attention 4:4096:16:16:128:1,1:8192:64:8:128:1 $D128_S2
 attention 4:4096:16:16:64:0,4:4096:16:16:64:1,2:8192:32:32:64:1,1:3000:8:1:64:1 $D64
 echo "attention done at $SECONDS s"
+# the ring's band: K/V of the tiles running at once in the rank's share of the L2 (the rule
+# since this commit) against each rank budgeting the whole L2 (before), same run
+timeout ${RING_S:-110} python3 experiments/ring_attention.py --layouts 1x2 1x4 --bands rule whole \
+    --shapes 4:4096:16:16:128:0,4:4096:16:16:128:1 --out $OUT/ring_attention.jsonl 2>&1 | \
+    grep -v Warning | grep -v "return torch" | grep -v "F.scaled_dot" | tee $OUT/ring.txt
+echo "ring done at $SECONDS s"
 for i in 1 2 3 4 5 6; do
     timeout 60 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py -k "measured_fusion_settles and 2x2" \
         -p no:cacheprovider --tb=long 2>&1 | grep -v Warning > $OUT/flaky_$i.txt

@@ -44,6 +44,9 @@ def parse():
     parser.add_argument("--shapes", default="suite", help="'suite' or B:S:Hq:Hkv:D:causal,...")
     parser.add_argument("--comm-ctas", nargs="+", default=["default"],
                         help="communication CTAs per rank to time ('default': the op's rule)")
+    parser.add_argument("--bands", nargs="+", default=["rule"],
+                        help="tile bands to time: 'rule' (the op's: K/V in the rank's share of "
+                             "the L2), 'whole' (as if each rank had the whole L2), or a number")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
@@ -96,9 +99,10 @@ def main():
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
         W = world.size
-        ops = {c: mkrt.RingAttention(world, timeout_ms=20000,
-                                     comm_ctas=None if c == "default" else int(c))
-               for c in args.comm_ctas}
+        ops = {(c, b): mkrt.RingAttention(world, timeout_ms=20000,
+                                          comm_ctas=None if c == "default" else int(c),
+                                          band=int(b) if b.isdigit() else None)
+               for c in args.comm_ctas for b in args.bands}
         gather = mkrt.AllGather(world, timeout_ms=20000)
         for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
             c, S = rows // 2, rows * W
@@ -113,11 +117,15 @@ def main():
             problem = A.check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
                                        causal=causal)
             flops = problem.flops
+            problem_of_rank = A.check_operands((B, rows, Hq, D), (B, rows, Hkv, D), (B, rows, Hkv, D),
+                                               q.dtype, q.dtype, q.dtype, causal=causal)
 
             # correctness of this run's rings against the engine on the whole sequence
             whole, _ = mkrt.attention(q, k, v, causal=causal)
             errors, ring_ms = {}, {}
             for name, op in ops.items():
+                if name[1] == "whole":           # read when the op first sees this shape
+                    op.band = A.kv_band(B, Hkv, D, S, share=1)
                 for x in outs:
                     x.fill(float("nan"))         # poisoned: a tile left unwritten shows
                 op(qs, ks, vs, causal=causal, out=outs, lse=lses)
@@ -194,7 +202,9 @@ def main():
             for name, op in ops.items():
                 ring_tflops = flops / ring_ms[name] / 1e9
                 error = errors[name]
-                label = case + ("" if name == "default" else f"_comm{name}")
+                comm, band = name
+                label = case + ("" if comm == "default" else f"_comm{comm}") + \
+                    ("" if band == "rule" else f"_band{band}")
                 row = record("ring_attention", label, "tflops", ring_tflops,
                              flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms[name],
                              baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
@@ -203,9 +213,10 @@ def main():
                              x_per_step=per_step_ms / ring_ms[name],
                              max_rel_error=error, correct=error < 2e-2, layout=layout,
                              rows=rows, causal=causal, ctas=op.split()[0], comm_ctas=op.split()[1],
+                             band=op.band_for(problem_of_rank, world.local[0].rank),
                              note="emulated ranks share one GPU: aggregate throughput")
                 print(f"{label}: ring {ring_tflops:.0f} TFLOP/s (comm {op.split()[1]} of "
-                      f"{op.split()[0]}), (a) "
+                      f"{op.split()[0]}, band {row['band']}), (a) "
                       f"{'-' if not best else f'{flops / best / 1e9:.0f}'} "
                       f"({', '.join(f'{n} {t:.2f} ms' for n, t in theirs.items() if t)}), floor "
                       f"{flops / floor_ms / 1e9:.0f}, (b) {flops / per_step_ms / 1e9:.0f}; "

@@ -129,9 +129,13 @@ class World:
         (in this process, or, under mpiexec, in other processes on the same host), less
         :data:`CE_COPY_SMS` when nodes share this host (their traffic is `ce` copies)."""
         device = self._require_device(rank)
-        sharing = sum(1 for r in self.ranks if r.device == device and self.same_host(rank, r.rank))
         usable = device_sm_count(device) - (CE_COPY_SMS if self.copies_need_sms(rank) else 0)
-        return max(1, usable // max(1, sharing))
+        return max(1, usable // self.device_sharing(rank))
+
+    def device_sharing(self, rank: int) -> int:
+        """Ranks (`rank` included) that run on `rank`'s GPU: they split its SMs and its L2."""
+        device = self.ranks[rank].device
+        return max(1, sum(1 for r in self.ranks if r.device == device and self.same_host(rank, r.rank)))
 
     def copies_need_sms(self, rank: int) -> bool:
         """Whether `rank`'s traffic to other nodes is `ce` copies on this host: a

@@ -195,3 +195,25 @@ def test_the_kernels_wait_is_the_mirrored_one():
     assert "wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks," in text
     assert "wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes," in text
     assert "gather_chunks(comm_ctas, RING_CHUNKS), row_bytes};" in text
+
+
+def test_the_band_keeps_gathered_kv_in_the_ranks_share_of_l2():
+    """Ranks that share a GPU share its L2: each one's band holds 1/n of the K/V budget."""
+    from types import SimpleNamespace
+    from mkrt.kernels import attention as A
+    problem = SimpleNamespace(batches=4, kv_heads=16, head_dim=128, sk=4096)
+    for sharing, size in ((1, 2), (2, 2), (4, 4)):
+        world = SimpleNamespace(size=size, device_sharing=lambda rank, n=sharing: n)
+        op = RA.RingAttention.__new__(RA.RingAttention)
+        op.world, op.band = world, None
+        band = op.band_for(problem, 0)
+        per_head = 2 * size * 4096 * 128 * 2
+        assert band == max(1, A.KV_L2_BYTES // sharing // per_head)
+        assert band == 1 or band * per_head * sharing <= A.KV_L2_BYTES
+    op.band = 3
+    assert op.band_for(problem, 0) == 3
+    op.band = 1000
+    assert op.band_for(problem, 0) == 4 * 16
+    for bad in (0, -1, True, 2.5, "4"):
+        with pytest.raises(ValueError, match="band="):
+            RA.RingAttention(object(), band=bad)

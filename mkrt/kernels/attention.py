@@ -329,12 +329,13 @@ class AttentionProblem:
         return full * visible / (self.sq * self.sk)
 
 
-def kv_band(batches: int, kv_heads: int, head_dim: int, rows: int) -> int:
+def kv_band(batches: int, kv_heads: int, head_dim: int, rows: int, share: int = 1) -> int:
     """(batch, key head) pairs whose tiles run together: as many as have their K and V
-    (`rows` keys of 2-byte elements) within KV_L2_BYTES, at least one. mkrt.attention's
+    (`rows` keys of 2-byte elements) within KV_L2_BYTES / `share` (the kernels sharing the
+    GPU's L2: the ranks of an emulated world on one GPU), at least one. mkrt.attention's
     and the ring's work lists deal tiles out in such bands."""
     per_head = 2 * rows * head_dim * 2
-    return max(1, min(batches * kv_heads, KV_L2_BYTES // per_head))
+    return max(1, min(batches * kv_heads, KV_L2_BYTES // max(1, share) // per_head))
 
 
 def tile_order(problem: AttentionProblem, block_q: int = BLOCK_Q) -> list[tuple[int, int, int]]:

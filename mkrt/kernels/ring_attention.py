@@ -441,16 +441,31 @@ class RingAttention(GatheringOp):
     ``roles="search"`` (not yet measured on a GPU) starts from that split and, after four
     launches, finds it by launch time per shape on the GPU
     (:class:`mkrt.controller.rule.LaunchSearch`; :meth:`controller_state`); ``"static"``
-    (default) keeps it.
+    (default) keeps it. ``band``: (batch, key head) pairs whose tiles run together (default
+    :meth:`band_for`: as many as keep their K/V in the rank's share of the L2).
     """
 
     name = "ring_attention"
 
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
-                 roles: str = "static"):
+                 roles: str = "static", band: int | None = None):
+        if band is not None and (isinstance(band, bool) or not isinstance(band, (int, np.integer))
+                                 or band < 1):
+            raise ValueError(f"mkrt.ring_attention: band={band!r}; expected a positive integer "
+                             "((batch, key head) pairs whose tiles run together) or None")
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
                          muted_rank=muted_rank, roles=roles)
+        self.band = None if band is None else int(band)
+
+    def band_for(self, problem, rank: int) -> int:
+        """(batch, key head) pairs whose tiles run together on `rank`: ``band``, or as many
+        as keep their gathered K/V (every rank's keys) in the rank's share of the L2."""
+        if self.band is not None:
+            return min(self.band, problem.batches * problem.kv_heads)
+        return attention_module.kv_band(problem.batches, problem.kv_heads, problem.head_dim,
+                                        self.world.size * problem.sk,
+                                        share=self.world.device_sharing(rank))
 
     def split(self) -> tuple[int, int]:
         """(CTAs per rank, communication CTAs among them)."""
@@ -558,9 +573,7 @@ class RingAttention(GatheringOp):
         args["compute_ctas"] = call.ctas - call.comm_ctas
         args["causal"] = int(p.causal)
         args["scale_log2"] = call.scale * 1.4426950408889634
-        # bands over the gathered K/V: every rank's keys
-        args["band"] = attention_module.kv_band(p.batches, p.kv_heads, p.head_dim,
-                                                self.world.size * p.sk)
+        args["band"] = self.band_for(p, info.rank)
         return args
 
     def _call_shape(self, call) -> tuple:
