@@ -1,5 +1,5 @@
 #!/bin/bash
-# Second device call on the claimed-tiles question (files under $OUT): attention_deal_run.sh
+# Second device call on the claimed-tiles question (files under $OUT, at most 8): attention_deal_run.sh
 # found the claimed build 4-9% slower than the dealt-out one on even tiles. Here the claimed
 # build keeps its work list in registers (in shared memory before, reloaded after each asm
 # memory clobber of the consumers' loop); both builds alternately on each shape:
@@ -9,7 +9,7 @@
 # unordered eager-then-replay loop that it used to run into (experiments/unordered_replay.py).
 export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/attention.txt
 attention() {   # shapes, variants
     timeout ${ATT_S:-60} python3 experiments/attention.py --shapes $1 --variants $2 \
         --out $OUT/attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | tee -a $OUT/attention.txt
@@ -25,14 +25,15 @@ echo "attention done at $SECONDS s"
 # since this commit) against each rank budgeting the whole L2 (before), same run
 timeout ${RING_S:-110} python3 experiments/ring_attention.py --layouts 1x2 1x4 --bands rule whole \
     --shapes 4:4096:16:16:128:0,4:4096:16:16:128:1 --out $OUT/ring_attention.jsonl 2>&1 | \
-    grep -v Warning | grep -v "return torch" | grep -v "F.scaled_dot" | tee $OUT/ring.txt
+    grep -v Warning | grep -v "return torch" | grep -v "F.scaled_dot" | tee -a $OUT/attention.txt
 echo "ring done at $SECONDS s"
 for i in 1 2 3 4 5 6; do
     timeout 60 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py -k "measured_fusion_settles and 2x2" \
-        -p no:cacheprovider --tb=long 2>&1 | grep -v Warning > $OUT/flaky_$i.txt
-    tail -1 $OUT/flaky_$i.txt
+        -p no:cacheprovider --tb=long 2>&1 | grep -v Warning > /tmp/flaky_$i.txt
+    tail -1 /tmp/flaky_$i.txt
+    { echo "## run $i"; cat /tmp/flaky_$i.txt; } >> $OUT/flaky.txt
 done
 echo "flaky loop done at $SECONDS s"
 timeout 90 python3 experiments/unordered_replay.py --rounds 20 --out $OUT/unordered_replay.jsonl 2>&1 | \
-    grep -v Warning | tee $OUT/unordered_replay.txt
+    grep -v Warning | tee -a $OUT/flaky.txt
 echo "unordered replay done at $SECONDS s"
