@@ -23,11 +23,11 @@ attention 4:4096:16:16:64:0,4:4096:16:16:64:1,2:8192:32:32:64:1,1:3000:8:1:64:1 
 echo "attention done at $SECONDS s"
 # the ring's band: K/V of the tiles running at once in the rank's share of the L2 (the rule
 # since this commit) against each rank budgeting the whole L2 (before), same run
-timeout ${RING_S:-110} python3 experiments/ring_attention.py --layouts 1x2 1x4 --bands rule whole \
+timeout ${RING_S:-110} python3 experiments/ring_attention.py --layouts ${RLAYOUTS:-1x2 1x4} --bands rule whole \
     --shapes 4:4096:16:16:128:0,4:4096:16:16:128:1 --out $OUT/ring_attention.jsonl 2>&1 | \
     grep -v Warning | grep -v "return torch" | grep -v "F.scaled_dot" | tee -a $OUT/attention.txt
 echo "ring done at $SECONDS s"
-for i in 1 2 3 4 5 6; do
+for i in $(seq ${FLAKY:-6}); do
     timeout 60 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py -k "measured_fusion_settles and 2x2" \
         -p no:cacheprovider --tb=long 2>&1 | grep -v Warning > /tmp/flaky_$i.txt
     tail -1 /tmp/flaky_$i.txt
