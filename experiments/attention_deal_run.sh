@@ -12,13 +12,7 @@
 #    last wave by default since 7ab4091) and the new attention variants;
 # 3. the ring at 4096 and 8192 rows per rank (the "communication hidden" range);
 # 4. the GEMM suite on 132, 116 and 100 SMs.
-export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-attention() {   # shapes, variants
-    timeout ${ATT_S:-60} python3 experiments/attention.py --shapes $1 --variants $2 \
-        --out $OUT/attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | tee -a $OUT/attention.txt
-}
+source experiments/device_prelude.sh attention.txt
 D128_S3=bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1,bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1
 D128_S2=bkv128_s2_pp1_c2_q0,bkv128_s2_pp1_c2_q1,bkv128_s2_pp1_c2_q0,bkv128_s2_pp1_c2_q1
 D64=bkv192_s2_pp1_c2_q0,bkv192_s2_pp1_c2_q1,bkv192_s2_pp1_c2_q0,bkv192_s2_pp1_c2_q1,bkv128_s3_pp1_c3,bkv128_s2_pp1_c3

@@ -7,13 +7,7 @@
 # then the ring's band in the rank's share of the L2 against the whole L2, the 2x2
 # measured-fusion test (now ordered before its capture) six times, and the
 # unordered eager-then-replay loop that it used to run into (experiments/unordered_replay.py).
-export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/attention.txt
-attention() {   # shapes, variants
-    timeout ${ATT_S:-60} python3 experiments/attention.py --shapes $1 --variants $2 \
-        --out $OUT/attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | tee -a $OUT/attention.txt
-}
+source experiments/device_prelude.sh attention.txt
 D128_S3=bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1,bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1
 D128_S2=bkv128_s2_pp1_c2_q0,bkv128_s2_pp1_c2_q1,bkv128_s2_pp1_c2_q0,bkv128_s2_pp1_c2_q1
 D64=bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1,bkv128_s3_pp1_c3,bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1,bkv128_s3_pp1_c3
