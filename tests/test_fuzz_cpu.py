@@ -668,7 +668,7 @@ def test_attention_specs_fit_shared_memory_or_are_refused(config):
         return
     event("a spec")
     assert spec.smem_bytes <= A.SMEM_LIMIT and spec.stages >= 2 and spec.pingpong in (0, 1)
-    assert spec.block_kv % 64 == 0 and 64 <= spec.block_kv <= 256 and spec.head_dim in A.HEAD_DIMS
+    assert spec.block_kv in A.KEY_BLOCKS and spec.head_dim in A.HEAD_DIMS
 
 
 @st.composite

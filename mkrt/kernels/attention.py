@@ -59,11 +59,11 @@ struct HeadWork {
     mkrt::roles::Ring* ring;
     // $CLAIMED: the spec's choice (AttentionSpec.claimed; can_claim says where it is
     // possible: claiming costs registers that three consumer warpgroups, and the
-    // producer's 24 at head dim 128 above 128-key blocks, do not have).
+    // producer's 24 above 128-key blocks, do not have).
     static constexpr bool CLAIMED = $CLAIMED;
-    static_assert(!CLAIMED || (Cfg::CONSUMERS == 2 && (Cfg::BKV <= 128 || Cfg::D == 64)),
+    static_assert(!CLAIMED || (Cfg::CONSUMERS == 2 && Cfg::BKV <= 128),
                   "claiming tiles needs two consumer warpgroups and blocks of at most 128 keys "
-                  "at head dim 128 (registers)");
+                  "(registers)");
     __device__ __forceinline__ bool get(int i, Tile& tile) const {
         int t;
         if constexpr (CLAIMED) {
@@ -144,29 +144,17 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
     const int q_blocks = (sq + Cfg::BQ - 1) / Cfg::BQ;
     const StoreOutput store{out, lse, sq, heads};
     const int kv_blocks = (sk + Cfg::BKV - 1) / Cfg::BKV;
-    if constexpr (HeadWork::CLAIMED && Cfg::PRODUCER_REGISTERS < 56) {
-        // in shared memory where the producer keeps 32 registers (held in them, the fields
-        // spilled); elsewhere in registers: read from shared memory after every asm memory
-        // clobber of the consumers' loop, they cost ... (attention_deal_*.log)
-        __shared__ HeadWork work;
-        __shared__ mkrt::roles::Ring ring;
-        if (threadIdx.x == 0) {
-            work.batches = batches, work.heads = heads, work.group = heads / kv_heads;
-            work.q_blocks = q_blocks, work.kv_blocks = kv_blocks;
-            work.sq = sq, work.sk = sk, work.causal = causal, work.band = band;
-            work.queue = {counter, q_blocks * batches * heads};
-            work.ring = &ring;
-        }
-        mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);     // and a barrier: work is set
-        mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
-        mkrt::roles::reset_when_last_out(counter);   // counter = {next tile, CTAs out}: one per stream
-    } else if constexpr (HeadWork::CLAIMED) {
+    if constexpr (HeadWork::CLAIMED) {
+        // the work list in registers: the claimed build that kept it in shared memory
+        // (its consumers reload the fields after every asm memory clobber of their loop)
+        // ran 4-9% slower than the dealt-out one (attention_deal_e8812cc.log); this one is
+        // not yet timed (attention_deal_run3.sh)
         __shared__ mkrt::roles::Ring ring;
         mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);
         const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
                             0, 0, band, {counter, q_blocks * batches * heads}, &ring};
         mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
-        mkrt::roles::reset_when_last_out(counter);
+        mkrt::roles::reset_when_last_out(counter);   // counter = {next tile, CTAs out}: one per stream
     } else {
         const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
                             (int)blockIdx.x, (int)gridDim.x, band, {nullptr, 0}, nullptr};
@@ -232,8 +220,8 @@ class AttentionSpec(KernelSpec):
             raise ValueError(f"mkrt.attention: claimed={self.claimed}; expected 0 or 1")
         if self.claimed and not can_claim(self.head_dim, self.block_kv, self.consumers):
             raise ValueError(f"mkrt.attention: claimed=1 needs 2 consumer warpgroups and at most "
-                             f"128-key blocks at head dim 128 (registers); got {self.consumers} "
-                             f"consumers, {self.block_kv}-key blocks at head dim {self.head_dim}")
+                             f"128-key blocks (registers); got {self.consumers} consumers, "
+                             f"{self.block_kv}-key blocks")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"mkrt.attention: {self.stages} stages of {self.block_kv} keys at head "
                              f"dim {self.head_dim} need {self.smem_bytes} bytes of shared memory; "
@@ -266,9 +254,10 @@ class AttentionSpec(KernelSpec):
 
 def can_claim(head_dim: int, block_kv: int, consumers: int) -> bool:
     """Whether a build can claim its tiles from a counter: the claim costs registers that
-    three consumer warpgroups, and the producer's 24 at head dim 128 above 128-key blocks,
-    do not have (ptxas spilled)."""
-    return consumers == 2 and (block_kv <= 128 or head_dim == 64)
+    three consumer warpgroups, and the producer's 24 above 128-key blocks, do not have
+    (ptxas spilled; a work list in shared memory instead cost 4-9% in the loop)."""
+    del head_dim        # both head dims alike
+    return consumers == 2 and block_kv <= 128
 
 
 def default_spec(dtype: str, head_dim: int, causal: bool = False) -> AttentionSpec:
