@@ -1,31 +1,31 @@
 #!/bin/bash
-# The next device call (at most about 10 min), files under $OUT, most important first:
+# The next device call (about 7 min, at most 8 files under $OUT), most important first:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 1. GPU tests of the fused GEMM kernels whose unfused paths call mkrt.gemm, which takes
-#    stream-K for the last wave by default since 7ab4091 (the ring, AllGather+GEMM and the
-#    attention engine: experiments/ring_device_run.sh);
-# 2. the attention suite on the H200 (the machine), against torch's backends, the
-#    same on an earlier checkout in old_<commit>/ if there is one, and three consumer
-#    warpgroups at head dim 64 (never run yet);
-# 3. the GEMM suite on 132, 116 and 100 SMs (the stream-K rule's default, a second run).
-export MKRT_JIT_CACHE_DIR=${MKRT_JIT_CACHE_DIR:-/tmp/mkrt-cache-$$} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-timeout 200 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py tests/test_gemm_reducescatter_gpu.py -p no:cacheprovider 2>&1 | \
-    grep -v Warning | tail -8 | tee $OUT/pytest.txt
-echo "tests done at $SECONDS s"
-timeout 120 python3 experiments/attention.py --shapes suite --out $OUT/attention.jsonl 2>&1 | \
-    grep -v Warning | grep -v "return torch" | tee $OUT/attention.txt
-for old in old_*; do     # an earlier checkout (git archive <commit> mkrt experiments/attention.py ...)
-    [ -d "$old/mkrt" ] || continue
-    (cd $old && MKRT_BENCH_COMMIT=${old#old_} PYTHONPATH=$PWD timeout 120 python3 experiments/attention.py \
-        --shapes suite --out $OUT/attention_$old.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
-        tee $OUT/attention_$old.txt)
+# 1. GPU tests of what changed without a GPU since 5ddff8c: mkrt.attention's defaults (tiles
+#    dealt out at head dim 128, three consumer warpgroups at 64, 24/240 registers above
+#    128-key blocks), the ring's L2 bands, AllGather+GEMM (shares the tile queue), and the
+#    measured-fusion test ordered before its capture, three times;
+# 2. experiments/unordered_replay.py: eager call + replay, ordered and not;
+# 3. the claimed build (work list in registers) against the dealt-out one in turns;
+# 4. the ring's bands: the rank's share of the L2 against the whole L2, 1x2 and 1x4;
+# 5. the attention suite at the new defaults against torch's backends.
+source experiments/device_prelude.sh log.txt
+timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/test_attention.py tests/test_ring_attention_gpu.py \
+    tests/test_allgather_gemm_gpu.py -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee -a $LOG
+for i in 1 2 3; do
+    timeout 50 python3 -m pytest -q -m gpu tests/test_gemm_allreduce_gpu.py -k "measured_fusion_settles" \
+        -p no:cacheprovider --tb=short 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
 done
-timeout 60 python3 experiments/attention.py --shapes 4:4096:16:16:64:0,4:4096:16:16:64:1,2:8192:32:32:64:1 \
-    --variants bkv128_s3_pp1_c3,bkv128_s2_pp1_c3,bkv64_s4_pp1_c3 --out $OUT/attention.jsonl 2>&1 | \
-    grep -v Warning | grep -v "return torch" | tee -a $OUT/attention.txt
-echo "attention done at $SECONDS s"
-timeout 110 python3 experiments/gemm.py --sms full,116,100 --repeats 7 --out $OUT/gemm.jsonl 2>&1 | \
-    grep -E "geomean|scaling|FAILED" | tee $OUT/gemm.txt
-echo "gemm suite done at $SECONDS s"
+echo "tests done at $SECONDS s" | tee -a $LOG
+timeout 60 python3 experiments/unordered_replay.py --rounds 20 --out $OUT/unordered_replay.jsonl 2>&1 | \
+    grep -v Warning | tee -a $LOG
+attention 4:4096:16:16:128:0,4:12288:16:16:128:0,4:4096:16:16:128:1 \
+    bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1,bkv128_s3_pp1_c2_q0,bkv128_s3_pp1_c2_q1
+echo "claimed vs dealt out done at $SECONDS s" | tee -a $LOG
+timeout ${RING_S:-120} python3 experiments/ring_attention.py --layouts 1x2 1x4 --bands rule whole \
+    --shapes 4:4096:16:16:128:0,4:4096:16:16:128:1 --out $OUT/ring_attention.jsonl 2>&1 | \
+    grep -v Warning | grep -v "return torch" | grep -v "F.scaled_dot" | tee -a $LOG
+echo "ring done at $SECONDS s" | tee -a $LOG
+timeout ${ATT_S:-90} python3 experiments/attention.py --shapes suite --out $OUT/attention.jsonl 2>&1 | \
+    grep -v Warning | grep -v "return torch" | tee -a $LOG
+echo "suite done at $SECONDS s" | tee -a $LOG
