@@ -28,8 +28,8 @@ def test_default_specs_compile_without_spills(spec):
 
 def test_spec_uri_and_shared_memory():
     spec = A.AttentionSpec("bf16", 128, 128, 2)
-    assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_c2_q1_sm90a"
-    assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_c2_q1_sm90a"
+    assert spec.uri == "attention_bf16_d128_bkv128_s2_pp0_c2_q0_sm90a"
+    assert A.AttentionSpec("f16", 64, 64, 4, 1).uri == "attention_f16_d64_bkv64_s4_pp1_c2_q0_sm90a"
     three = A.AttentionSpec("bf16", 64, 128, 3, 1, 3)
     assert (three.threads, three.block_q) == (512, 192)
     assert three.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 3 * 128 * 64 * 2 + (2 + 4 * 3) * 8
@@ -39,13 +39,14 @@ def test_spec_uri_and_shared_memory():
         assert spec.smem_bytes <= A.SMEM_LIMIT
 
 
-def test_claimed_defaults_to_where_the_build_can_claim():
-    # claiming costs registers: not with three consumers, nor above 128-key blocks
-    assert A.AttentionSpec("bf16", 128, 128, 2).claimed == 1
-    assert A.AttentionSpec("bf16", 64, 192, 2).claimed == 0
-    assert A.AttentionSpec("bf16", 128, 192, 2).claimed == 0
-    assert A.AttentionSpec("bf16", 64, 128, 3, 1, 3).claimed == 0
-    assert A.AttentionSpec("bf16", 128, 128, 2, claimed=0).uri.endswith("_c2_q0_sm90a")
+def test_tiles_are_dealt_out_unless_claimed_is_asked_for():
+    # claimed tiles ran 4-9% slower on even tiles; claiming costs registers that three
+    # consumers, and the producer above 128-key blocks, do not have
+    assert A.AttentionSpec("bf16", 128, 128, 2).claimed == 0
+    assert A.AttentionSpec("bf16", 128, 128, 2, claimed=1).uri.endswith("_c2_q1_sm90a")
+    assert all(spec.claimed == 0 for spec in A.default_specs())
+    assert A.can_claim(128, 128, 2) and A.can_claim(64, 128, 2)
+    assert not (A.can_claim(64, 192, 2) or A.can_claim(128, 192, 2) or A.can_claim(64, 128, 3))
     with pytest.raises(ValueError, match="claimed=1 needs 2 consumer warpgroups"):
         A.AttentionSpec("bf16", 128, 192, 2, claimed=1)
     with pytest.raises(ValueError, match="claimed=1 needs"):
@@ -54,12 +55,14 @@ def test_claimed_defaults_to_where_the_build_can_claim():
         A.AttentionSpec(claimed=2)
     with pytest.raises(TypeError, match="claimed must be an int"):
         A.AttentionSpec(claimed=True)
+    with pytest.raises(ValueError, match="claimed=-1; expected 0 or 1"):
+        A.AttentionSpec(claimed=-1)
 
 
-@pytest.mark.parametrize("spec", [dataclasses.replace(s, claimed=1 - s.claimed) for s in A.default_specs()
+@pytest.mark.parametrize("spec", [dataclasses.replace(s, claimed=1) for s in A.default_specs()
                                   if A.can_claim(s.head_dim, s.block_kv, s.consumers)],
                          ids=lambda s: s.uri)
-def test_the_other_deal_compiles_without_spills(spec):
+def test_claimed_builds_compile_without_spills(spec):
     resources = spec.build(check_spills=True).resources["attention_forward"]
     assert resources.spills == 0 and resources.stack_frame == 0, resources
 

@@ -176,13 +176,12 @@ KV_L2_BYTES = 20 << 20
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
     """Compile-time shape of one attention kernel (URI e.g.
-    ``attention_bf16_d128_bkv128_s2_pp0_c2_q1_sm90a``).
+    ``attention_bf16_d128_bkv128_s2_pp0_c2_q0_sm90a``).
 
     pingpong 1: the consumer warpgroups take turns on the tensor cores (one's softmax
     overlaps another's MMAs). consumers: 2 (128 query rows per tile) or 3 (192).
-    claimed 1: the CTAs claim tiles from a counter (HeadWork); 0: CTA c runs tiles c,
-    c + ctas, ... (the only choice where :func:`can_claim` is False); by default the first
-    where it can."""
+    claimed 1: the CTAs claim tiles from a counter (HeadWork; where :func:`can_claim`);
+    0 (default, faster where tiles are even): CTA c runs tiles c, c + ctas, ..."""
 
     family = "attention"
     entry_points = ("attention_forward",)
@@ -193,13 +192,9 @@ class AttentionSpec(KernelSpec):
     stages: int = dataclasses.field(default=2, metadata={"short": "s"})
     pingpong: int = dataclasses.field(default=0, metadata={"short": "pp"})   # 0 or 1
     consumers: int = dataclasses.field(default=2, metadata={"short": "c"})   # 2 or 3
-    claimed: int = dataclasses.field(default=-1, metadata={"short": "q"})    # 0, 1; -1: can_claim
+    claimed: int = dataclasses.field(default=0, metadata={"short": "q"})     # 0 or 1
 
     def __post_init__(self):
-        known = all(type(x) is int for x in (self.head_dim, self.block_kv, self.consumers))
-        if self.claimed == -1 and type(self.claimed) is int and known:
-            object.__setattr__(self, "claimed", int(can_claim(self.head_dim, self.block_kv,
-                                                              self.consumers)))
         self._check()
 
     def _check(self):
@@ -274,7 +269,7 @@ def default_spec(dtype: str, head_dim: int, causal: bool = False) -> AttentionSp
     query rows per tile; 128-key blocks, 3 stages, pingpong), 1.18x the two-consumer
     192-key build non-causal at S 4096, 1.01 and 1.03x causal (same log)."""
     if head_dim == 128:
-        return AttentionSpec(dtype, 128, 128, 2 if causal else 3, 1, 2, claimed=0)
+        return AttentionSpec(dtype, 128, 128, 2 if causal else 3, 1)
     return AttentionSpec(dtype, head_dim, 128, 3, 1, 3)
 
 
@@ -614,14 +609,14 @@ def _prepare(key, q, k, v, out, lse, causal, scale, sms, overrides) -> _Prepared
     block_kv, stages, pingpong, consumers, claimed = overrides
     if overrides != (None,) * 5:      # the spec checks the values
         # unset overrides come from one fixed base (128-key blocks, 2 stages at D 128, 3 at
-        # D 64, no pingpong, 2 consumers), not from the default, which may change with
-        # measurements
+        # D 64, no pingpong, 2 consumers, tiles dealt out), not from the default, which may
+        # change with measurements
         spec = AttentionSpec(problem.dtype, problem.head_dim,
                              128 if block_kv is None else block_kv,
                              (2 if problem.head_dim == 128 else 3) if stages is None else stages,
                              0 if pingpong is None else pingpong,
                              2 if consumers is None else consumers,
-                             -1 if claimed is None else claimed)
+                             0 if claimed is None else claimed)
     call = _PREPARED.get(key)
     if call is None:
         call = _PREPARED[key] = _PreparedAttention(problem, spec, device, int(sms), scale)

@@ -287,10 +287,12 @@ class RingAttentionSpec(attention_module.AttentionSpec):
     family = "ring_attention"
     entry_points = ("ring_attention",)
 
+    claimed: int = dataclasses.field(default=1, metadata={"short": "q"})     # RingWork claims
+
     def _check(self):
-        super()._check()
         if self.consumers != 2:       # the ring's roles use named barriers 6 and 7
             raise ValueError(f"mkrt.ring_attention: consumers={self.consumers}; the ring runs 2")
+        super()._check()
         if not self.claimed:          # RingWork always claims
             raise ValueError("mkrt.ring_attention: claimed=0; the ring's CTAs always claim tiles")
 
