@@ -382,6 +382,8 @@ def test_bad_arrays_raise_before_launch():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(block_kv=128, stages=2, pingpong=1),
+                                     dict(block_kv=128, stages=3, pingpong=1, claimed=1),
+                                     dict(block_kv=64, stages=4, pingpong=1, claimed=1),
                                      dict(block_kv=64, stages=4, pingpong=0),
                                      dict(block_kv=64, stages=4, pingpong=1),
                                      dict(block_kv=128, stages=2, pingpong=0),
