@@ -406,3 +406,24 @@ def test_other_configurations_match_the_reference(case, options):
     v = _random(cupy, (B, Sk, Hkv, D), BF16, 12)
     out, lse = A.attention(q, k, v, causal=causal, **options)
     _check(q, k, v, causal, out, lse, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(2, 1500, 1500, 8, 2, 128, True), (1, 900, 2000, 4, 4, 64, False)])
+def test_claimed_and_dealt_out_tiles_give_the_same_bits(case):
+    """Which CTA runs a tile does not change what it computes: claimed=1 and claimed=0 write
+    identical O and LSE (over several launches, so the counter's reset is exercised too)."""
+    import cupy
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q = _random(cupy, (B, Sq, Hq, D), BF16, 20)
+    k = _random(cupy, (B, Sk, Hkv, D), BF16, 21)
+    v = _random(cupy, (B, Sk, Hkv, D), BF16, 22)
+    dealt, dealt_lse = A.attention(q, k, v, causal=causal, block_kv=128, stages=2, pingpong=1, claimed=0)
+    _check(q, k, v, causal, dealt, dealt_lse, "bf16")
+    for _ in range(3):
+        out = cupy.full_like(q, float("nan"))
+        lse = cupy.full((B, Hq, Sq), float("nan"), dtype=np.float32)
+        A.attention(q, k, v, causal=causal, block_kv=128, stages=2, pingpong=1, claimed=1,
+                    out=out, lse=lse)
+        assert cupy.array_equal(out.view(cupy.uint16), dealt.view(cupy.uint16))
+        assert cupy.array_equal(lse.view(cupy.uint32), dealt_lse.view(cupy.uint32))
