@@ -44,10 +44,12 @@ typedef mkrt::attention::Config<$CTYPE, $HEAD_DIM, $BLOCK_KV, $STAGES, $PINGPONG
 typedef mkrt::attention::Tile Tile;
 typedef mkrt::attention::KeyBlock KeyBlock;
 
-// Every (query block, batch, head) of the problem, claimed by the CTAs in this order from a
-// counter (mirror: tile_order): a CTA that drew light tiles (causal: few keys) takes more,
-// where a fixed deal (CTA c: tiles c, c + ctas, ...) leaves the last round up to 12% longer
-// than the average (B 4, S 4096, D 64, in a simulation with tile time = key blocks + 1).
+// Every (query block, batch, head) of the problem in this order (mirror: tile_order),
+// dealt out (CTA c: tiles c, c + ctas, ...; the default) or, with CLAIMED, claimed from a
+// counter, so that a CTA that drew light tiles (causal: few keys) takes more: a simulation
+// (tile time = key blocks + 1) put the fixed deal's last round up to 12% over the average
+// at B 4, S 4096, D 64 causal, but on an H100 the claimed build ran 4-9% slower where tiles
+// are even and gained 1% where they are not (attention_deal_e8812cc.log).
 // The tiles go in bands of `band` (batch, key head) pairs, so the
 // CTAs running at once read the K/V of a few heads, which stay in L2 (heads fastest over
 // the whole problem made every tile read its K/V from memory: 4 x 4096 x 16 x 128 ran with
