@@ -150,7 +150,7 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
         // the work list in registers: the claimed build that kept it in shared memory
         // (its consumers reload the fields after every asm memory clobber of their loop)
         // ran 4-9% slower than the dealt-out one (attention_deal_e8812cc.log); this one is
-        // not yet timed (attention_deal_run3.sh)
+        // not yet timed (experiments/pending_device_run.sh)
         __shared__ mkrt::roles::Ring ring;
         mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);
         const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
