@@ -131,9 +131,22 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def gpu_of(row: Row) -> str:
+    """The row's GPU in short ("NVIDIA H100 80GB HBM3" -> "H100"); "" for rows taken
+    without one."""
+    name = str(row.get("gpu") or "")
+    if name.lower() in ("", "none", "cpu"):
+        return ""
+    words = name.replace("NVIDIA", "").split()
+    return words[0] if words else name
+
+
 def commit_of(rows: list[Row]) -> str:
+    """The rows' commits, then the GPUs they ran on."""
     commits = list(dict.fromkeys(str(r.get("commit", "unknown")) for r in rows))
-    return ", ".join(f"`{c}`" for c in commits)
+    gpus = list(dict.fromkeys(g for g in map(gpu_of, rows) if g))
+    text = ", ".join(f"`{c}`" for c in commits)
+    return f"{text} ({', '.join(gpus)})" if gpus else text
 
 
 # ---- what a line says -------------------------------------------------------------------
@@ -979,7 +992,7 @@ def _cell(text: str) -> str:
 
 def table(results: Results) -> str:
     """The markdown between the markers (without them)."""
-    out = ["| piece | state | measured on an H200: newest run of each line | rows from |",
+    out = ["| piece | state | measured: newest run of each line | rows from (GPU) |",
            "| --- | --- | --- | --- |"]
     known = {p.experiment for p in PIECES if p.experiment}
     pieces = list(PIECES)

@@ -105,3 +105,13 @@ def test_check_fails_on_a_stale_readme_and_writing_fixes_it(tmp_path, capsys):
     readme.write_text("no markers here\n")
     assert run("--check") == 2
     assert "lacks the report markers" in capsys.readouterr().err
+
+
+def test_each_line_says_which_gpu_its_rows_ran_on():
+    from mkrt import report
+    rows = [{"commit": "abc1234", "gpu": "NVIDIA H100 80GB HBM3"}, {"commit": "abc1234", "gpu": "NVIDIA H200"},
+            {"commit": "def5678", "gpu": "none"}]
+    assert report.gpu_of(rows[0]) == "H100" and report.gpu_of(rows[1]) == "H200"
+    assert report.gpu_of(rows[2]) == "" and report.gpu_of({}) == ""
+    assert report.commit_of(rows) == "`abc1234`, `def5678` (H100, H200)"
+    assert report.commit_of(rows[2:]) == "`def5678`"
