@@ -217,3 +217,80 @@ def test_the_band_keeps_gathered_kv_in_the_ranks_share_of_l2():
     for bad in (0, -1, True, 2.5, "4"):
         with pytest.raises(ValueError, match="band="):
             RA.RingAttention(object(), band=bad)
+
+
+def _ring_cursor(rank, G, N, chunk, q_row, q_rows, causal, block_kv=128):
+    """RingWork's consumer cursor (first_block, next_block, enter_next_chunk in the kernel
+    source), line for line: the blocks it steps through, (source, row, position, count)."""
+    W = G * N
+    node, me = divmod(rank, G)
+    kv_blocks = -(-chunk // block_kv)
+
+    def chunk_of(r, slot):
+        return (r if slot == 0 else 2 * W - 1 - r) if causal else 2 * r + slot
+
+    def source_at(step):
+        if step < G:
+            return node * G + (me + step) % G
+        i, j = (step - G) // G + 1, (step - G) % G
+        return ((node + i) % N) * G + (me + j) % G
+
+    slot = q_row // chunk
+    q_position = chunk_of(rank, slot) * chunk + (q_row - slot * chunk)
+
+    def blocks_of(qc, kc):
+        if not causal or kc < qc:
+            return kv_blocks
+        if kc > qc:
+            return 0
+        return min(kv_blocks, (q_position + q_rows - 1 - kc * chunk) // block_kv + 1)
+
+    block = dict(step=0, part=-1, left=0)
+
+    def enter_next_chunk():
+        qc = q_position // chunk
+        while True:
+            block["part"] += 1
+            if block["part"] == 2:
+                block["part"], block["step"] = 0, block["step"] + 1
+            if block["step"] >= W:
+                block["left"] = 0
+                return
+            s = source_at(block["step"])
+            kc = chunk_of(s, block["part"])
+            n = blocks_of(qc, kc)
+            if n > 0:
+                block.update(source=s, row=block["part"] * chunk, position=kc * chunk,
+                             count=min(block_kv, chunk), left=n)
+                return
+
+    def next_block():
+        block["left"] -= 1
+        if block["left"] > 0:
+            block["row"] += block_kv
+            block["position"] += block_kv
+            block["count"] = min(block_kv, (block["part"] + 1) * chunk - block["row"])
+            return
+        enter_next_chunk()
+
+    enter_next_chunk()
+    seen = []
+    while block["left"] > 0:
+        seen.append((block["source"], block["row"], block["position"], block["count"]))
+        next_block()
+    return seen
+
+
+@pytest.mark.parametrize("nodes,G", LAYOUTS[:5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk", [128, 200, 384, 1000])
+def test_the_consumers_cursor_steps_through_the_producers_blocks(nodes, G, causal, chunk):
+    """The consumers step a cursor, the producer indexes key_block(j): both must give the
+    tile's blocks in the same order (a mismatch would mask the wrong keys)."""
+    W = G * nodes
+    for rank in range(W):
+        for slot in range(2):
+            for start in range(0, chunk, 128):
+                q_row, q_rows = slot * chunk + start, min(128, chunk - start)
+                assert _ring_cursor(rank, G, nodes, chunk, q_row, q_rows, causal) == \
+                    RA.tile_blocks(rank, G, nodes, chunk, q_row, q_rows, causal)

@@ -149,6 +149,48 @@ struct RingWork {
         }
         tile.blocks = blocks;
     }
+    // The tile's key blocks, source by source (source_at's order), slot 0 then 1 of each,
+    // the blocks of a chunk in order (mirror: tile_blocks). The consumers step a cursor
+    // (first_block, next_block: a few adds per block, where key_block walked the world's
+    // sources in their softmax's loop); the producer, one thread running ahead, calls
+    // key_block (a cursor held beside `previous` spilled its 56 registers).
+    __device__ __forceinline__ KeyBlock first_block(const Tile& tile) const {
+        KeyBlock block;
+        block.step = 0;
+        block.part = -1;
+        enter_next_chunk(tile, block);
+        return block;
+    }
+    __device__ __forceinline__ void next_block(const Tile& tile, KeyBlock& block) const {
+        if (--block.left > 0) {
+            block.row += Cfg::BKV;
+            block.position += Cfg::BKV;
+            block.count = min(Cfg::BKV, (block.part + 1) * chunk - block.row);
+            return;
+        }
+        enter_next_chunk(tile, block);
+    }
+    // The first block of the next (step, slot) with blocks to visit (past the last one:
+    // left 0, the tile has no more).
+    __device__ __forceinline__ void enter_next_chunk(const Tile& tile, KeyBlock& block) const {
+        const int qc = tile.q_position / chunk;
+        while (true) {
+            if (++block.part == 2) { block.part = 0; ++block.step; }
+            if (block.step >= world()) { block.left = 0; return; }
+            const int s = source_at(block.step);
+            const int kc = chunk_of(s, block.part);
+            const int n = blocks_of(tile, qc, kc);
+            if (n > 0) {
+                block.source = s;
+                block.row = block.part * chunk;
+                block.position = kc * chunk;
+                block.count = min(Cfg::BKV, chunk);
+                block.left = n;
+                return;
+            }
+        }
+    }
+    // Block j of the tile, walking the sources.
     __device__ __forceinline__ KeyBlock key_block(const Tile& tile, int j) const {
         const int qc = tile.q_position / chunk;
         KeyBlock block;
@@ -353,7 +395,8 @@ def tile_order(batches: int, heads: int, kv_heads: int, chunk: int, band: int, c
 def tile_blocks(rank: int, G: int, N: int, chunk: int, q_row: int, q_rows: int, causal: bool,
                 block_kv: int = 128) -> list[tuple[int, int, int, int]]:
     """The key blocks (source, row, position, count) the tile of query rows
-    [q_row, q_row + q_rows) of `rank` visits (RingWork::key_block for j = 0, 1, ...)."""
+    [q_row, q_row + q_rows) of `rank` visits (RingWork's cursor: first_block, then
+    next_block)."""
     W = G * N
     slot = q_row // chunk
     qc = ring_plan.chunks_of(rank, W, causal)[slot]

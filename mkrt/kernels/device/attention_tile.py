@@ -37,8 +37,12 @@ and LSE = -inf.
 Plugging in (what a kernel supplies), as for the GEMM engine:
 
 * a **work list**: ``__device__ bool get(int i, Tile& tile) const`` (the i-th tile of this
-  CTA, false past the end), ``__device__ KeyBlock key_block(const Tile&, int j) const``
-  (pure functions: producer and consumers call them independently) and
+  CTA, false past the end); the tile's key blocks twice, in the same order:
+  ``__device__ KeyBlock key_block(const Tile&, int j) const`` (block j, for the producer,
+  one thread running ahead) and ``__device__ KeyBlock first_block(const Tile&) const``
+  with ``__device__ void next_block(const Tile&, KeyBlock&) const`` (a cursor for the
+  consumers, which step it in their softmax's loop, where a walk per block would cost
+  issue slots); producer and consumers call them independently; and
   ``__device__ bool wait(const Tile&, const KeyBlock&) const``, which the producer calls
   before loading a block (a ring waits there for the block's source to arrive); false
   releases the block's stage unloaded, and the host raises the timeout.
@@ -108,9 +112,12 @@ struct Tile {
 };
 
 // One block of keys: BKV rows of source `source` of the K/V maps from row `row`, the first
-// at sequence position `position`; rows past `count` are not keys of the block.
+// at sequence position `position`; rows past `count` are not keys of the block. `step`,
+// `part`, `left`: where the work list's cursor stands (its own bookkeeping: a ring's
+// source step, chunk slot and blocks left there).
 struct KeyBlock {
     int source = 0, row = 0, position = 0, count = 0;
+    int step = 0, part = 0, left = 0;
 };
 
 template <int CONSUMERS>
@@ -401,11 +408,13 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
         fence_accumulators(s);
         if (warp_leader) mbarrier_arrive(&pipe.k_empty[stage]);
         if (blocks == 1 && warp_leader) mbarrier_arrive(pipe.q_empty);
-        softmax_block<Cfg>(s, state, rescale, tile, work.key_block(tile, 0), scale_log2, who);
+        KeyBlock block = work.first_block(tile);
+        softmax_block<Cfg>(s, state, rescale, tile, block, scale_log2, who);
         for (int j = 1; j < blocks; ++j) {
             const int previous = stage;
             const u32 previous_phase = phase;
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+            work.next_block(tile, block);      // a few adds, while the scores are on their way
             to_operand<Cfg>(s, p);
             mbarrier_wait(&pipe.k_full[stage], phase);
             // scores of this block, then the previous block's P V: the tensor cores run
@@ -423,7 +432,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
             fence_accumulators(s);
             if (warp_leader) mbarrier_arrive(&pipe.k_empty[stage]);
             if (j + 1 == blocks && warp_leader) mbarrier_arrive(pipe.q_empty);
-            softmax_block<Cfg>(s, state, rescale, tile, work.key_block(tile, j), scale_log2, who);
+            softmax_block<Cfg>(s, state, rescale, tile, block, scale_log2, who);
             wgmma_wait<0>();
             fence_accumulators(state.o);
             if (warp_leader) mbarrier_arrive(&pipe.v_empty[previous]);
