@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from mkrt.bench import append_jsonl, record  # noqa: E402
+from mkrt.bench import append_jsonl, capture_graph, record  # noqa: E402
 
 
 def main():
@@ -49,11 +49,7 @@ def main():
         op = gar.GemmAllReduce(world, b_layout="nk", fuse=True, timeout_ms=args.timeout_ms)
         op(a_list, b_list, out=outs)
         world.synchronize()
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            op(a_list, b_list, out=outs)
-            graph = stream.end_capture()
+        graph, stream = capture_graph(lambda: op(a_list, b_list, out=outs))
         outcome = "passed"
         try:
             for _ in range(args.rounds):

@@ -84,6 +84,18 @@ def median_ms(call, **kwargs) -> float:
     return median(time_calls(call, **kwargs))
 
 
+def capture_graph(call):
+    """(graph, stream): what `call()` launches, captured into a CUDA graph on a new
+    non-blocking stream (replay with ``graph.launch(stream)``)."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+    return graph, stream
+
+
 def gpu_name() -> str:
     try:
         import cupy
