@@ -414,7 +414,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
             const int previous = stage;
             const u32 previous_phase = phase;
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
-            work.next_block(tile, block);      // a few adds, while the scores are on their way
+            work.next_block(tile, block);      // block j: a few adds (a walk only where a chunk ends)
             to_operand<Cfg>(s, p);
             mbarrier_wait(&pipe.k_full[stage], phase);
             // scores of this block, then the previous block's P V: the tensor cores run
