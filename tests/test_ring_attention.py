@@ -220,8 +220,8 @@ def test_the_band_keeps_gathered_kv_in_the_ranks_share_of_l2():
 
 
 def _ring_cursor(rank, G, N, chunk, q_row, q_rows, causal, block_kv=128):
-    """RingWork's consumer cursor (first_block, next_block, enter_next_chunk in the kernel
-    source), line for line: the blocks it steps through, (source, row, position, count)."""
+    """RingWork's cursor (first_block, next_block, enter_next_chunk in the kernel source),
+    line for line: the blocks it steps through, (source, row, position, count)."""
     W = G * N
     node, me = divmod(rank, G)
     kv_blocks = -(-chunk // block_kv)
@@ -285,8 +285,9 @@ def _ring_cursor(rank, G, N, chunk, q_row, q_rows, causal, block_kv=128):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("chunk", [128, 200, 384, 1000])
 def test_the_consumers_cursor_steps_through_the_producers_blocks(nodes, G, causal, chunk):
-    """The consumers step a cursor, the producer indexes key_block(j): both must give the
-    tile's blocks in the same order (a mismatch would mask the wrong keys)."""
+    """Producer and consumers step RingWork's cursor independently; its blocks must be the
+    tile's, in tile_blocks' order (the gathered rows the producer loads and the positions
+    the consumers mask by must agree)."""
     W = G * nodes
     for rank in range(W):
         for slot in range(2):

@@ -96,18 +96,13 @@ struct HeadWork {
         tile.index = t;
         return true;
     }
+    // the tile's key blocks, one after another (the producer and the consumers alike)
     __device__ __forceinline__ KeyBlock first_block(const Tile&) const {
         KeyBlock block;
         block.count = min(Cfg::BKV, sk);
         return block;
     }
-    // block j (the producer), or the first and the next (the consumers' cursor)
-    __device__ __forceinline__ KeyBlock key_block(const Tile&, int j) const {
-        KeyBlock block;
-        block.row = block.position = j * Cfg::BKV;
-        block.count = min(Cfg::BKV, sk - block.row);
-        return block;
-    }
+    template <bool PRODUCER>
     __device__ __forceinline__ void next_block(const Tile&, KeyBlock& block) const {
         block.row += Cfg::BKV;
         block.position = block.row;

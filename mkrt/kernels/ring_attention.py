@@ -150,10 +150,12 @@ struct RingWork {
         tile.blocks = blocks;
     }
     // The tile's key blocks, source by source (source_at's order), slot 0 then 1 of each,
-    // the blocks of a chunk in order (mirror: tile_blocks). The consumers step a cursor
-    // (first_block, next_block: a few adds per block, where key_block walked the world's
-    // sources in their softmax's loop); the producer, one thread running ahead, calls
-    // key_block (a cursor held beside `previous` spilled its 56 registers).
+    // the blocks of a chunk in order (mirror: tile_blocks), as a cursor: a block costs a
+    // decrement and a few adds; only where a chunk ends does it walk to the next source
+    // with blocks for the tile (a walk per block, key_block(j) before, cost the consumers'
+    // softmax loop O(W) per block). The producer takes that walk out of
+    // line (inlined, it spilled the producer's 56 registers); the consumers inline it (a
+    // call does not fit their code's register allocation).
     __device__ __forceinline__ KeyBlock first_block(const Tile& tile) const {
         KeyBlock block;
         block.step = 0;
@@ -161,6 +163,7 @@ struct RingWork {
         enter_next_chunk(tile, block);
         return block;
     }
+    template <bool PRODUCER>
     __device__ __forceinline__ void next_block(const Tile& tile, KeyBlock& block) const {
         if (--block.left > 0) {
             block.row += Cfg::BKV;
@@ -168,6 +171,10 @@ struct RingWork {
             block.count = min(Cfg::BKV, (block.part + 1) * chunk - block.row);
             return;
         }
+        if constexpr (PRODUCER) enter_next_chunk_out_of_line(tile, block);
+        else enter_next_chunk(tile, block);
+    }
+    __device__ __noinline__ void enter_next_chunk_out_of_line(const Tile& tile, KeyBlock& block) const {
         enter_next_chunk(tile, block);
     }
     // The first block of the next (step, slot) with blocks to visit (past the last one:
@@ -189,27 +196,6 @@ struct RingWork {
                 return;
             }
         }
-    }
-    // Block j of the tile, walking the sources.
-    __device__ __forceinline__ KeyBlock key_block(const Tile& tile, int j) const {
-        const int qc = tile.q_position / chunk;
-        KeyBlock block;
-        for (int step = 0; step < world(); ++step) {
-            const int s = source_at(step);
-            for (int slot = 0; slot < 2; ++slot) {
-                const int kc = chunk_of(s, slot);
-                const int n = blocks_of(tile, qc, kc);
-                if (j < n) {
-                    block.source = s;
-                    block.row = slot * chunk + j * Cfg::BKV;
-                    block.position = kc * chunk + j * Cfg::BKV;
-                    block.count = min(Cfg::BKV, chunk - j * Cfg::BKV);
-                    return block;
-                }
-                j -= n;
-            }
-        }
-        return block;
     }
     // Before loading a block: its rows of K and V are in our gathered buffer. A source
     // whose whole block is in costs one load; otherwise only the chunks holding the rows
@@ -349,7 +335,7 @@ class RingAttentionSpec(attention_module.AttentionSpec):
 def spec_for(dtype: str, head_dim: int, causal: bool = False) -> RingAttentionSpec:
     """mkrt.attention's default configuration (attention.default_spec) in the ring kernel,
     but at most 128-key blocks: above that the producer keeps 24 registers, and the ring's
-    producer (its key_block walks the sources) spills there; head dim 64 takes 128-key
+    producer spills there; head dim 64 takes 128-key
     blocks in 3 stages with pingpong instead (2-3% slower alone, attention_variants.jsonl,
     32702df). The ring ran 128-key blocks in 2 (D 64: 3) stages without pingpong until
     93a5fd8."""
@@ -396,7 +382,7 @@ def tile_blocks(rank: int, G: int, N: int, chunk: int, q_row: int, q_rows: int, 
                 block_kv: int = 128) -> list[tuple[int, int, int, int]]:
     """The key blocks (source, row, position, count) the tile of query rows
     [q_row, q_row + q_rows) of `rank` visits (RingWork's cursor: first_block, then
-    next_block)."""
+    next_block; tests/test_ring_attention.py steps a line-for-line copy of it)."""
     W = G * N
     slot = q_row // chunk
     qc = ring_plan.chunks_of(rank, W, causal)[slot]

@@ -37,12 +37,12 @@ and LSE = -inf.
 Plugging in (what a kernel supplies), as for the GEMM engine:
 
 * a **work list**: ``__device__ bool get(int i, Tile& tile) const`` (the i-th tile of this
-  CTA, false past the end); the tile's key blocks twice, in the same order:
-  ``__device__ KeyBlock key_block(const Tile&, int j) const`` (block j, for the producer,
-  one thread running ahead) and ``__device__ KeyBlock first_block(const Tile&) const``
-  with ``__device__ void next_block(const Tile&, KeyBlock&) const`` (a cursor for the
-  consumers, which step it in their softmax's loop, where a walk per block would cost
-  issue slots); producer and consumers call them independently; and
+  CTA, false past the end); a cursor over the tile's key blocks,
+  ``__device__ KeyBlock first_block(const Tile&) const`` and ``template <bool PRODUCER>
+  __device__ void next_block(const Tile&, KeyBlock&) const`` (O(1) per block: the
+  consumers step it in their softmax's loop; producer and consumers walk it
+  independently, and PRODUCER says which: the producer's 56 registers cannot hold a
+  long step inlined, and the consumers' code cannot hold a call); and
   ``__device__ bool wait(const Tile&, const KeyBlock&) const``, which the producer calls
   before loading a block (a ring waits there for the block's source to arrive); false
   releases the block's stage unloaded, and the host raises the timeout.
@@ -88,8 +88,8 @@ struct Config {
     // threads, 128 at 512): producer + consumers must stay within it, or an increase waits
     // forever. Blocks of more than 128 keys hold more scores (BKV / 2 + BKV / 4 registers
     // per thread), so the producer gives up more (24, too few to claim tiles); at 128 or
-    // less the ring's producer (its key_block walks the sources) needs 56 to run without
-    // spills. Three consumers get 160.
+    // less the ring's producer (its cursor walks the sources where a chunk ends) needs 56
+    // to run without spills. Three consumers get 160.
     static constexpr int SHARE = 65536 / THREADS / 8 * 8;
     static constexpr int PRODUCER_REGISTERS = CONSUMERS == 3 ? 24 : BKV <= 128 ? 56 : 24;
     static constexpr int CONSUMER_REGISTERS = CONSUMERS == 3 ? 160 : BKV <= 128 ? 224 : 240;
@@ -258,8 +258,9 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
             load_block<Cfg>(pipe.v_stage(s), &pipe.v_full[s], &pipe.v_empty[s], tma_v, tile,
                             previous, previous_ready, stage == 0 ? phase ^ 1 : phase);
         };
+        KeyBlock block = work.first_block(tile);
         for (int j = 0; j < tile.blocks; ++j) {
-            const KeyBlock block = work.key_block(tile, j);
+            if (j > 0) work.template next_block<true>(tile, block);
             const bool ready = work.wait(tile, block);
             load_block<Cfg>(pipe.k_stage(stage), &pipe.k_full[stage], &pipe.k_empty[stage], tma_k,
                             tile, block, ready, phase);
@@ -414,7 +415,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
             const int previous = stage;
             const u32 previous_phase = phase;
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
-            work.next_block(tile, block);      // block j: a few adds (a walk only where a chunk ends)
+            work.template next_block<false>(tile, block);   // block j: a few adds (a walk where a chunk ends)
             to_operand<Cfg>(s, p);
             mbarrier_wait(&pipe.k_full[stage], phase);
             // scores of this block, then the previous block's P V: the tensor cores run
