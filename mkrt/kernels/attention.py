@@ -258,7 +258,7 @@ class AttentionSpec(KernelSpec):
 def can_claim(head_dim: int, block_kv: int, consumers: int) -> bool:
     """Whether a build can claim its tiles from a counter: the claim costs registers that
     three consumer warpgroups, and the producer's 24 above 128-key blocks, do not have
-    (ptxas spilled; a work list in shared memory instead cost 4-9% in the loop)."""
+    (ptxas spilled; the shared-memory work list once used there instead is gone)."""
     del head_dim        # both head dims alike
     return consumers == 2 and block_kv <= 128
 
