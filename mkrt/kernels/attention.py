@@ -203,9 +203,6 @@ class AttentionSpec(KernelSpec):
     claimed: int = dataclasses.field(default=0, metadata={"short": "q"})     # 0 or 1
 
     def __post_init__(self):
-        self._check()
-
-    def _check(self):
         super().__post_init__()
         if self.dtype not in _CTYPES:
             raise ValueError(f"mkrt.attention: dtype={self.dtype!r}; expected one of {sorted(_CTYPES)}")
@@ -221,7 +218,7 @@ class AttentionSpec(KernelSpec):
             raise ValueError(f"mkrt.attention: consumers={self.consumers}; expected 2 or 3")
         if self.claimed not in (0, 1):
             raise ValueError(f"mkrt.attention: claimed={self.claimed}; expected 0 or 1")
-        if self.claimed and not can_claim(self.head_dim, self.block_kv, self.consumers):
+        if self.claimed and not can_claim(self.block_kv, self.consumers):
             raise ValueError(f"mkrt.attention: claimed=1 needs 2 consumer warpgroups and at most "
                              f"128-key blocks (registers); got {self.consumers} consumers, "
                              f"{self.block_kv}-key blocks")
@@ -255,11 +252,10 @@ class AttentionSpec(KernelSpec):
                 "CLAIMED": "true" if self.claimed else "false"}
 
 
-def can_claim(head_dim: int, block_kv: int, consumers: int) -> bool:
+def can_claim(block_kv: int, consumers: int) -> bool:
     """Whether a build can claim its tiles from a counter: the claim costs registers that
     three consumer warpgroups, and the producer's 24 above 128-key blocks, do not have
     (ptxas spilled; the shared-memory work list once used there instead is gone)."""
-    del head_dim        # both head dims alike
     return consumers == 2 and block_kv <= 128
 
 
@@ -415,7 +411,7 @@ class _PreparedAttention:
 
     def __init__(self, problem: AttentionProblem, spec: AttentionSpec, device: int, sms: int,
                  scale: float):
-        self.problem, self.spec = problem, spec
+        self.problem, self.spec, self.device = problem, spec, device
         params = Parameters([("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
                              ("out", np.uint64, 8), ("lse", np.uint64, 8),
                              ("batches", np.int32, 4), ("heads", np.int32, 4),
@@ -432,7 +428,7 @@ class _PreparedAttention:
         self._counter = params.view("counter")
         self._maps = None
 
-    def patch(self, q, k, v, out, lse, counter: int) -> None:
+    def patch(self, q, k, v, out, lse, stream_ptr: int) -> None:
         maps = (q.data.ptr, q.strides, k.data.ptr, k.strides, v.data.ptr, v.strides)
         if maps != self._maps:
             p, params = self.problem, self.launch.params
@@ -443,7 +439,8 @@ class _PreparedAttention:
             self._maps = maps
         self._out[()] = out.data.ptr
         self._lse[()] = lse.data.ptr
-        self._counter[()] = counter
+        if self.spec.claimed:        # dealt-out builds never read it: no lookup per call
+            self._counter[()] = tile_counter(self.device, stream_ptr)
 
 
 #: device -> {stream: tile counter {next tile, CTAs out}} (launcher.stream_workspace):
@@ -547,7 +544,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, out=
         if lse_view is None:
             lse_view = cupy.empty((problem.batches, problem.heads, problem.sq), dtype=np.float32)
         stream_ptr = (stream or cupy.cuda.get_current_stream()).ptr
-        call.patch(qv, kv, vv, out_view, lse_view, tile_counter(device, stream_ptr))
+        call.patch(qv, kv, vv, out_view, lse_view, stream_ptr)
         call.launch(stream_ptr)
     return like_input(out_view, q), like_input(lse_view, q)
 
@@ -585,7 +582,7 @@ def _attention_torch(q, k, v, causal, scale, out, lse, sms, overrides, stream):
                 lse = torch.empty((p.batches, p.heads, p.sq), dtype=torch.float32, device=q.device)
                 lse_view = TorchView(lse, "lse")
     stream_ptr = stream.ptr if stream is not None else torch.cuda.current_stream(device).cuda_stream
-    call.patch(qv, kv, vv, out_view, lse_view, tile_counter(device, stream_ptr))
+    call.patch(qv, kv, vv, out_view, lse_view, stream_ptr)
     if _runtime.getDevice() == device:
         call.launch(stream_ptr)
     else:

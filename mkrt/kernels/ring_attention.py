@@ -317,10 +317,11 @@ class RingAttentionSpec(attention_module.AttentionSpec):
 
     claimed: int = dataclasses.field(default=1, metadata={"short": "q"})     # RingWork claims
 
-    def _check(self):
+    def __post_init__(self):
+        # before the engine's checks, whose claim check would name the consumers otherwise
         if self.consumers != 2:       # the ring's roles use named barriers 6 and 7
             raise ValueError(f"mkrt.ring_attention: consumers={self.consumers}; the ring runs 2")
-        super()._check()
+        super().__post_init__()
         if not self.claimed:          # RingWork always claims
             raise ValueError("mkrt.ring_attention: claimed=0; the ring's CTAs always claim tiles")
 
