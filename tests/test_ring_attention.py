@@ -223,17 +223,11 @@ def _ring_cursor(rank, G, N, chunk, q_row, q_rows, causal, block_kv=128):
     """RingWork's cursor (first_block, next_block, enter_next_chunk in the kernel source),
     line for line: the blocks it steps through, (source, row, position, count)."""
     W = G * N
-    node, me = divmod(rank, G)
     kv_blocks = -(-chunk // block_kv)
+    sources = RA.source_order(rank // G, rank % G, G, N)      # RingWork::source_at
 
     def chunk_of(r, slot):
-        return (r if slot == 0 else 2 * W - 1 - r) if causal else 2 * r + slot
-
-    def source_at(step):
-        if step < G:
-            return node * G + (me + step) % G
-        i, j = (step - G) // G + 1, (step - G) % G
-        return ((node + i) % N) * G + (me + j) % G
+        return R.chunks_of(r, W, causal)[slot]
 
     slot = q_row // chunk
     q_position = chunk_of(rank, slot) * chunk + (q_row - slot * chunk)
@@ -256,7 +250,7 @@ def _ring_cursor(rank, G, N, chunk, q_row, q_rows, causal, block_kv=128):
             if block["step"] >= W:
                 block["left"] = 0
                 return
-            s = source_at(block["step"])
+            s = sources[block["step"]]
             kc = chunk_of(s, block["part"])
             n = blocks_of(qc, kc)
             if n > 0:
