@@ -600,6 +600,17 @@ def _proxy_stall_text(run):
     return "; ".join(parts)
 
 
+def _unordered_replay_text(run):
+    words = {"ordered": "synchronized before capture", "unordered": "captured right after the eager call"}
+    parts = []
+    for r in run:
+        mode = str(r.get("case")).rsplit("_", 1)[-1]
+        seen = str(r.get("outcome", "")).split(":")[0]
+        verdict = "as expected" if seen == r.get("expected") else f"expected {r.get('expected')}"
+        parts.append(f"{r.get('case').split('_')[0]} {words.get(mode, mode)}: {seen} ({verdict})")
+    return "; ".join(parts)
+
+
 def _verbs_rate_text(run):
     parts = []
     for r in run:
@@ -913,6 +924,10 @@ PIECES = [
     Piece("reliability: host stalls", "a host call that waits for the device while fused kernels "
           "wait for the proxy (mkrt/DESIGN.md, \"Runtime hazards\"; `experiments/proxy_stall.py`)",
           "proxy_stall", _described("proxy stall", _proxy_stall_text, same_commit=True)),
+    Piece("reliability: unordered replay", "an eager call and a graph replay of the same fused op "
+          "on two streams, ordered and not (both read the op's epoch on the device; "
+          "`experiments/unordered_replay.py`)", "unordered_replay",
+          _described("eager call then replay", _unordered_replay_text, same_commit=True)),
     Piece("verbs: compiled posting", "the proxy loop builds and posts ibv work requests itself "
           "(RC; EFA SRD through the extended QP API), over mkrt's loopback NIC "
           "(`experiments/verbs_rate.py`)", "verbs_rate",
