@@ -44,7 +44,8 @@ def parse():
     parser.add_argument("--variants", default="",
                         help="also time these configurations: bkv128_s2_pp1, bkv128_s3_pp1_c3 (three "
                              "consumer warpgroups), bkv128_s3_pp1_c2_q0 (tiles dealt out, not claimed), ... "
-                             "(rows per variant)")
+                             "default (the default again, in turn), cyclic (the default without the "
+                             "planned deal of causal tiles) (rows per variant)")
     parser.add_argument("--out", default="", help="append JSON lines here")
     return parser.parse_args()
 
@@ -120,10 +121,15 @@ def main():
                 theirs[name] = None
         for variant in filter(None, args.variants.split(",")):
             # bkv128_s3_pp1, optionally _c3 (three consumer warpgroups), then _q0 or _q1
-            # (tiles dealt out or claimed)
-            values = [int(part[len(prefix):]) for part, prefix in
-                      zip(variant.split("_"), ("bkv", "s", "pp", "c", "q"))]
+            # (tiles dealt out or claimed); "default": the default again (timed in turn
+            # with the others); "cyclic": the default with tiles dealt c, c + ctas, ...
+            # even where the host plans a deal (A.deal_tiles)
+            values = [] if variant in ("default", "cyclic") else \
+                [int(part[len(prefix):]) for part, prefix in zip(variant.split("_"), ("bkv", "s", "pp", "c", "q"))]
             options = dict(zip(("block_kv", "stages", "pingpong", "consumers", "claimed"), values))
+            planned_rounds = A.DEAL_MAX_ROUNDS
+            A._PREPARED.clear()          # prepared calls keep their deal: plan afresh
+            A.DEAL_MAX_ROUNDS = 0 if variant == "cyclic" else planned_rounds
             try:
                 check = torch.full_like(q, float("nan"))
                 mkrt.attention(q, k, v, causal=causal, out=check, lse=lse, **options)
@@ -135,6 +141,9 @@ def main():
             except Exception as error_:          # a configuration that does not fit
                 print(f"  {variant}: {type(error_).__name__}: {str(error_)[:120]}")
                 continue
+            finally:
+                A.DEAL_MAX_ROUNDS = planned_rounds
+                A._PREPARED.clear()
             vrow = record("attention_variants", f"{case}_{variant}", "tflops",
                           problem.flops / variant_ms / 1e9, tflops, "TFLOP/s", ms=variant_ms,
                           variant=variant, max_rel_error=variant_error,

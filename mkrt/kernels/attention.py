@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import heapq
 import math
 
 import numpy as np
@@ -45,18 +46,20 @@ typedef mkrt::attention::Tile Tile;
 typedef mkrt::attention::KeyBlock KeyBlock;
 
 // Every (query block, batch, head) of the problem in this order (mirror: tile_order),
-// dealt out (CTA c: tiles c, c + ctas, ...; the default) or, with CLAIMED, claimed from a
-// counter, so that a CTA that drew light tiles (causal: few keys) takes more: a simulation
-// (tile time = key blocks + 1) put the fixed deal's last round up to 12% over the average
-// at B 4, S 4096, D 64 causal, but on an H100 the claimed build ran 4-9% slower where tiles
-// are even and gained 1% where they are not (attention_deal_e8812cc.log).
+// dealt out (the default) or, with CLAIMED, claimed from a counter. Dealt out: CTA c runs
+// tiles c, c + ctas, ... or, where the host planned a deal for uneven tiles (causal:
+// deal_tiles), row i of `deal` [rounds][ctas] (-1: no more; the last row is all -1). A fixed cyclic deal left the
+// busiest CTA up to 18% over the mean at D 64 causal (CPU simulation, tile time = key
+// blocks + 1); claiming balances at run time, but on an H100 the claimed build ran 4-16%
+// slower where tiles are even (attention_deal_e8812cc.log, pending_device_run_3781840.log).
 // The tiles go in bands of `band` (batch, key head) pairs, so the
 // CTAs running at once read the K/V of a few heads, which stay in L2 (heads fastest over
 // the whole problem made every tile read its K/V from memory: 4 x 4096 x 16 x 128 ran with
 // L2 99% busy). Inside a band: query blocks from the last (the most keys when causal) to
 // the first, then key heads, then the query heads that share a key head.
 struct HeadWork {
-    int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas, band;   // cta, ctas: the fixed deal
+    int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas, band;   // cta, ctas: the deal
+    const int* deal;    // [rounds][ctas] tile positions planned on the host, or null: cyclic
     mkrt::roles::CountedQueue queue;
     mkrt::roles::Ring* ring;
     // $CLAIMED: the spec's choice (AttentionSpec.claimed; can_claim says where it is
@@ -70,6 +73,9 @@ struct HeadWork {
         int t;
         if constexpr (CLAIMED) {
             t = mkrt::roles::claimed_position(queue, ring, i);
+            if (t < 0) return false;
+        } else if (deal != nullptr) {
+            t = __ldg(deal + i * ctas + cta);
             if (t < 0) return false;
         } else {
             t = cta + i * ctas;
@@ -147,25 +153,25 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
                   const __grid_constant__ mkrt::TmaDescriptor tma_k,
                   const __grid_constant__ mkrt::TmaDescriptor tma_v,
                   $CTYPE* out, float* lse, int batches, int heads, int kv_heads, int sq, int sk,
-                  int causal, float scale_log2, int band, mkrt::u64* counter) {
+                  int causal, float scale_log2, int band, mkrt::u64* counter,
+                  const int* deal) {
     extern __shared__ char dynamic_smem[];
     const int q_blocks = (sq + Cfg::BQ - 1) / Cfg::BQ;
     const StoreOutput store{out, lse, sq, heads};
     const int kv_blocks = (sk + Cfg::BKV - 1) / Cfg::BKV;
     if constexpr (HeadWork::CLAIMED) {
-        // the work list in registers: the claimed build that kept it in shared memory
-        // (its consumers reload the fields after every asm memory clobber of their loop)
-        // ran 4-9% slower than the dealt-out one (attention_deal_e8812cc.log); this one is
-        // not yet timed (experiments/pending_device_run.sh)
+        // the work list in registers (the build that kept it in shared memory ran 4-9%
+        // slower than the dealt-out one; this one 11-16%: pending_device_run_3781840.log)
         __shared__ mkrt::roles::Ring ring;
         mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);
         const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
-                            0, 0, band, {counter, q_blocks * batches * heads}, &ring};
+                            0, 0, band, nullptr, {counter, q_blocks * batches * heads}, &ring};
         mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
         mkrt::roles::reset_when_last_out(counter);   // counter = {next tile, CTAs out}: one per stream
     } else {
         const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
-                            (int)blockIdx.x, (int)gridDim.x, band, {nullptr, 0}, nullptr};
+                            (int)blockIdx.x, (int)gridDim.x, band, deal,
+                            {nullptr, 0}, nullptr};
         mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
     }
 }
@@ -341,6 +347,58 @@ def tile_order(problem: AttentionProblem, block_q: int = BLOCK_Q) -> list[tuple[
     return order
 
 
+#: the last rounds of a planned deal (deal_tiles) go heaviest first: light tiles at the end
+#: fill the CTAs' last gaps (CPU simulation: busiest CTA 1.009-1.011 x the mean at the suite's
+#: causal shapes, against 1.046-1.050 sorting only the last round)
+DEAL_SORTED_ROUNDS = 2
+#: above this many rounds of tiles per CTA, deal_tiles leaves the cyclic deal
+DEAL_MAX_ROUNDS = 64
+
+
+def tile_blocks(problem: AttentionProblem, block_q: int, block_kv: int, q_block: int) -> int:
+    """Key blocks a tile visits (HeadWork::get's `tile.blocks`)."""
+    p = problem
+    kv_blocks = -(-p.sk // block_kv)
+    if not p.causal:
+        return kv_blocks
+    last_query = min(p.sq, (q_block + 1) * block_q) - 1
+    return min(kv_blocks, last_query // block_kv + 1)
+
+
+def deal_tiles(problem: AttentionProblem, block_q: int, block_kv: int, ctas: int):
+    """The positions of :func:`tile_order` each CTA runs, as an int32 array [rounds, ctas]
+    (-1: no more; the last row is all -1, where the kernel stops), or None where tiles are even (non-causal: CTA c runs c, c + ctas, ...).
+
+    A CTA's time is modelled as the key blocks of its tiles plus one per tile (Q and the
+    epilogue). The order stays :func:`tile_order`'s (bands of heads whose K/V fit L2),
+    except that the tiles of the last DEAL_SORTED_ROUNDS rounds of work go heaviest
+    first; each tile in turn goes to the CTA that the model frees first (lowest index on
+    ties), which is what claiming from a counter would do, planned once per shape instead
+    of at run time. Also None above DEAL_MAX_ROUNDS rounds of tiles, where the cyclic
+    deal's last round is a small part of the work (and planning would cost the first call
+    seconds of host time)."""
+    if not problem.causal or problem.tiles(block_q) > DEAL_MAX_ROUNDS * ctas:
+        return None
+    order = tile_order(problem, block_q)
+    cost = [tile_blocks(problem, block_q, block_kv, q) + 1 for _, _, q in order]
+    tail_work = DEAL_SORTED_ROUNDS * ctas * sum(cost) / len(cost)
+    cut, work = len(cost), 0
+    while cut > 0 and work + cost[cut - 1] <= tail_work:
+        cut -= 1
+        work += cost[cut]
+    positions = list(range(cut)) + sorted(range(cut, len(cost)), key=lambda t: (-cost[t], t))
+    free = [(0, c) for c in range(ctas)]
+    runs: list[list[int]] = [[] for _ in range(ctas)]
+    for t in positions:
+        time, cta = heapq.heappop(free)
+        runs[cta].append(t)
+        heapq.heappush(free, (time + cost[t], cta))
+    deal = np.full((max(map(len, runs)) + 1, ctas), -1, dtype=np.int32)
+    for cta, tiles in enumerate(runs):
+        deal[:len(tiles), cta] = tiles
+    return deal
+
+
 def check_operands(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, *, causal=False,
                    area: str = "attention") -> AttentionProblem:
     """The problem of valid operand shapes and dtypes; TypeError/ValueError naming the
@@ -417,13 +475,17 @@ class _PreparedAttention:
                              ("batches", np.int32, 4), ("heads", np.int32, 4),
                              ("kv_heads", np.int32, 4), ("sq", np.int32, 4), ("sk", np.int32, 4),
                              ("causal", np.int32, 4), ("scale_log2", np.float32, 4),
-                             ("band", np.int32, 4), ("counter", np.uint64, 8)])
+                             ("band", np.int32, 4), ("counter", np.uint64, 8),
+                             ("deal", np.uint64, 8)])
         p = problem
         params.set(batches=p.batches, heads=p.heads, kv_heads=p.kv_heads, sq=p.sq, sk=p.sk,
                    causal=int(p.causal), scale_log2=scale * _LOG2E, band=p.band)
         function = spec.function("attention_forward", device, spec.smem_bytes)
-        self.launch = KernelLaunch(function, min(p.tiles(spec.block_q), sms), spec.threads,
-                                   spec.smem_bytes, params)
+        ctas = min(p.tiles(spec.block_q), sms)
+        deal = None if spec.claimed else deal_tiles(p, spec.block_q, spec.block_kv, ctas)
+        if deal is not None:
+            params.set(deal=deal_on_device(deal, device))
+        self.launch = KernelLaunch(function, ctas, spec.threads, spec.smem_bytes, params)
         self._out, self._lse = params.view("out"), params.view("lse")
         self._counter = params.view("counter")
         self._maps = None
@@ -441,6 +503,29 @@ class _PreparedAttention:
         self._lse[()] = lse.data.ptr
         if self.spec.claimed:        # dealt-out builds never read it: no lookup per call
             self._counter[()] = tile_counter(self.device, stream_ptr)
+
+
+#: (device, deal bytes) -> the deal on the device. Never freed: a launch captured into a
+#: CUDA graph reads it at every replay, after its prepared call may have been evicted.
+_DEALS: dict = {}
+
+
+def deal_on_device(deal: np.ndarray, device: int) -> int:
+    """Address of a copy of `deal` (int32) on `device`, one per distinct deal."""
+    import cupy
+    key = (device, deal.shape, deal.tobytes())
+    copy = _DEALS.get(key)
+    if copy is None:
+        # on a stream of its own, waited for here: in place before any launch reads it, and
+        # outside a capture that may be under way on the caller's stream (a first call
+        # captured into a CUDA graph)
+        with cupy.cuda.Device(device):
+            upload = cupy.cuda.Stream(non_blocking=True)
+            with upload:
+                copy = cupy.asarray(deal)
+            upload.synchronize()
+            _DEALS[key] = copy
+    return copy.data.ptr
 
 
 #: device -> {stream: tile counter {next tile, CTAs out}} (launcher.stream_workspace):

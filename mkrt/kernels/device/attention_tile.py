@@ -87,12 +87,14 @@ struct Config {
     // setmaxnreg moves registers inside the CTA's launch share (SHARE per thread: 168 at 384
     // threads, 128 at 512): producer + consumers must stay within it, or an increase waits
     // forever. Blocks of more than 128 keys hold more scores (BKV / 2 + BKV / 4 registers
-    // per thread), so the producer gives up more (24, too few to claim tiles); at 128 or
-    // less the ring's producer (its cursor walks the sources where a chunk ends) needs 56
-    // to run without spills. Three consumers get 160.
+    // per thread): at head dim 128 the producer gives up all it can (24, too few to claim
+    // tiles), at 64 (half the output registers) it keeps 32 for the planned deal's lookup.
+    // At 128 keys or less the ring's producer (its cursor walks the sources where a chunk
+    // ends) needs 56 to run without spills. Three consumers get 160, the producer the 32
+    // left (24 spilled with the deal's lookup).
     static constexpr int SHARE = 65536 / THREADS / 8 * 8;
-    static constexpr int PRODUCER_REGISTERS = CONSUMERS == 3 ? 24 : BKV <= 128 ? 56 : 24;
-    static constexpr int CONSUMER_REGISTERS = CONSUMERS == 3 ? 160 : BKV <= 128 ? 224 : 240;
+    static constexpr int PRODUCER_REGISTERS = CONSUMERS == 3 ? 32 : BKV <= 128 ? 56 : D == 64 ? 32 : 24;
+    static constexpr int CONSUMER_REGISTERS = CONSUMERS == 3 ? 160 : BKV <= 128 ? 224 : D == 64 ? 232 : 240;
     static_assert(PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS <= (1 + CONSUMERS) * SHARE,
                   "the register split exceeds the CTA's share");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");

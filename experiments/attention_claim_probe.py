@@ -1,0 +1,124 @@
+"""Why do claimed tiles cost mkrt.attention 4-16% where tiles are even? A probe on one GPU.
+
+Three builds of the default head-dim-128 configuration (128-key blocks, 3 stages,
+pingpong), timed in turns on each shape:
+
+- dealt:   tiles dealt out (CTA c: c, c + ctas, ...), the default;
+- claimed: the producer claims each tile from the counter (atomicAdd) and hands it to the
+           consumers through the shared-memory ring (AttentionSpec(claimed=1));
+- handed:  the claimed build's code with the counter replaced by the fixed deal: the
+           producer "claims" c, c + ctas, ... (no atomic, the same tiles as dealt) and hands
+           them through the same ring.
+
+If handed runs like dealt, the cost is the claims at run time (their order or their
+latency); if it runs like claimed, it is the claimed build's code (the ring, registers).
+The handed build exists only here (a copy of the kernel source with the queue swapped).
+
+    PYTHONPATH=$PWD python3 experiments/attention_claim_probe.py --out experiments/results/attention_claim_probe.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
+from mkrt.jit.render import CudaSource  # noqa: E402
+from mkrt.kernels import attention as A  # noqa: E402
+
+# The fixed deal behind the claimed build's interface: claim() is called by the producer
+# thread only, once per tile, in order, so a counter of its own steps through c, c + ctas, ...
+HANDED_QUEUE = r"""
+struct HandedQueue {
+    mutable int next;
+    int ctas, count;
+};
+// found by argument-dependent lookup from roles::claimed_position (global namespace)
+__device__ __forceinline__ int claim(const HandedQueue& q, int* left_because) {
+    const int position = q.next;
+    q.next += q.ctas;
+    if (position >= q.count) { *left_because = 1; return -1; }
+    return position;
+}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class HandedSpec(A.AttentionSpec):
+    family = "attention_handed"
+
+    def template(self):
+        text = A.ATTENTION.text
+        swaps = [("struct HeadWork {", HANDED_QUEUE + "struct HeadWork {"),
+                 ("    mkrt::roles::CountedQueue queue;", "    HandedQueue queue;"),
+                 ("{counter, q_blocks * batches * heads}",
+                  "{(int)blockIdx.x, (int)gridDim.x, q_blocks * batches * heads}"),
+                 ("{nullptr, 0}, nullptr};", "{0, 0, 0}, nullptr};")]      # the dealt-out branch
+        for old, new in swaps:
+            if old not in text:
+                raise RuntimeError(f"attention_claim_probe: the kernel source changed ({old!r} is gone)")
+            text = text.replace(old, new, 1)
+        return CudaSource(A.ATTENTION.name, text, A.ATTENTION.file, A.ATTENTION.line,
+                          A.ATTENTION.requires, A.ATTENTION.headers)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="4:4096:16:16:128:0,4:12288:16:16:128:0,4:4096:16:16:128:1")
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+
+    import cupy
+    import numpy as np
+
+    from mkrt.kernels.gemm import from_float32
+
+    device = cupy.cuda.Device().id
+    sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+    rows = []
+    for text in args.shapes.split(","):
+        B, S, Hq, Hkv, D, causal = (int(x) for x in text.split(":"))
+        case = f"b{B}_s{S}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
+        rng = cupy.random.default_rng(S + Hq)
+        q, k, v = (from_float32(rng.standard_normal((B, S, h, D), dtype=np.float32), "bf16")
+                   for h in (Hq, Hkv, Hkv))
+        problem = A.check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal=bool(causal))
+        base = dict(dtype="bf16", head_dim=D, block_kv=128, stages=2 if causal else 3, pingpong=1)
+        builds = {"dealt": A.AttentionSpec(**base, claimed=0), "claimed": A.AttentionSpec(**base, claimed=1),
+                  "handed": HandedSpec(**base, claimed=1)}
+        scale = 1.0 / np.sqrt(D)
+        calls = {name: A._PreparedAttention(problem, spec, device, sms, scale) for name, spec in builds.items()}
+        outputs = {}
+        for name, call in calls.items():
+            out = cupy.full((B, S, Hq, D), np.nan, dtype=q.dtype)
+            lse = cupy.empty((B, Hq, S), dtype=np.float32)
+            stream = cupy.cuda.get_current_stream().ptr
+            call.patch(q, k, v, out, lse, stream)
+            call.launch(stream)
+            outputs[name] = (out, lse, stream)
+        cupy.cuda.runtime.deviceSynchronize()
+        same = {name: bool((outputs[name][0] == outputs["dealt"][0]).all()) for name in calls}
+        times = {name: [] for name in calls}
+        for _ in range(args.turns):
+            for name, call in calls.items():
+                times[name].append(batch_ms(lambda: call.launch(outputs[name][2]), iterations=10, repeats=5,
+                                            warmup=3))
+        best = {name: min(t) for name, t in times.items()}
+        line = ", ".join(f"{name} {problem.flops / best[name] / 1e9:.0f}" for name in calls)
+        print(f"{case}: TFLOP/s {line}; outputs equal to dealt: {same}")
+        for name in ("claimed", "handed"):
+            rows.append(record("attention_claim_probe", f"{case}_{name}", "tflops",
+                               problem.flops / best[name] / 1e9, problem.flops / best["dealt"] / 1e9,
+                               "TFLOP/s", baseline_name="dealt", ms=times[name], dealt_ms=times["dealt"],
+                               identical_to_dealt=same[name]))
+    if args.out:
+        append_jsonl(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
