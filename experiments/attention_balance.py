@@ -39,14 +39,16 @@ def loads(shape, ctas=132):
         t, cta = heapq.heappop(free)
         heapq.heappush(free, (t + c, cta))
     mean = sum(cost) / ctas
-    return max(fixed) / mean, max(t for t, _ in free) / mean
+    deal = A.deal_tiles(p, block_q, block_kv, ctas)
+    planned = max(sum(cost[t] for t in deal[:, c] if t >= 0) for c in range(ctas))
+    return max(fixed) / mean, max(t for t, _ in free) / mean, planned / mean
 
 
 def main():
-    print("shape (B S Hq Hkv D block_q block_kv) | fixed deal: busiest / mean | claimed: busiest / mean")
+    print("shape (B S Hq Hkv D block_q block_kv) | busiest CTA / mean: fixed deal | claimed | planned deal")
     for shape in SHAPES:
-        fixed, claimed = loads(shape)
-        print(f"{' '.join(map(str, shape))} | {fixed:.3f} | {claimed:.3f}")
+        fixed, claimed, planned = loads(shape)
+        print(f"{' '.join(map(str, shape))} | {fixed:.3f} | {claimed:.3f} | {planned:.3f}")
 
 
 if __name__ == "__main__":
