@@ -76,6 +76,7 @@ def main():
     import cupy
     import numpy as np
 
+    from mkrt.arrays import bfloat16
     from mkrt.kernels.gemm import from_float32
 
     device = cupy.cuda.Device().id
@@ -85,7 +86,7 @@ def main():
         B, S, Hq, Hkv, D, causal = (int(x) for x in text.split(":"))
         case = f"b{B}_s{S}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
         rng = cupy.random.default_rng(S + Hq)
-        q, k, v = (from_float32(rng.standard_normal((B, S, h, D), dtype=np.float32), "bf16")
+        q, k, v = (from_float32(rng.standard_normal((B, S, h, D), dtype=np.float32), bfloat16)
                    for h in (Hq, Hkv, Hkv))
         problem = A.check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal=bool(causal))
         base = dict(dtype="bf16", head_dim=D, block_kv=128, stages=2 if causal else 3, pingpong=1)
