@@ -631,8 +631,35 @@ def _attention_lines(rows):
 
 
 def _attention_variant_lines(rows):
-    return family_lines(rows, lambda r: f"configuration {r.get('variant')}",
-                        against="of the default configuration's TFLOP/s, same run")
+    turns = ("cyclic", "default")       # the planned deal against the cyclic one, in turns
+    lines = family_lines(rows, lambda r: None if r.get("variant") in turns else f"configuration {r.get('variant')}",
+                         against="of the default configuration's TFLOP/s, same run")
+    return lines + [Line("planned deal", lambda r: r.get("variant") in turns, describe=_planned_deal_text)]
+
+
+def _planned_deal_text(run):
+    """Per causal shape: the planned deal's TFLOP/s over the cyclic deal's, each the mean of
+    its turns (the default row taken first is left out: the clocks drift between turns)."""
+    ratios = []
+    for case in dict.fromkeys(str(r["case"]).rsplit("_", 1)[0] for r in run):
+        mean = {}
+        for variant in ("cyclic", "default"):
+            got = [_number(r["value"]) for r in run if r["case"] == f"{case}_{variant}"]
+            mean[variant] = sum(got) / len(got) if got else None
+        if mean["cyclic"] and mean["default"]:
+            ratios.append(mean["default"] / mean["cyclic"])
+    if not ratios:
+        return "planned deal: no pair of turns recorded"
+    return (f"causal tiles dealt by the plan against the cyclic deal, turn by turn: {span(ratios, 'x')}"
+            f" ({len(ratios)} shapes, geomean {fmt(geomean(ratios))}x)")
+
+
+def _claim_probe_text(run):
+    parts = []
+    for r in run:
+        case, build = str(r["case"]).rsplit("_", 1)
+        parts.append(f"{build} {fmt(_number(r['ratio']))}x ({case})")
+    return "TFLOP/s of tiles dealt out: " + "; ".join(parts)
 
 
 def _ring_lines(rows):
@@ -948,6 +975,10 @@ PIECES = [
     Piece("attention configurations", "other engine configurations (key block, stages, "
           "pingpong) against the default of the same run", "attention_variants",
           _attention_variant_lines),
+    Piece("attention: claimed tiles", "the engine with tiles claimed from a counter, or handed "
+          "through the claimed build's ring in the dealt-out order, against tiles dealt out "
+          "(`experiments/attention_claim_probe.py`)", "attention_claim_probe",
+          _described("claim probe", _claim_probe_text, same_commit=True)),
     Piece("`mkrt.grouped_gemm`", "the GEMM engine over every group's tiles in one launch "
           "(MoE's experts), group offsets from the host or the device; a group's weight too "
           "large for L2 is walked in bands of 8 m-tiles (since `932f011`); the tile by `choose_tile` "
