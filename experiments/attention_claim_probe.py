@@ -57,7 +57,7 @@ class HandedSpec(A.AttentionSpec):
                  ("    mkrt::roles::CountedQueue queue;", "    HandedQueue queue;"),
                  ("{counter, q_blocks * batches * heads}",
                   "{(int)blockIdx.x, (int)gridDim.x, q_blocks * batches * heads}"),
-                 ("{nullptr, 0}, nullptr};", "{0, 0, 0}, nullptr};")]      # the dealt-out branch
+                 ("deal, {nullptr, 0}};", "deal, {0, 0, 0}};")]      # the dealt-out branch
         for old, new in swaps:
             if old not in text:
                 raise RuntimeError(f"attention_claim_probe: the kernel source changed ({old!r} is gone)")

@@ -61,7 +61,6 @@ struct HeadWork {
     int batches, heads, group, q_blocks, kv_blocks, sq, sk, causal, cta, ctas, band;   // cta, ctas: the deal
     const int* deal;    // [rounds][ctas] tile positions planned on the host, or null: cyclic
     mkrt::roles::CountedQueue queue;
-    mkrt::roles::Ring* ring;
     // $CLAIMED: the spec's choice (AttentionSpec.claimed; can_claim says where it is
     // possible: claiming costs registers that three consumer warpgroups, and the
     // producer's 24 above 128-key blocks, do not have).
@@ -69,18 +68,26 @@ struct HeadWork {
     static_assert(!CLAIMED || (Cfg::CONSUMERS == 2 && Cfg::BKV <= 128),
                   "claiming tiles needs two consumer warpgroups and blocks of at most 128 keys "
                   "(registers)");
+    // claimed: the producer's claim (the engine hands it to the consumers)
+    __device__ __forceinline__ int next_position(int) const {
+        int left_because;
+        return claim(queue, &left_because);     // found by argument-dependent lookup
+    }
+    // dealt out: the i-th tile of this CTA
     __device__ __forceinline__ bool get(int i, Tile& tile) const {
         int t;
-        if constexpr (CLAIMED) {
-            t = mkrt::roles::claimed_position(queue, ring, i);
-            if (t < 0) return false;
-        } else if (deal != nullptr) {
+        if (deal != nullptr) {
             t = __ldg(deal + i * ctas + cta);
             if (t < 0) return false;
         } else {
             t = cta + i * ctas;
             if (t >= q_blocks * batches * heads) return false;
         }
+        tile_at(t, tile);
+        return true;
+    }
+    // tile t of the order
+    __device__ __forceinline__ void tile_at(int t, Tile& tile) const {
         const int kv_heads = heads / group;
         const int units = batches * kv_heads;               // (batch, key head) pairs
         const int per_band = q_blocks * band * group;
@@ -100,7 +107,6 @@ struct HeadWork {
         tile.blocks = causal ? min(kv_blocks, last_query / Cfg::BKV + 1) : kv_blocks;
         tile.causal = causal;
         tile.index = t;
-        return true;
     }
     // the tile's key blocks, one after another (the producer and the consumers alike)
     __device__ __forceinline__ KeyBlock first_block(const Tile&) const {
@@ -160,18 +166,13 @@ attention_forward(const __grid_constant__ mkrt::TmaDescriptor tma_q,
     const StoreOutput store{out, lse, sq, heads};
     const int kv_blocks = (sk + Cfg::BKV - 1) / Cfg::BKV;
     if constexpr (HeadWork::CLAIMED) {
-        // the work list in registers (the build that kept it in shared memory ran 4-9%
-        // slower than the dealt-out one; this one 11-16%: pending_device_run_3781840.log)
-        __shared__ mkrt::roles::Ring ring;
-        mkrt::roles::ring_init<Cfg::CONSUMERS>(ring);
         const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
-                            0, 0, band, nullptr, {counter, q_blocks * batches * heads}, &ring};
+                            0, 0, band, nullptr, {counter, q_blocks * batches * heads}};
         mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
         mkrt::roles::reset_when_last_out(counter);   // counter = {next tile, CTAs out}: one per stream
     } else {
         const HeadWork work{batches, heads, heads / kv_heads, q_blocks, kv_blocks, sq, sk, causal,
-                            (int)blockIdx.x, (int)gridDim.x, band, deal,
-                            {nullptr, 0}, nullptr};
+                            (int)blockIdx.x, (int)gridDim.x, band, deal, {nullptr, 0}};
         mkrt::attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, scale_log2, work, store, dynamic_smem);
     }
 }
@@ -246,7 +247,7 @@ class AttentionSpec(KernelSpec):
     def smem_bytes(self) -> int:      # mirrors attention::Config::SMEM_BYTES
         q = self.block_q * self.head_dim * 2
         kv = self.block_kv * self.head_dim * 2
-        return 1024 + q + 2 * self.stages * kv + (2 + 4 * self.stages) * 8
+        return 1024 + q + 2 * self.stages * kv + (2 + 4 * self.stages) * 8 + 8
 
     def template(self):
         return ATTENTION

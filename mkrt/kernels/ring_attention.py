@@ -88,8 +88,7 @@ struct RingWork {
     Layout L;
     u64 epoch;
     Context ctx;
-    roles::CountedQueue queue;  // tile positions claimed this launch
-    roles::Ring* ring;          // passes the producer's claim to the consumers
+    roles::CountedQueue queue;  // tile positions claimed this launch (the engine hands each to the consumers)
     int chunks;                 // chunk flags per gathered block this launch
     u64 row_bytes;              // one row of K (or V): Hkv x D elements
 
@@ -111,11 +110,10 @@ struct RingWork {
         const int last = tile.q_position + tile.q_rows - 1 - kc * chunk;   // diagonal
         return min(kv_blocks, last / Cfg::BKV + 1);
     }
-    __device__ __forceinline__ bool get(int i, Tile& tile) const {
-        const int t = roles::claimed_position(queue, ring, i);
-        if (t < 0) return false;
-        tile_at(t, tile);
-        return true;
+    static constexpr bool CLAIMED = true;
+    __device__ __forceinline__ int next_position(int) const {
+        int left_because;
+        return roles::claim(queue, &left_because);
     }
     // Tile t: in bands of `band` (batch, key head) pairs whose gathered K/V stay in L2
     // together (as mkrt.attention's HeadWork); inside a band by `order`, then key heads,
@@ -272,15 +270,13 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
         const GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
         gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
-        __syncthreads();                 // the role's shared memory is the ring's and the engine's now
+        __syncthreads();                 // the role's shared memory is the engine's now
     }
-    __shared__ roles::Ring ring;
-    roles::ring_init<Cfg::CONSUMERS>(ring);
     const int q_blocks = (a.chunk + Cfg::BQ - 1) / Cfg::BQ;
     const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk, q_blocks,
                         (a.chunk + Cfg::BKV - 1) / Cfg::BKV, a.G, a.N, a.node, a.me, a.causal,
                         a.band, a.flags, L, epoch, ctx,
-                        {a.flags + L.claims(), 2 * q_blocks * a.batches * a.heads}, &ring,
+                        {a.flags + L.claims(), 2 * q_blocks * a.batches * a.heads},
                         gather_chunks(comm_ctas, RING_CHUNKS), row_bytes};
     const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
     attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);

@@ -36,8 +36,15 @@ and LSE = -inf.
 
 Plugging in (what a kernel supplies), as for the GEMM engine:
 
-* a **work list**: ``__device__ bool get(int i, Tile& tile) const`` (the i-th tile of this
-  CTA, false past the end); a cursor over the tile's key blocks,
+* a **work list**: either a fixed deal, ``static constexpr bool CLAIMED = false`` and
+  ``__device__ bool get(int i, Tile& tile) const`` (the i-th tile of this CTA, false past
+  the end), which producer and consumers each call; or tiles claimed at run time,
+  ``CLAIMED = true``, ``__device__ int next_position(int i) const`` (the producer's claim
+  of its i-th tile, -1 past the end) and ``__device__ void tile_at(int position, Tile&)
+  const``: the producer hands each position to the consumers in shared memory beside Q,
+  published by Q's own barrier (no barrier of its own: a ring of claims with its own
+  full/empty barriers cost the engine 15% with the same tiles, experiments/
+  attention_claim_probe.py); a cursor over the tile's key blocks,
   ``__device__ KeyBlock first_block(const Tile&) const`` and ``template <bool PRODUCER>
   __device__ void next_block(const Tile&, KeyBlock&) const`` (O(1) per block: the
   consumers step it in their softmax's loop; producer and consumers walk it
@@ -83,7 +90,8 @@ struct Config {
     static constexpr int KV_BYTES = BKV * D * 2;    // K or V of one stage
     // 1024 of slack to align the tiles (128B swizzle), then barriers: q full/empty,
     // and per stage k full, v full, k empty, v empty.
-    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 4 * STAGES) * 8;
+    // ... and the claimed tile's position (8 bytes, next to the barriers)
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 4 * STAGES) * 8 + 8;
     // setmaxnreg moves registers inside the CTA's launch share (SHARE per thread: 168 at 384
     // threads, 128 at 512): producer + consumers must stay within it, or an increase waits
     // forever. Blocks of more than 128 keys hold more scores (BKV / 2 + BKV / 4 registers
@@ -195,6 +203,7 @@ struct Pipeline {
     u64* v_full;    // [STAGES]
     u64* k_empty;   // [STAGES]: every consumer's scores of the stage's K are done
     u64* v_empty;   // [STAGES]: every consumer's P V of the stage's V is done
+    int* position;  // claimed work lists: the queue position of the tile whose Q is loading (-1: none left)
 
     __device__ __forceinline__ explicit Pipeline(char* dynamic_smem) {
         char* base = reinterpret_cast<char*>(
@@ -208,6 +217,7 @@ struct Pipeline {
         v_full = k_full + Cfg::STAGES;
         k_empty = v_full + Cfg::STAGES;
         v_empty = k_empty + Cfg::STAGES;
+        position = reinterpret_cast<int*>(v_empty + Cfg::STAGES);
     }
     __device__ __forceinline__ char* k_stage(int s) const { return k + s * Cfg::KV_BYTES; }
     __device__ __forceinline__ char* v_stage(int s) const { return v + s * Cfg::KV_BYTES; }
@@ -243,9 +253,21 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
     int stage = 0;
     u32 phase = 0, q_phase = 0;
     Tile tile;
-    for (int i = 0; work.get(i, tile); ++i) {
+    for (int i = 0;; ++i) {
+        int position = 0;
+        if constexpr (Work::CLAIMED) {
+            position = work.next_position(i);
+            if (position >= 0) work.tile_at(position, tile);
+        } else if (!work.get(i, tile)) {
+            break;
+        }
         mbarrier_wait(pipe.q_empty, q_phase ^ 1);
         q_phase ^= 1;
+        if constexpr (Work::CLAIMED) {
+            // the position goes out with Q's barrier: the consumers read it once Q is in
+            *pipe.position = position;
+            if (position < 0) { mbarrier_arrive(pipe.q_full); break; }
+        }
         mbarrier_arrive_expect_tx(pipe.q_full, Cfg::Q_BYTES);
         #pragma unroll
         for (int c = 0; c < Cfg::CHUNKS; ++c)
@@ -510,9 +532,22 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaD
         int stage = 0;
         u32 phase = 0, q_phase = 0;
         Tile tile;
-        for (int i = 0; work.get(i, tile); ++i) {
-            consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase);
-            epilogue(tile, state, who);
+        if constexpr (Work::CLAIMED) {
+            while (true) {
+                // the producer's claim arrives with the tile's Q (consume_tile's own wait
+                // for Q then finds the phase complete)
+                mbarrier_wait(pipe.q_full, q_phase);
+                const int position = *pipe.position;
+                if (position < 0) break;
+                work.tile_at(position, tile);
+                consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase);
+                epilogue(tile, state, who);
+            }
+        } else {
+            for (int i = 0; work.get(i, tile); ++i) {
+                consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase);
+                epilogue(tile, state, who);
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 """Tiles handed out at run time: a CTA's producer claims the next position of a queue (one
 counter word, or the controller's board in roles.py) and passes it to its consumer
-warpgroups through a small ring in shared memory. Which CTA runs a tile does not change
+warpgroups through a small ring in shared memory. (The attention engine hands
+its claims over with Q's barrier instead: attention_tile.py.) Which CTA runs a tile does not change
 what the tile computes, so results stay bit-identical; the CTAs that finish early take
 more tiles, which balances uneven tiles (causal attention) better than a fixed deal."""
 
