@@ -976,7 +976,7 @@ PIECES = [
           "pingpong) against the default of the same run", "attention_variants",
           _attention_variant_lines),
     Piece("attention: claimed tiles", "the engine with tiles claimed from a counter, or handed "
-          "through the claimed build's ring in the dealt-out order, against tiles dealt out "
+          "over as the claimed build does but in the dealt-out order, against tiles dealt out "
           "(`experiments/attention_claim_probe.py`)", "attention_claim_probe",
           _described("claim probe", _claim_probe_text, same_commit=True)),
     Piece("`mkrt.grouped_gemm`", "the GEMM engine over every group's tiles in one launch "
