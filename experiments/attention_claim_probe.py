@@ -11,7 +11,9 @@ pingpong), timed in turns on each shape:
            them through the same ring.
 
 If handed runs like dealt, the cost is the claims at run time (their order or their
-latency); if it runs like claimed, it is the claimed build's code (the ring, registers).
+latency); if it runs like claimed, it is the claimed build's code. Two bisections of that
+code: handed_noreset (no counter reset by the last CTA out) and handed_dc (the producer
+hands over as claimed builds do, the consumers walk the dealt-out list themselves).
 The handed build exists only here (a copy of the kernel source with the queue swapped).
 
     PYTHONPATH=$PWD python3 experiments/attention_claim_probe.py --out experiments/results/attention_claim_probe.jsonl
@@ -66,6 +68,46 @@ class HandedSpec(A.AttentionSpec):
                           A.ATTENTION.requires, A.ATTENTION.headers)
 
 
+@dataclasses.dataclass(frozen=True)
+class HandedNoResetSpec(HandedSpec):
+    """handed, without the counter's reset by the last CTA out (a __syncthreads and an
+    atomic at the end of every CTA; the handed order needs no counter)."""
+    family = "attention_handed_noreset"
+
+    def template(self):
+        source = super().template()
+        old = "        mkrt::roles::reset_when_last_out(counter);"
+        if old not in source.text:
+            raise RuntimeError("attention_claim_probe: the kernel source changed (no reset)")
+        return dataclasses.replace(source, text=source.text.replace(old, "", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class HandedDealtConsumersSpec(HandedSpec):
+    """handed on the producer's side only: the consumers walk the dealt-out list
+    themselves (the same tiles, since handed is the dealt-out order), never reading the
+    handed position; the producer still claims, decodes and publishes each tile."""
+    family = "attention_handed_dc"
+
+    def template(self):
+        source = super().template()
+        old = "0, 0, band, nullptr, {(int)blockIdx.x"      # the claimed branch's cta, ctas for get()
+        if old not in source.text:
+            raise RuntimeError("attention_claim_probe: the kernel source changed (claimed work list)")
+        return dataclasses.replace(source, text=source.text.replace(
+            old, "(int)blockIdx.x, (int)gridDim.x, band, nullptr, {(int)blockIdx.x", 1))
+
+    def render(self):
+        text = super().render()
+        old = "        if constexpr (Work::CLAIMED) {\n            while (true) {"
+        if old not in text:
+            raise RuntimeError("attention_claim_probe: the engine's consumer loop changed")
+        return text.replace(old, "        if constexpr (false) {\n            while (true) {", 1)
+
+
+BUILDS = ("dealt", "claimed", "handed", "handed_noreset", "handed_dc")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4:4096:16:16:128:0,4:12288:16:16:128:0,4:4096:16:16:128:1")
@@ -91,7 +133,8 @@ def main():
         problem = A.check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal=bool(causal))
         base = dict(dtype="bf16", head_dim=D, block_kv=128, stages=2 if causal else 3, pingpong=1)
         builds = {"dealt": A.AttentionSpec(**base, claimed=0), "claimed": A.AttentionSpec(**base, claimed=1),
-                  "handed": HandedSpec(**base, claimed=1)}
+                  "handed": HandedSpec(**base, claimed=1), "handed_noreset": HandedNoResetSpec(**base, claimed=1),
+                  "handed_dc": HandedDealtConsumersSpec(**base, claimed=1)}
         scale = 1.0 / np.sqrt(D)
         calls = {name: A._PreparedAttention(problem, spec, device, sms, scale) for name, spec in builds.items()}
         outputs = {}
@@ -112,7 +155,7 @@ def main():
         best = {name: min(t) for name, t in times.items()}
         line = ", ".join(f"{name} {problem.flops / best[name] / 1e9:.0f}" for name in calls)
         print(f"{case}: TFLOP/s {line}; outputs equal to dealt: {same}")
-        for name in ("claimed", "handed"):
+        for name in BUILDS[1:]:
             rows.append(record("attention_claim_probe", f"{case}_{name}", "tflops",
                                problem.flops / best[name] / 1e9, problem.flops / best["dealt"] / 1e9,
                                "TFLOP/s", baseline_name="dealt", ms=times[name], dealt_ms=times["dealt"],
