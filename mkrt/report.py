@@ -655,11 +655,19 @@ def _planned_deal_text(run):
 
 
 def _claim_probe_text(run):
-    parts = []
+    """Per build, its TFLOP/s over the dealt-out build's across the probe's shapes."""
+    builds = ("handed_noreset", "handed_dc", "handed", "claimed")     # longest suffix first
+    ratios: dict = {}
     for r in run:
-        case, build = str(r["case"]).rsplit("_", 1)
-        parts.append(f"{build} {fmt(_number(r['ratio']))}x ({case})")
-    return "TFLOP/s of tiles dealt out: " + "; ".join(parts)
+        build = next((b for b in builds if str(r["case"]).endswith("_" + b)), None)
+        if build is not None and _number(r.get("ratio")) is not None:
+            ratios.setdefault(build, []).append(_number(r["ratio"]))
+    words = {"claimed": "claimed", "handed": "handed (dealt-out tiles, claimed code)",
+             "handed_noreset": "handed without the counter reset",
+             "handed_dc": "handed by the producer, consumers on the dealt-out list"}
+    parts = [f"{words[b]} {span(ratios[b], 'x')}" for b in reversed(builds) if b in ratios]
+    shapes = len({str(r["case"]) for r in run}) // max(1, len(ratios))
+    return f"of tiles dealt out, {shapes} shapes in turns: " + "; ".join(parts)
 
 
 def _ring_lines(rows):
