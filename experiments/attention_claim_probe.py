@@ -1,14 +1,14 @@
 """Why do claimed tiles cost mkrt.attention 4-16% where tiles are even? A probe on one GPU.
 
-Three builds of the default head-dim-128 configuration (128-key blocks, 3 stages,
-pingpong), timed in turns on each shape:
+Builds of the default head-dim-128 configuration (128-key blocks, 3 stages, pingpong),
+timed in rounds that each start one build further on (mkrt.bench.interleaved_ms):
 
 - dealt:   tiles dealt out (CTA c: c, c + ctas, ...), the default;
 - claimed: the producer claims each tile from the counter (atomicAdd) and hands it to the
-           consumers through the shared-memory ring (AttentionSpec(claimed=1));
+           consumers (AttentionSpec(claimed=1));
 - handed:  the claimed build's code with the counter replaced by the fixed deal: the
            producer "claims" c, c + ctas, ... (no atomic, the same tiles as dealt) and hands
-           them through the same ring.
+           them over the same way.
 
 If handed runs like dealt, the cost is the claims at run time (their order or their
 latency); if it runs like claimed, it is the claimed build's code. Two bisections of that
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
+from mkrt.bench import append_jsonl, interleaved_ms, record  # noqa: E402
 from mkrt.jit.render import CudaSource  # noqa: E402
 from mkrt.kernels import attention as A  # noqa: E402
 
@@ -111,7 +111,7 @@ BUILDS = ("dealt", "claimed", "handed", "handed_noreset", "handed_dc")
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4:4096:16:16:128:0,4:12288:16:16:128:0,4:4096:16:16:128:1")
-    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=2, help="rounds per build (each build leads some)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 
@@ -147,12 +147,13 @@ def main():
             outputs[name] = (out, lse, stream)
         cupy.cuda.runtime.deviceSynchronize()
         same = {name: bool((outputs[name][0] == outputs["dealt"][0]).all()) for name in calls}
-        times = {name: [] for name in calls}
-        for _ in range(args.turns):
-            for name, call in calls.items():
-                times[name].append(batch_ms(lambda: call.launch(outputs[name][2]), iterations=10, repeats=5,
-                                            warmup=3))
-        best = {name: min(t) for name, t in times.items()}
+        # in rounds, each starting one build further on (clocks drift under load: a build
+        # always timed first would be favoured; the probe of ddf93e3-0f477b1 timed them
+        # in a fixed order, dealt first)
+        best = interleaved_ms({name: (lambda call=call, name=name: call.launch(outputs[name][2]))
+                               for name, call in calls.items()},
+                              iterations=10, rounds=args.turns * len(calls), warmup=3)
+        times = best
         line = ", ".join(f"{name} {problem.flops / best[name] / 1e9:.0f}" for name in calls)
         print(f"{case}: TFLOP/s {line}; outputs equal to dealt: {same}")
         for name in BUILDS[1:]:
