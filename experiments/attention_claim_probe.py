@@ -160,6 +160,7 @@ def main():
             rows.append(record("attention_claim_probe", f"{case}_{name}", "tflops",
                                problem.flops / best[name] / 1e9, problem.flops / best["dealt"] / 1e9,
                                "TFLOP/s", baseline_name="dealt", ms=times[name], dealt_ms=times["dealt"],
+                               timing="interleaved_ms medians",
                                identical_to_dealt=same[name]))
     if args.out:
         append_jsonl(args.out, rows)

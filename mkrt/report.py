@@ -667,7 +667,9 @@ def _claim_probe_text(run):
              "handed_dc": "handed by the producer, consumers on the dealt-out list"}
     parts = [f"{words[b]} {span(ratios[b], 'x')}" for b in reversed(builds) if b in ratios]
     shapes = len({str(r["case"]) for r in run}) // max(1, len(ratios))
-    return f"of tiles dealt out, {shapes} shapes in turns: " + "; ".join(parts)
+    order = "in rotating rounds" if "interleaved" in str(run[0].get("timing", "")) else "in turns"
+    return (f"of tiles dealt out (causal: the planned deal; handed builds deal cyclically), "
+            f"{shapes} shapes {order}: " + "; ".join(parts))
 
 
 def _ring_lines(rows):
