@@ -48,10 +48,11 @@ typedef mkrt::attention::KeyBlock KeyBlock;
 // Every (query block, batch, head) of the problem in this order (mirror: tile_order),
 // dealt out (the default) or, with CLAIMED, claimed from a counter. Dealt out: CTA c runs
 // tiles c, c + ctas, ... or, where the host planned a deal for uneven tiles (causal:
-// deal_tiles), row i of `deal` [rounds][ctas] (-1: no more; the last row is all -1). A fixed cyclic deal left the
-// busiest CTA up to 18% over the mean at D 64 causal (CPU simulation, tile time = key
-// blocks + 1); claiming balances at run time, but on an H100 the claimed build ran 4-16%
-// slower where tiles are even (attention_deal_e8812cc.log, pending_device_run_3781840.log).
+// deal_tiles), row i of `deal` [rounds][ctas] (-1: no more; the last row is all -1).
+// A fixed cyclic deal left the busiest CTA up to 18% over the mean at D 64 causal (CPU
+// simulation, tile time = key blocks + 1); claiming balances at run time, but on an H100
+// the claimed build ran about 5% slower where tiles are even (claim_bisect_6885d2f.log),
+// and the planned deal gained 2-15% over the cyclic one (planned_deal_ddf93e3.log).
 // The tiles go in bands of `band` (batch, key head) pairs, so the
 // CTAs running at once read the K/V of a few heads, which stay in L2 (heads fastest over
 // the whole problem made every tile read its K/V from memory: 4 x 4096 x 16 x 128 ran with
@@ -274,9 +275,10 @@ def default_spec(dtype: str, head_dim: int, causal: bool = False) -> AttentionSp
     causal: 128-key blocks in 2 stages with pingpong (544, 557 and 570: 0.996, 0.97, 1.02x),
     whose shorter rows gain less from a third stage.
 
-    Tiles dealt out (claimed=0): claiming them from a counter ran 4-9% slower at head dim
-    128 on even tiles and gained at most 1% on causal ones, both builds in turns on each
-    shape (attention_deal_e8812cc.log). At head dim 64: three consumer warpgroups (192
+    Tiles dealt out (claimed=0), causal ones by a deal planned on the host (deal_tiles):
+    claiming them from a counter ran about 5% slower at head dim 128 on even tiles
+    (claim_bisect_6885d2f.log, rotating rounds), and the planned deal ran 1.02-1.15x the
+    cyclic one on causal shapes (planned_deal_ddf93e3.log). At head dim 64: three consumer warpgroups (192
     query rows per tile; 128-key blocks, 3 stages, pingpong), 1.18x the two-consumer
     192-key build non-causal at S 4096, 1.01 and 1.03x causal (same log)."""
     if head_dim == 128:

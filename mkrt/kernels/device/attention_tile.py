@@ -42,9 +42,9 @@ Plugging in (what a kernel supplies), as for the GEMM engine:
   ``CLAIMED = true``, ``__device__ int next_position(int i) const`` (the producer's claim
   of its i-th tile, -1 past the end) and ``__device__ void tile_at(int position, Tile&)
   const``: the producer hands each position to the consumers in shared memory beside Q,
-  published by Q's own barrier (no barrier of its own). Claimed builds run 5-13% slower
-  than dealt-out ones even with the dealt-out tiles, with this hand-over or with a ring of
-  claims (experiments/attention_claim_probe.py; cause unknown); a cursor over the tile's key blocks,
+  published by Q's own barrier (no barrier of its own). Claimed builds run about 5%
+  slower than dealt-out ones on even tiles, even with the dealt-out tiles
+  (experiments/attention_claim_probe.py); a cursor over the tile's key blocks,
   ``__device__ KeyBlock first_block(const Tile&) const`` and ``template <bool PRODUCER>
   __device__ void next_block(const Tile&, KeyBlock&) const`` (O(1) per block: the
   consumers step it in their softmax's loop; producer and consumers walk it
