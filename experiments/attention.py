@@ -2,9 +2,11 @@
 
 For each shape ([B, S, Hq, D] queries, Hkv key/value heads, causal or not): checks
 mkrt's output against torch's (cuDNN when it runs, else the math backend on small
-shapes) and the float32 reference on small shapes, then times mkrt and torch's cuDNN,
-flash and memory-efficient backends with CUDA events (warm-up, median of --repeats
-batches of --iterations calls). TFLOP/s count 4 B Hq Sq Sk D (the visible half when
+shapes) and the float32 reference on small shapes, then times mkrt, torch's cuDNN,
+flash and memory-efficient backends and any --variants with CUDA events in rotating
+rounds (mkrt.bench.interleaved_ms: warm-up, then per round one batch of --iterations
+calls of each, each round starting one further on; medians over at least --repeats
+rounds), so that clock drift under load favours none of them. TFLOP/s count 4 B Hq Sq Sk D (the visible half when
 causal). One row per shape: mkrt's TFLOP/s against the best torch backend, every
 backend's figure in the row.
 
@@ -17,6 +19,7 @@ causal and not), Llama-3 70B GQA (Hq 64, Hkv 8, causal), D 64, and odd lengths.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from mkrt.arrays import bfloat16  # noqa: E402
-from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
+from mkrt.bench import append_jsonl, interleaved_ms, record  # noqa: E402
 
 # (B, S, Hq, Hkv, D, causal)
 SUITE = [(4, s, 16, 16, 128, c) for s in (768, 1536, 3072, 4096, 6144, 12288) for c in (False, True)]
@@ -59,6 +62,54 @@ def shapes(text, suite=None):
         b, s, hq, hkv, d, c = item.split(":")
         out.append((int(b), int(s), int(hq), int(hkv), int(d), c in ("1", "True", "causal")))
     return out
+
+
+def repeated(call, count: int, context=None):
+    """`count` back-to-back calls of `call` (inside `context()` if given, entered once: a
+    torch backend's selection costs host time that a model pays once, not per call)."""
+    def run():
+        with (context() if context is not None else contextlib.nullcontext()):
+            for _ in range(count):
+                call()
+    return run
+
+
+def variant_call(variant: str, q, k, v, causal: bool, out, lse):
+    """One call of mkrt.attention in another configuration: bkv128_s3_pp1, optionally _c3
+    (three consumer warpgroups), then _q0 or _q1 (tiles dealt out or claimed);
+    "default": the default configuration (a second copy in the rounds); "cyclic": the
+    default with causal tiles dealt c, c + ctas, ... instead of by the host's plan
+    (A.deal_tiles), prepared apart from the default's signature."""
+    import torch
+
+    import mkrt
+    from mkrt.arrays import TorchView
+    from mkrt.cuda import device_sm_count
+    from mkrt.kernels import attention as A
+
+    if variant == "default":
+        return lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse)
+    if variant == "cyclic":
+        problem = A.check_operands(q.shape, k.shape, v.shape, *(TorchView(x, n).dtype for x, n in
+                                   ((q, "q"), (k, "k"), (v, "v"))), causal=causal)
+        spec = A.default_spec(problem.dtype, problem.head_dim, causal)
+        planned = A.DEAL_MAX_ROUNDS
+        A.DEAL_MAX_ROUNDS = 0
+        try:
+            call = A._PreparedAttention(problem, spec, q.device.index, device_sm_count(q.device.index),
+                                        1.0 / math.sqrt(problem.head_dim))
+        finally:
+            A.DEAL_MAX_ROUNDS = planned
+        views = [TorchView(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+
+        def run():
+            stream = torch.cuda.current_stream().cuda_stream
+            call.patch(*views, stream)
+            call.launch(stream)
+        return run
+    values = [int(part[len(prefix):]) for part, prefix in zip(variant.split("_"), ("bkv", "s", "pp", "c", "q"))]
+    options = dict(zip(("block_kv", "stages", "pingpong", "consumers", "claimed"), values))
+    return lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse, **options)
 
 
 def main():
@@ -108,45 +159,44 @@ def main():
             error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
         finite = bool(torch.isfinite(out).all().item())
         ok = finite and error is not None and error < 2e-2
-        ms = batch_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse),
-                     iterations=args.iterations, repeats=args.repeats, warmup=args.warmup)
-        tflops = problem.flops / ms / 1e9
-        theirs = {}
+        # every build and backend below is timed in rotating rounds (interleaved_ms): this
+        # GPU's clocks drift down under sustained load, so whatever is timed first gains
+        # (until 6885d2f mkrt was timed first, then each torch backend, then the variants)
+        calls = {"mkrt": repeated(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse),
+                                  args.iterations)}
         for name, backend in backends.items():
             try:
                 with sdpa_kernel(backend):
-                    theirs[name] = problem.flops / batch_ms(sdpa, iterations=args.iterations,
-                                                           repeats=args.repeats, warmup=args.warmup) / 1e9
+                    sdpa()
+                calls[name] = repeated(sdpa, args.iterations, lambda backend=backend: sdpa_kernel(backend))
             except RuntimeError:
-                theirs[name] = None
+                pass
+        variant_errors = {}
         for variant in filter(None, args.variants.split(",")):
-            # bkv128_s3_pp1, optionally _c3 (three consumer warpgroups), then _q0 or _q1
-            # (tiles dealt out or claimed); "default": the default again (timed in turn
-            # with the others); "cyclic": the default with tiles dealt c, c + ctas, ...
-            # even where the host plans a deal (A.deal_tiles)
-            values = [] if variant in ("default", "cyclic") else \
-                [int(part[len(prefix):]) for part, prefix in zip(variant.split("_"), ("bkv", "s", "pp", "c", "q"))]
-            options = dict(zip(("block_kv", "stages", "pingpong", "consumers", "claimed"), values))
-            planned_rounds = A.DEAL_MAX_ROUNDS
-            A._PREPARED.clear()          # prepared calls keep their deal: plan afresh
-            A.DEAL_MAX_ROUNDS = 0 if variant == "cyclic" else planned_rounds
+            if variant in calls:        # "default" or "cyclic" twice: each timed once, in the rounds
+                continue
             try:
                 check = torch.full_like(q, float("nan"))
-                mkrt.attention(q, k, v, causal=causal, out=check, lse=lse, **options)
-                variant_error = ((check.float() - expected).abs().max() / expected.abs().max()).item() \
+                run = variant_call(variant, q, k, v, causal, check, lse)
+                run()
+                variant_errors[variant] = ((check.float() - expected).abs().max() / expected.abs().max()).item() \
                     if expected is not None else None
-                variant_ms = batch_ms(lambda: mkrt.attention(q, k, v, causal=causal, out=out, lse=lse,
-                                                            **options),
-                                     iterations=args.iterations, repeats=args.repeats, warmup=args.warmup)
+                run = variant_call(variant, q, k, v, causal, out, lse)
             except Exception as error_:          # a configuration that does not fit
                 print(f"  {variant}: {type(error_).__name__}: {str(error_)[:120]}")
                 continue
-            finally:
-                A.DEAL_MAX_ROUNDS = planned_rounds
-                A._PREPARED.clear()
+            calls[variant] = repeated(run, args.iterations)
+        rounds = max(args.repeats, len(calls))      # every call leads at least one round
+        ms_of = {name: t / args.iterations for name, t in
+                 interleaved_ms(calls, iterations=1, rounds=rounds, warmup=args.warmup).items()}
+        ms = ms_of["mkrt"]
+        tflops = problem.flops / ms / 1e9
+        theirs = {name: (problem.flops / ms_of[name] / 1e9 if name in ms_of else None) for name in backends}
+        for variant, variant_error in variant_errors.items():
+            variant_ms = ms_of[variant]
             vrow = record("attention_variants", f"{case}_{variant}", "tflops",
                           problem.flops / variant_ms / 1e9, tflops, "TFLOP/s", ms=variant_ms,
-                          variant=variant, max_rel_error=variant_error,
+                          variant=variant, max_rel_error=variant_error, timing="interleaved_ms medians",
                           correct=variant_error is not None and variant_error < 2e-2)
             print(f"  {variant}: {vrow['value']:.0f} TFLOP/s ({vrow['ratio']:.3f}x default) "
                   f"err {variant_error}")
@@ -157,7 +207,7 @@ def main():
         row = record("attention", case, "tflops", tflops, best, "TFLOP/s", ms=ms,
                      best_backend=best_name, backends=theirs, correct=ok, max_rel_error=error,
                      checked_against=checked_by, torch=torch.__version__, dtype=args.dtype,
-                     causal=causal)
+                     causal=causal, timing="interleaved_ms medians")
         rows.append(row)
         cells = " | ".join("-" if t is None else f"{t:.0f}" for t in theirs.values())
         ratio = f"{row['ratio']:.3f}" if row["ratio"] else "-"
