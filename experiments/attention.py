@@ -19,7 +19,6 @@ causal and not), Llama-3 70B GQA (Hq 64, Hkv 8, causal), D 64, and odd lengths.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from mkrt.arrays import bfloat16  # noqa: E402
-from mkrt.bench import append_jsonl, interleaved_ms, record  # noqa: E402
+from mkrt.bench import append_jsonl, interleaved_ms, record, repeated  # noqa: E402
 
 # (B, S, Hq, Hkv, D, causal)
 SUITE = [(4, s, 16, 16, 128, c) for s in (768, 1536, 3072, 4096, 6144, 12288) for c in (False, True)]
@@ -62,16 +61,6 @@ def shapes(text, suite=None):
         b, s, hq, hkv, d, c = item.split(":")
         out.append((int(b), int(s), int(hq), int(hkv), int(d), c in ("1", "True", "causal")))
     return out
-
-
-def repeated(call, count: int, context=None):
-    """`count` back-to-back calls of `call` (inside `context()` if given, entered once: a
-    torch backend's selection costs host time that a model pays once, not per call)."""
-    def run():
-        with (context() if context is not None else contextlib.nullcontext()):
-            for _ in range(count):
-                call()
-    return run
 
 
 def variant_call(variant: str, q, k, v, causal: bool, out, lse):

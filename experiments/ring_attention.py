@@ -1,7 +1,8 @@
 """Ring attention on an emulated world on one GPU, against its baselines in the same run.
 
 For each shape (B, sequence per rank, Hq, Hkv, D, causal) and layout, the whole world's
-call is timed on the caller's stream (CUDA events, warm-up, median):
+call is timed on the caller's stream (CUDA events, warm-up, medians over rounds in which
+every variant below takes a turn, each round starting one further on: mkrt.bench.interleaved_ms):
 
 * ``ring``: mkrt.RingAttention (one persistent kernel per rank);
 * ``(a) allgather+sdpa``: mkrt.allgather of K and V, each rank's K/V put back in sequence
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.attention import shapes  # noqa: E402
-from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
+from mkrt.bench import append_jsonl, interleaved_ms, record, repeated  # noqa: E402
 
 # (B, rows per rank, Hq, Hkv, D, causal): the reference's sweep and Llama-3 70B GQA
 SUITE = [(4, s, 16, 16, 128, c) for s in (768, 3072, 6144, 12288) for c in (False, True)]
@@ -122,7 +123,7 @@ def main():
 
             # correctness of this run's rings against the engine on the whole sequence
             whole, _ = mkrt.attention(q, k, v, causal=causal)
-            errors, ring_ms = {}, {}
+            errors = {}
             for name, op in ops.items():
                 if name[1] == "whole":           # read when the op first sees this shape
                     op.band = A.kv_band(B, Hkv, D, S, share=1)
@@ -133,10 +134,10 @@ def main():
                 got = RA.unshard(outs, causal=causal).astype(cupy.float32)
                 errors[name] = float(cupy.abs(got - whole.astype(cupy.float32)).max()
                                      / cupy.abs(whole.astype(cupy.float32)).max())
-                ring_ms[name] = batch_ms(lambda: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
-                                         iterations=args.iterations, repeats=args.repeats)
-            floor_ms = batch_ms(lambda: mkrt.attention(q, k, v, causal=causal),
-                               iterations=args.iterations, repeats=args.repeats)
+            # timed below, every ring, the floor and the baselines in rotating rounds
+            calls = {("ring", *name): repeated(lambda op=op: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                                               args.iterations) for name, op in ops.items()}
+            calls["floor"] = repeated(lambda: mkrt.attention(q, k, v, causal=causal), args.iterations)
 
             # (a): gather K and V, each rank's copy back in sequence order, SDPA per chunk
             order = [i for r in range(W) for i in R.chunks_of(r, W, causal)]   # gathered chunk -> seq chunk
@@ -189,15 +190,22 @@ def main():
                                 o_acc = (o_acc * cupy.moveaxis(w1 / total, 1, 2)[..., None]
                                          + o * cupy.moveaxis(w2 / total, 1, 2)[..., None])
                                 lse_acc = top + cupy.log(total)
-            per_step_ms = batch_ms(per_step, iterations=args.iterations, repeats=args.repeats)
-            theirs = {}
+            calls["per_step"] = repeated(per_step, args.iterations)
             for name, backend in backends.items():
                 try:
                     with sdpa_kernel(backend):
-                        theirs[name] = batch_ms(lambda: baseline(backend), iterations=args.iterations,
-                                               repeats=args.repeats)
+                        baseline(backend)
+                    calls[name] = repeated(lambda backend=backend: baseline(backend), args.iterations,
+                                           lambda backend=backend: sdpa_kernel(backend))
                 except RuntimeError:
-                    theirs[name] = None
+                    pass
+            # rotating rounds (interleaved_ms): this GPU's clocks drift down under load, so
+            # whatever is timed first gains (until 6885d2f the rings were timed first)
+            ms_of = {key: t / args.iterations for key, t in interleaved_ms(
+                calls, iterations=1, rounds=max(args.repeats, len(calls)), warmup=1).items()}
+            ring_ms = {name: ms_of[("ring", *name)] for name in ops}
+            floor_ms, per_step_ms = ms_of["floor"], ms_of["per_step"]
+            theirs = {name: ms_of.get(name) for name in backends}
             best = min((t for t in theirs.values() if t), default=None)
             for name, op in ops.items():
                 ring_tflops = flops / ring_ms[name] / 1e9
@@ -214,7 +222,8 @@ def main():
                              max_rel_error=error, correct=error < 2e-2, layout=layout,
                              rows=rows, causal=causal, ctas=op.split()[0], comm_ctas=op.split()[1],
                              band=op.band_for(problem_of_rank, world.local[0].rank),
-                             note="emulated ranks share one GPU: aggregate throughput")
+                             note="emulated ranks share one GPU: aggregate throughput",
+                             timing="interleaved_ms medians")
                 print(f"{label}: ring {ring_tflops:.0f} TFLOP/s (comm {op.split()[1]} of "
                       f"{op.split()[0]}, band {row['band']}), (a) "
                       f"{'-' if not best else f'{flops / best / 1e9:.0f}'} "

@@ -80,6 +80,19 @@ def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
     return {name: median(values) for name, values in samples.items()}
 
 
+def repeated(call, count: int, context=None):
+    """A call of `count` back-to-back calls of `call`, inside ``context()`` if given, entered
+    once (a torch SDPA backend's selection costs host time a model pays once, not per
+    call): time it with ``interleaved_ms(..., iterations=1)`` and divide by `count`."""
+    import contextlib
+
+    def run():
+        with (context() if context is not None else contextlib.nullcontext()):
+            for _ in range(count):
+                call()
+    return run
+
+
 def median_ms(call, **kwargs) -> float:
     return median(time_calls(call, **kwargs))
 
