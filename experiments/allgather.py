@@ -47,7 +47,7 @@ def main() -> int:
     import numpy as np
 
     import mkrt
-    from mkrt.bench import append_jsonl, median_ms, record
+    from mkrt.bench import append_jsonl, interleaved_ms, record
 
     records = []
     print(f"{'layout':>6} {'group':>5} {'MiB/rank':>9} {'allgather us':>13} {'GB/s':>8} "
@@ -68,13 +68,6 @@ def main() -> int:
             for info, out in zip(world.local, outputs):
                 ranks = range(world.size) if args.group == "world" else world.node_ranks(info.node)
                 ok &= all(bool(cupy.array_equal(out[i], inputs[r])) for i, r in enumerate(ranks))
-            ms = median_ms(lambda: op(inputs, out=outputs), iters=args.iters)
-            world.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                op(inputs, out=outputs)
-            host_us = (time.perf_counter() - start) / args.iters * 1e6
-            world.synchronize()
             received = outputs[0].nbytes                 # what each rank receives
             written = received * len(outputs)            # what every rank receives, together
             source = cupy.empty(written, np.uint8)
@@ -84,7 +77,17 @@ def main() -> int:
             def memcpy():
                 cupy.cuda.runtime.memcpyAsync(target.data.ptr, source.data.ptr, written, kind,
                                               cupy.cuda.get_current_stream().ptr)
-            base_ms = median_ms(memcpy, iters=args.iters)
+            # rotating rounds (interleaved_ms): clocks drift under load, and until
+            # 6885d2f-era commits the op was always timed before the copy
+            ms_of = interleaved_ms({"op": lambda: op(inputs, out=outputs), "memcpy": memcpy},
+                                   iterations=max(1, args.iters // 5), rounds=5, warmup=5)
+            ms, base_ms = ms_of["op"], ms_of["memcpy"]
+            world.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                op(inputs, out=outputs)
+            host_us = (time.perf_counter() - start) / args.iters * 1e6
+            world.synchronize()
             del source, target
             gbps, base_gbps = written / ms / 1e6, written / base_ms / 1e6
             bound = 2 * N * G / (N * (G + 3) if N > 1 else G + 1)
@@ -98,6 +101,7 @@ def main() -> int:
                 setup=f"emulated {layout} world on one GPU: all ranks share its HBM; nodes talk "
                       "through the proxy's ce copies",
                 mib_per_rank=mib, bytes_received_per_rank=received, bytes_received_all_ranks=written,
+                timing="interleaved_ms medians",
                 time_us=ms * 1e3, host_us_per_call=host_us, baseline_time_us=base_ms * 1e3,
                 hbm_bound_ratio=bound, correct=ok,
                 baseline_name="cudaMemcpyAsync D2D of the bytes every rank receives (same GPU, same run)"))

@@ -72,7 +72,7 @@ def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None, block_n=256
     import cupy
 
     import mkrt
-    from mkrt.bench import append_jsonl, median_ms, record
+    from mkrt.bench import append_jsonl, interleaved_ms, record
     from mkrt.kernels import gemm_allreduce as gar
     world = mkrt.init() if mpi else mkrt.init(emulate=layout)
     layout = world.layout
@@ -91,11 +91,13 @@ def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None, block_n=256
         err_u = check(world, op, a_list, b_list, False) if check_ok else None
         outs = [cupy.empty((m, n), a_list[0].dtype) for _ in world.local]
         world.barrier()
-        fused_ms = median_ms(lambda: op(a_list, b_list, out=outs), warmup=3, iters=iters)
-        world.barrier()
-        unfused_ms = median_ms(lambda: op.unfused(a_list, b_list, out=outs), warmup=3, iters=iters)
-        world.barrier()
-        auto_ms = median_ms(lambda: auto(a_list, b_list, out=outs), warmup=3, iters=iters)
+        # rotating rounds (interleaved_ms; every rank the same order): clocks drift under
+        # load, and until 6885d2f-era commits the fused path was always timed first
+        ms_of = interleaved_ms({"fused": lambda: op(a_list, b_list, out=outs),
+                                "unfused": lambda: op.unfused(a_list, b_list, out=outs),
+                                "auto": lambda: auto(a_list, b_list, out=outs)},
+                               iterations=max(1, iters // 5), rounds=5, warmup=3)
+        fused_ms, unfused_ms, auto_ms = ms_of["fused"], ms_of["unfused"], ms_of["auto"]
         world.synchronize()
         p = op.last_plan
         choice = "fused" if auto.last_plan.fused else "unfused"
@@ -111,7 +113,8 @@ def run_layout(layout, cases, *, iters=20, mpi=False, out_path=None, block_n=256
                               compute_ctas=p.compute_ctas, reduce_ctas=p.reduce_ctas,
                               tflops_all_ranks=tflops, rel_error_fused=err_f,
                               rel_error_unfused=err_u, block_n=block_n,
-                              baseline_name="cupy.matmul (cuBLAS) per rank + mkrt all-reduce"))
+                              baseline_name="cupy.matmul (cuBLAS) per rank + mkrt all-reduce",
+                              timing="interleaved_ms medians"))
         op.close()
         auto.close()
         del a_list, b_list, outs

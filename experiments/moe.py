@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mkrt.bench import append_jsonl, batch_ms, record  # noqa: E402
+from mkrt.bench import append_jsonl, interleaved_ms, record  # noqa: E402
 
 # (model, H, I, experts, k); layouts and tokens per rank from the command line
 MODELS = {"deepseek_v3": (7168, 2048, 256, 8), "qwen3_30b_a3b": (2048, 768, 128, 8),
@@ -157,13 +157,17 @@ def main():
                 expected = baseline()
                 error = max(((torch.from_dlpack(y).float() - e.float()).abs().max()
                              / e.float().abs().max()).item() for y, e in zip(ys, expected))
-                ours = batch_ms(lambda: op(x, ids, weights, w1, w2), iterations=3, repeats=5)
-                theirs = batch_ms(baseline, iterations=3, repeats=5)
+                # rotating rounds (interleaved_ms): clocks drift under load, and until
+                # 6885d2f-era commits mkrt was always timed first
+                ms_of = interleaved_ms({"mkrt": lambda: op(x, ids, weights, w1, w2), "baseline": baseline},
+                                       iterations=3, rounds=6)
+                ours, theirs = ms_of["mkrt"], ms_of["baseline"]
                 flops = 6.0 * H * I * tokens * k * W         # per (token, choice): w1 4HI, w2 2HI
                 row = record("moe", case, "tflops", flops / ours / 1e9, flops / theirs / 1e9, "TFLOP/s",
                              ms=ours, baseline_ms=theirs, max_rel_error=error, correct=error < 3e-2,
                              layout=layout, baseline_name="host splits + copies + torch._grouped_mm",
-                             note="emulated ranks share one GPU: aggregate throughput", **traffic)
+                             note="emulated ranks share one GPU: aggregate throughput",
+                             timing="interleaved_ms medians", **traffic)
                 print(f"{case}: mkrt {ours:.3f} ms, baseline {theirs:.3f} ms, x {row['ratio']:.3f}, "
                       f"err {error:.4f}", flush=True)
                 if args.out:
