@@ -13,7 +13,9 @@ timed in rounds that each start one build further on (mkrt.bench.interleaved_ms)
 If handed runs like dealt, the cost is the claims at run time (their order or their
 latency); if it runs like claimed, it is the claimed build's code. Two bisections of that
 code: handed_noreset (no counter reset by the last CTA out) and handed_dc (the producer
-hands over as claimed builds do, the consumers walk the dealt-out list themselves).
+hands over as claimed builds do, the consumers walk the dealt-out list themselves). And a
+candidate fix: claimed_pout, the claimed build whose producer thread counts its CTA out
+after its last claim, without the CTA-wide barrier of reset_when_last_out.
 The handed build exists only here (a copy of the kernel source with the queue swapped).
 
     PYTHONPATH=$PWD python3 experiments/attention_claim_probe.py --out experiments/results/attention_claim_probe.jsonl
@@ -105,7 +107,36 @@ class HandedDealtConsumersSpec(HandedSpec):
         return text.replace(old, "        if constexpr (false) {\n            while (true) {", 1)
 
 
-BUILDS = ("dealt", "claimed", "handed", "handed_noreset", "handed_dc")
+# The counter's reset without the CTA-wide barrier before it: only the producer thread
+# claims, so once it has made its last claim it can count its CTA out at once.
+COUNT_OUT_BY_PRODUCER = r"""
+__device__ __forceinline__ void count_out_by_producer(mkrt::u64* counter) {
+    if (threadIdx.x == 0 &&
+        atomicAdd((unsigned long long*)(counter + 1), 1ull) == (unsigned long long)(gridDim.x - 1)) {
+        counter[0] = 0;
+        counter[1] = 0;
+    }
+}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimedProducerOutSpec(A.AttentionSpec):
+    """claimed (the counter's atomics), with the reset of count_out_by_producer."""
+    family = "attention_claimed_pout"
+
+    def template(self):
+        text = A.ATTENTION.text
+        swaps = [("struct HeadWork {", COUNT_OUT_BY_PRODUCER + "struct HeadWork {"),
+                 ("        mkrt::roles::reset_when_last_out(counter);", "        count_out_by_producer(counter);")]
+        for old, new in swaps:
+            if old not in text:
+                raise RuntimeError(f"attention_claim_probe: the kernel source changed ({old!r} is gone)")
+            text = text.replace(old, new, 1)
+        return dataclasses.replace(A.ATTENTION, text=text)
+
+
+BUILDS = ("dealt", "claimed", "handed", "handed_noreset", "handed_dc", "claimed_pout")
 
 
 def main():
@@ -134,7 +165,8 @@ def main():
         base = dict(dtype="bf16", head_dim=D, block_kv=128, stages=2 if causal else 3, pingpong=1)
         builds = {"dealt": A.AttentionSpec(**base, claimed=0), "claimed": A.AttentionSpec(**base, claimed=1),
                   "handed": HandedSpec(**base, claimed=1), "handed_noreset": HandedNoResetSpec(**base, claimed=1),
-                  "handed_dc": HandedDealtConsumersSpec(**base, claimed=1)}
+                  "handed_dc": HandedDealtConsumersSpec(**base, claimed=1),
+                  "claimed_pout": ClaimedProducerOutSpec(**base, claimed=1)}
         scale = 1.0 / np.sqrt(D)
         calls = {name: A._PreparedAttention(problem, spec, device, sms, scale) for name, spec in builds.items()}
         outputs = {}
@@ -154,6 +186,13 @@ def main():
                                for name, call in calls.items()},
                               iterations=10, rounds=args.turns * len(calls), warmup=3)
         times = best
+        # once more after the timing, poisoned first: a launch that claimed nothing (a
+        # counter left unreset) would leave NaN and look fast
+        for name, call in calls.items():
+            outputs[name][0].fill(np.nan)
+            call.launch(outputs[name][2])
+        cupy.cuda.runtime.deviceSynchronize()
+        same = {name: same[name] and bool((outputs[name][0] == outputs["dealt"][0]).all()) for name in calls}
         line = ", ".join(f"{name} {problem.flops / best[name] / 1e9:.0f}" for name in calls)
         print(f"{case}: TFLOP/s {line}; outputs equal to dealt: {same}")
         for name in BUILDS[1:]:

@@ -7,7 +7,10 @@
 #    H100's clock drift favours): the attention suite, then the ring on 1x2, 1x4 and 2x2 at
 #    4096 rows per rank, so the README's ratios are re-measured without that bias;
 # 3. the planned deal against the cyclic one and claimed tiles, as variants in the same
-#    rounds, on two causal shapes.
+#    rounds, on two causal shapes;
+# 4. experiments/attention_claim_probe.py with claimed_pout (the claimed build counting its
+#    CTA out from the producer thread, no CTA barrier): if it closes the claimed build's
+#    gap and its outputs stay identical, it is the fix for the ring's claims.
 source experiments/device_prelude.sh log.txt
 timeout ${TEST_S:-100} python3 -m pytest -q -m gpu tests/test_attention.py tests/test_ring_attention_gpu.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -4 | tee -a $LOG
@@ -21,3 +24,6 @@ timeout ${RING_S:-120} python3 experiments/ring_attention.py --layouts 1x2 1x4 2
     --shapes 4:4096:16:16:128:0,4:4096:16:16:128:1 --out $OUT/ring_attention.jsonl 2>&1 | \
     grep -v Warning | grep -v "return torch" | grep -v "F.scaled_dot" | tee -a $LOG
 echo "ring done at $SECONDS s" | tee -a $LOG
+timeout 90 python3 experiments/attention_claim_probe.py --turns 3 --out $OUT/attention_claim_probe.jsonl 2>&1 | \
+    grep -v Warning | grep -v WARNING | tee -a $LOG
+echo "claim probe done at $SECONDS s" | tee -a $LOG

@@ -656,7 +656,7 @@ def _planned_deal_text(run):
 
 def _claim_probe_text(run):
     """Per build, its TFLOP/s over the dealt-out build's across the probe's shapes."""
-    builds = ("handed_noreset", "handed_dc", "handed", "claimed")     # longest suffix first
+    builds = ("handed_noreset", "handed_dc", "handed", "claimed_pout", "claimed")     # longest suffix first
     ratios: dict = {}
     for r in run:
         build = next((b for b in builds if str(r["case"]).endswith("_" + b)), None)
@@ -664,7 +664,8 @@ def _claim_probe_text(run):
             ratios.setdefault(build, []).append(_number(r["ratio"]))
     words = {"claimed": "claimed", "handed": "handed (dealt-out tiles, claimed code)",
              "handed_noreset": "handed without the counter reset",
-             "handed_dc": "handed by the producer, consumers on the dealt-out list"}
+             "handed_dc": "handed by the producer, consumers on the dealt-out list",
+             "claimed_pout": "claimed, counted out by the producer without a CTA barrier"}
     parts = [f"{words[b]} {span(ratios[b], 'x')}" for b in reversed(builds) if b in ratios]
     shapes = len({str(r["case"]) for r in run}) // max(1, len(ratios))
     order = "in rotating rounds" if "interleaved" in str(run[0].get("timing", "")) else "in turns"
