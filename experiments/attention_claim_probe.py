@@ -51,23 +51,26 @@ __device__ __forceinline__ int claim(const HandedQueue& q, int* left_because) {
 """
 
 
+def swapped(swaps) -> CudaSource:
+    """mkrt.attention's kernel source with each (old, new) replaced once."""
+    text = A.ATTENTION.text
+    for old, new in swaps:
+        if old not in text:
+            raise RuntimeError(f"attention_claim_probe: the kernel source changed ({old!r} is gone)")
+        text = text.replace(old, new, 1)
+    return dataclasses.replace(A.ATTENTION, text=text)
+
+
 @dataclasses.dataclass(frozen=True)
 class HandedSpec(A.AttentionSpec):
     family = "attention_handed"
 
     def template(self):
-        text = A.ATTENTION.text
-        swaps = [("struct HeadWork {", HANDED_QUEUE + "struct HeadWork {"),
-                 ("    mkrt::roles::CountedQueue queue;", "    HandedQueue queue;"),
-                 ("{counter, q_blocks * batches * heads}",
-                  "{(int)blockIdx.x, (int)gridDim.x, q_blocks * batches * heads}"),
-                 ("deal, {nullptr, 0}};", "deal, {0, 0, 0}};")]      # the dealt-out branch
-        for old, new in swaps:
-            if old not in text:
-                raise RuntimeError(f"attention_claim_probe: the kernel source changed ({old!r} is gone)")
-            text = text.replace(old, new, 1)
-        return CudaSource(A.ATTENTION.name, text, A.ATTENTION.file, A.ATTENTION.line,
-                          A.ATTENTION.requires, A.ATTENTION.headers)
+        return swapped([("struct HeadWork {", HANDED_QUEUE + "struct HeadWork {"),
+                        ("    mkrt::roles::CountedQueue queue;", "    HandedQueue queue;"),
+                        ("{counter, q_blocks * batches * heads}",
+                         "{(int)blockIdx.x, (int)gridDim.x, q_blocks * batches * heads}"),
+                        ("deal, {nullptr, 0}};", "deal, {0, 0, 0}};")])      # the dealt-out branch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +129,9 @@ class ClaimedProducerOutSpec(A.AttentionSpec):
     family = "attention_claimed_pout"
 
     def template(self):
-        text = A.ATTENTION.text
-        swaps = [("struct HeadWork {", COUNT_OUT_BY_PRODUCER + "struct HeadWork {"),
-                 ("        mkrt::roles::reset_when_last_out(counter);", "        count_out_by_producer(counter);")]
-        for old, new in swaps:
-            if old not in text:
-                raise RuntimeError(f"attention_claim_probe: the kernel source changed ({old!r} is gone)")
-            text = text.replace(old, new, 1)
-        return dataclasses.replace(A.ATTENTION, text=text)
+        return swapped([("struct HeadWork {", COUNT_OUT_BY_PRODUCER + "struct HeadWork {"),
+                        ("        mkrt::roles::reset_when_last_out(counter);",
+                         "        count_out_by_producer(counter);")])
 
 
 BUILDS = ("dealt", "claimed", "handed", "handed_noreset", "handed_dc", "claimed_pout")
