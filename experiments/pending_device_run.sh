@@ -10,7 +10,9 @@
 #    rounds, on two causal shapes;
 # 4. experiments/attention_claim_probe.py with claimed_pout (the claimed build counting its
 #    CTA out from the producer thread, no CTA barrier): if it closes the claimed build's
-#    gap and its outputs stay identical, it is the fix for the ring's claims.
+#    gap and its outputs stay identical, it is the fix for the ring's claims;
+# 5. experiments/gemm_claim_probe.py: does the GEMM engine's ClaimedWork (AllGather+GEMM,
+#    gemm_allreduce's role queues) cost the same on the dealt-out tiles?
 source experiments/device_prelude.sh log.txt
 timeout ${TEST_S:-100} python3 -m pytest -q -m gpu tests/test_attention.py tests/test_ring_attention_gpu.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -4 | tee -a $LOG
@@ -27,3 +29,6 @@ echo "ring done at $SECONDS s" | tee -a $LOG
 timeout 90 python3 experiments/attention_claim_probe.py --turns 3 --out $OUT/attention_claim_probe.jsonl 2>&1 | \
     grep -v Warning | grep -v WARNING | tee -a $LOG
 echo "claim probe done at $SECONDS s" | tee -a $LOG
+timeout 90 python3 experiments/gemm_claim_probe.py --out $OUT/gemm_claim_probe.jsonl 2>&1 | \
+    grep -v Warning | grep -v WARNING | tee -a $LOG
+echo "gemm claim probe done at $SECONDS s" | tee -a $LOG
