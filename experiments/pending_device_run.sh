@@ -1,5 +1,5 @@
 #!/bin/bash
-# The next device call (about 6 min, at most 8 files under $OUT), most important first:
+# The next device call (about 7 min, at most 8 files under $OUT), most important first:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
 # 1. GPU tests of mkrt.attention and the ring (last run at 4b4be63: 79 passed);
 # 2. experiments/attention.py and experiments/ring_attention.py now time every call in
