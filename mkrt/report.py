@@ -668,7 +668,9 @@ def _claim_probe_text(run):
              "claimed_pout": "claimed, counted out by the producer without a CTA barrier"}
     parts = [f"{words[b]} {span(ratios[b], 'x')}" for b in reversed(builds) if b in ratios]
     shapes = len({str(r["case"]) for r in run}) // max(1, len(ratios))
-    order = "in rotating rounds" if "interleaved" in str(run[0].get("timing", "")) else "in turns"
+    # the probe's fixed-order version recorded each build's turns (a list); the rotating
+    # one (interleaved_ms, since 6885d2f) one median
+    order = "in turns" if isinstance(run[0].get("ms"), list) else "in rotating rounds"
     return (f"of tiles dealt out (causal: the planned deal; handed builds deal cyclically), "
             f"{shapes} shapes {order}: " + "; ".join(parts))
 
