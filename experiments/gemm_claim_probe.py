@@ -26,24 +26,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# the fixed deal behind the claimed interface (claim() c, c + ctas, ... without atomics)
+from attention_claim_probe import HANDED_QUEUE  # noqa: E402
 from mkrt.bench import append_jsonl, interleaved_ms, record  # noqa: E402
 from mkrt.kernels import gemm as G  # noqa: E402
-
-# The fixed deal behind ClaimedWork's interface: claim() is called by the producer thread
-# only, once per tile, in order (found by argument-dependent lookup: global namespace).
-HANDED_QUEUE = r"""
-struct HandedQueue {
-    mutable int next;
-    int ctas, count;
-};
-__device__ __forceinline__ int claim(const HandedQueue& q, int* left_because) {
-    const int position = q.next;
-    q.next += q.ctas;
-    if (position >= q.count) { *left_because = 1; return -1; }
-    return position;
-}
-"""
 
 PLAIN_PATH = "        mkrt::gemm::run_tiles<Cfg>(tma_a, tma_b, k, units, whole, dynamic_smem);\n    }\n}"
 HANDED_PATH = """        __shared__ mkrt::roles::Ring ring;
