@@ -6,9 +6,9 @@ shapes) and the float32 reference on small shapes, then times mkrt, torch's cuDN
 flash and memory-efficient backends and any --variants with CUDA events in rotating
 rounds (mkrt.bench.interleaved_ms: warm-up, then per round one batch of --iterations
 calls of each, each round starting one further on; medians over at least --repeats
-rounds), so that clock drift under load favours none of them. TFLOP/s count 4 B Hq Sq Sk D (the visible half when
-causal). One row per shape: mkrt's TFLOP/s against the best torch backend, every
-backend's figure in the row.
+rounds), so that clock drift under load favours none of them. TFLOP/s count 4 B Hq Sq
+Sk D (the visible half when causal). One row per shape: mkrt's TFLOP/s against the best
+torch backend, every backend's figure in the row.
 
     PYTHONPATH=$PWD python3 experiments/attention.py --out experiments/results/attention.jsonl
 
@@ -82,13 +82,8 @@ def variant_call(variant: str, q, k, v, causal: bool, out, lse):
         problem = A.check_operands(q.shape, k.shape, v.shape, *(TorchView(x, n).dtype for x, n in
                                    ((q, "q"), (k, "k"), (v, "v"))), causal=causal)
         spec = A.default_spec(problem.dtype, problem.head_dim, causal)
-        planned = A.DEAL_MAX_ROUNDS
-        A.DEAL_MAX_ROUNDS = 0
-        try:
-            call = A._PreparedAttention(problem, spec, q.device.index, device_sm_count(q.device.index),
-                                        1.0 / math.sqrt(problem.head_dim))
-        finally:
-            A.DEAL_MAX_ROUNDS = planned
+        call = A._PreparedAttention(problem, spec, q.device.index, device_sm_count(q.device.index),
+                                    1.0 / math.sqrt(problem.head_dim), planned_deal=False)
         views = [TorchView(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
 
         def run():

@@ -30,7 +30,7 @@ SHAPES = [(4, 4096, 16, 16, 128, 128, 128), (4, 12288, 16, 16, 128, 128, 128),
 def loads(shape, ctas=132):
     B, S, Hq, Hkv, D, block_q, block_kv = shape
     p = A.AttentionProblem(B, S, S, Hq, Hkv, D, "bf16", True)
-    cost = [-(-min(S, (q + 1) * block_q) // block_kv) + 1.0 for _, _, q in A.tile_order(p, block_q)]
+    cost = [A.tile_blocks(p, block_q, block_kv, q) + 1.0 for _, _, q in A.tile_order(p, block_q)]
     fixed = [0.0] * ctas
     for i, c in enumerate(cost):
         fixed[i % ctas] += c

@@ -278,9 +278,10 @@ def default_spec(dtype: str, head_dim: int, causal: bool = False) -> AttentionSp
     Tiles dealt out (claimed=0), causal ones by a deal planned on the host (deal_tiles):
     claiming them from a counter ran about 5% slower at head dim 128 on even tiles
     (claim_bisect_6885d2f.log, rotating rounds), and the planned deal ran 1.02-1.15x the
-    cyclic one on causal shapes (planned_deal_ddf93e3.log). At head dim 64: three consumer warpgroups (192
-    query rows per tile; 128-key blocks, 3 stages, pingpong), 1.18x the two-consumer
-    192-key build non-causal at S 4096, 1.01 and 1.03x causal (same log)."""
+    cyclic one on causal shapes (planned_deal_ddf93e3.log). At head dim 64: three consumer
+    warpgroups (192 query rows per tile; 128-key blocks, 3 stages, pingpong), 1.18x the
+    two-consumer 192-key build non-causal at S 4096, 1.01 and 1.03x causal
+    (attention_deal_e8812cc.log)."""
     if head_dim == 128:
         return AttentionSpec(dtype, 128, 128, 2 if causal else 3, 1)
     return AttentionSpec(dtype, head_dim, 128, 3, 1, 3)
@@ -370,7 +371,8 @@ def tile_blocks(problem: AttentionProblem, block_q: int, block_kv: int, q_block:
 
 def deal_tiles(problem: AttentionProblem, block_q: int, block_kv: int, ctas: int):
     """The positions of :func:`tile_order` each CTA runs, as an int32 array [rounds, ctas]
-    (-1: no more; the last row is all -1, where the kernel stops), or None where tiles are even (non-causal: CTA c runs c, c + ctas, ...).
+    (-1: no more; the last row is all -1, where the kernel stops), or None where tiles are
+    even (non-causal: CTA c runs c, c + ctas, ...).
 
     A CTA's time is modelled as the key blocks of its tiles plus one per tile (Q and the
     epilogue). The order stays :func:`tile_order`'s (bands of heads whose K/V fit L2),
@@ -471,7 +473,7 @@ class _PreparedAttention:
     """One signature of :func:`attention`: kernel, grid and packed parameters."""
 
     def __init__(self, problem: AttentionProblem, spec: AttentionSpec, device: int, sms: int,
-                 scale: float):
+                 scale: float, planned_deal: bool = True):
         self.problem, self.spec, self.device = problem, spec, device
         params = Parameters([("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
                              ("out", np.uint64, 8), ("lse", np.uint64, 8),
@@ -485,7 +487,8 @@ class _PreparedAttention:
                    causal=int(p.causal), scale_log2=scale * _LOG2E, band=p.band)
         function = spec.function("attention_forward", device, spec.smem_bytes)
         ctas = min(p.tiles(spec.block_q), sms)
-        deal = None if spec.claimed else deal_tiles(p, spec.block_q, spec.block_kv, ctas)
+        # planned_deal=False: the cyclic deal even for causal tiles (experiments compare them)
+        deal = deal_tiles(p, spec.block_q, spec.block_kv, ctas) if planned_deal and not spec.claimed else None
         if deal is not None:
             params.set(deal=deal_on_device(deal, device))
         self.launch = KernelLaunch(function, ctas, spec.threads, spec.smem_bytes, params)
