@@ -31,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mkrt.bench import append_jsonl, interleaved_ms, record  # noqa: E402
-from mkrt.jit.render import CudaSource  # noqa: E402
 from mkrt.kernels import attention as A  # noqa: E402
 
 # The fixed deal behind the claimed build's interface: claim() is called by the producer
@@ -51,63 +50,61 @@ __device__ __forceinline__ int claim(const HandedQueue& q, int* left_because) {
 """
 
 
-def swapped(swaps) -> CudaSource:
-    """mkrt.attention's kernel source with each (old, new) replaced once."""
-    text = A.ATTENTION.text
+def swap(text: str, swaps) -> str:
+    """`text` with each (old, new) replaced once, in order."""
     for old, new in swaps:
         if old not in text:
-            raise RuntimeError(f"attention_claim_probe: the kernel source changed ({old!r} is gone)")
+            raise RuntimeError(f"claim probe: the kernel source changed ({old[:60]!r} is gone)")
         text = text.replace(old, new, 1)
-    return dataclasses.replace(A.ATTENTION, text=text)
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
-class HandedSpec(A.AttentionSpec):
-    family = "attention_handed"
+class PatchedSpec(A.AttentionSpec):
+    """mkrt.attention's kernel with `swaps` made in its source and `render_swaps` in the
+    rendered text (which holds the engine's pieces too)."""
+    swaps = ()
+    render_swaps = ()
 
     def template(self):
-        return swapped([("struct HeadWork {", HANDED_QUEUE + "struct HeadWork {"),
-                        ("    mkrt::roles::CountedQueue queue;", "    HandedQueue queue;"),
-                        ("{counter, q_blocks * batches * heads}",
-                         "{(int)blockIdx.x, (int)gridDim.x, q_blocks * batches * heads}"),
-                        ("deal, {nullptr, 0}};", "deal, {0, 0, 0}};")])      # the dealt-out branch
+        return dataclasses.replace(A.ATTENTION, text=swap(A.ATTENTION.text, self.swaps))
+
+    def render(self):
+        return swap(super().render(), self.render_swaps)
+
+
+HANDED_SWAPS = (("struct HeadWork {", HANDED_QUEUE + "struct HeadWork {"),
+                ("    mkrt::roles::CountedQueue queue;", "    HandedQueue queue;"),
+                ("{counter, q_blocks * batches * heads}",
+                 "{(int)blockIdx.x, (int)gridDim.x, q_blocks * batches * heads}"),
+                ("deal, {nullptr, 0}};", "deal, {0, 0, 0}};"))      # the dealt-out branch
 
 
 @dataclasses.dataclass(frozen=True)
-class HandedNoResetSpec(HandedSpec):
+class HandedSpec(PatchedSpec):
+    family = "attention_handed"
+    swaps = HANDED_SWAPS
+
+
+@dataclasses.dataclass(frozen=True)
+class HandedNoResetSpec(PatchedSpec):
     """handed, without the counter's reset by the last CTA out (a __syncthreads and an
     atomic at the end of every CTA; the handed order needs no counter)."""
     family = "attention_handed_noreset"
-
-    def template(self):
-        source = super().template()
-        old = "        mkrt::roles::reset_when_last_out(counter);"
-        if old not in source.text:
-            raise RuntimeError("attention_claim_probe: the kernel source changed (no reset)")
-        return dataclasses.replace(source, text=source.text.replace(old, "", 1))
+    swaps = HANDED_SWAPS + (("        mkrt::roles::reset_when_last_out(counter);", ""),)
 
 
 @dataclasses.dataclass(frozen=True)
-class HandedDealtConsumersSpec(HandedSpec):
+class HandedDealtConsumersSpec(PatchedSpec):
     """handed on the producer's side only: the consumers walk the dealt-out list
     themselves (the same tiles, since handed is the dealt-out order), never reading the
     handed position; the producer still claims, decodes and publishes each tile."""
     family = "attention_handed_dc"
-
-    def template(self):
-        source = super().template()
-        old = "0, 0, band, nullptr, {(int)blockIdx.x"      # the claimed branch's cta, ctas for get()
-        if old not in source.text:
-            raise RuntimeError("attention_claim_probe: the kernel source changed (claimed work list)")
-        return dataclasses.replace(source, text=source.text.replace(
-            old, "(int)blockIdx.x, (int)gridDim.x, band, nullptr, {(int)blockIdx.x", 1))
-
-    def render(self):
-        text = super().render()
-        old = "        if constexpr (Work::CLAIMED) {\n            while (true) {"
-        if old not in text:
-            raise RuntimeError("attention_claim_probe: the engine's consumer loop changed")
-        return text.replace(old, "        if constexpr (false) {\n            while (true) {", 1)
+    # the claimed branch's cta, ctas for get(); the consumers' claimed loop switched off
+    swaps = HANDED_SWAPS + (("0, 0, band, nullptr, {(int)blockIdx.x",
+                             "(int)blockIdx.x, (int)gridDim.x, band, nullptr, {(int)blockIdx.x"),)
+    render_swaps = (("        if constexpr (Work::CLAIMED) {\n            while (true) {",
+                     "        if constexpr (false) {\n            while (true) {"),)
 
 
 # The counter's reset without the CTA-wide barrier before it: only the producer thread
@@ -124,14 +121,11 @@ __device__ __forceinline__ void count_out_by_producer(mkrt::u64* counter) {
 
 
 @dataclasses.dataclass(frozen=True)
-class ClaimedProducerOutSpec(A.AttentionSpec):
+class ClaimedProducerOutSpec(PatchedSpec):
     """claimed (the counter's atomics), with the reset of count_out_by_producer."""
     family = "attention_claimed_pout"
-
-    def template(self):
-        return swapped([("struct HeadWork {", COUNT_OUT_BY_PRODUCER + "struct HeadWork {"),
-                        ("        mkrt::roles::reset_when_last_out(counter);",
-                         "        count_out_by_producer(counter);")])
+    swaps = (("struct HeadWork {", COUNT_OUT_BY_PRODUCER + "struct HeadWork {"),
+             ("        mkrt::roles::reset_when_last_out(counter);", "        count_out_by_producer(counter);"))
 
 
 BUILDS = ("dealt", "claimed", "handed", "handed_noreset", "handed_dc", "claimed_pout")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # the fixed deal behind the claimed interface (claim() c, c + ctas, ... without atomics)
-from attention_claim_probe import HANDED_QUEUE  # noqa: E402
+from attention_claim_probe import HANDED_QUEUE, swap  # noqa: E402
 from mkrt.bench import append_jsonl, interleaved_ms, record  # noqa: E402
 from mkrt.kernels import gemm as G  # noqa: E402
 
@@ -48,13 +48,8 @@ class HandedGemmSpec(G.GemmSpec):
     family = "gemm_handed"
 
     def template(self):
-        text = G.GEMM.text
-        for old, new in (("template <class Whole>\n__device__ __forceinline__ void run_units(",
-                          HANDED_QUEUE + "template <class Whole>\n__device__ __forceinline__ void run_units("),
-                         (PLAIN_PATH, HANDED_PATH)):
-            if old not in text:
-                raise RuntimeError(f"gemm_claim_probe: the kernel source changed ({old[:60]!r} is gone)")
-            text = text.replace(old, new, 1)
+        run_units = "template <class Whole>\n__device__ __forceinline__ void run_units("
+        text = swap(G.GEMM.text, ((run_units, HANDED_QUEUE + run_units), (PLAIN_PATH, HANDED_PATH)))
         return dataclasses.replace(G.GEMM, text=text, requires=(*G.GEMM.requires, "roles"))
 
 
