@@ -47,7 +47,7 @@ def parse():
                         help="also time these configurations: bkv128_s2_pp1, bkv128_s3_pp1_c3 (three "
                              "consumer warpgroups), bkv128_s3_pp1_c2_q0 (tiles dealt out, not claimed), ... "
                              "default (the default again, in turn), cyclic (the default without the "
-                             "planned deal of causal tiles) (rows per variant)")
+                             "planned deal of causal tiles) (rows per variant in attention_variants.jsonl; such a run writes no attention.jsonl rows)")
     parser.add_argument("--out", default="", help="append JSON lines here")
     return parser.parse_args()
 
@@ -197,7 +197,9 @@ def main():
         ratio = f"{row['ratio']:.3f}" if row["ratio"] else "-"
         print(f"{case} | {tflops:.0f} | {cells} | {ratio} {'ok' if ok else 'WRONG'} "
               f"(err {error if error is None else round(error, 5)})", flush=True)
-        if args.out:
+        if args.out and not variant_errors:
+            # a run of variants writes only their rows (each against the default of its
+            # rounds): its few cases would otherwise replace the suite's line in the report
             append_jsonl(args.out, [row])
         torch.cuda.empty_cache()
     ratios = [r["ratio"] for r in rows if r["ratio"]]
