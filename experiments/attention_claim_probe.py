@@ -103,8 +103,8 @@ class HandedDealtConsumersSpec(PatchedSpec):
     # the claimed branch's cta, ctas for get(); the consumers' claimed loop switched off
     swaps = HANDED_SWAPS + (("0, 0, band, nullptr, {(int)blockIdx.x",
                              "(int)blockIdx.x, (int)gridDim.x, band, nullptr, {(int)blockIdx.x"),)
-    render_swaps = (("        if constexpr (Work::CLAIMED) {\n            while (true) {",
-                     "        if constexpr (false) {\n            while (true) {"),)
+    render_swaps = (("        if constexpr (Work::CLAIMED) {\n            // the first hand-over",
+                     "        if constexpr (false) {\n            // the first hand-over"),)
 
 
 # The counter's reset without the CTA-wide barrier before it: only the producer thread

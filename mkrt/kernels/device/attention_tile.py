@@ -41,10 +41,12 @@ Plugging in (what a kernel supplies), as for the GEMM engine:
   the end), which producer and consumers each call; or tiles claimed at run time,
   ``CLAIMED = true``, ``__device__ int next_position(int i) const`` (the producer's claim
   of its i-th tile, -1 past the end) and ``__device__ void tile_at(int position, Tile&)
-  const``: the producer hands each position to the consumers in shared memory beside Q,
-  published by Q's own barrier (no barrier of its own). Claimed builds run about 5%
-  slower than dealt-out ones on even tiles, even with the dealt-out tiles
-  (experiments/attention_claim_probe.py); a cursor over the tile's key blocks,
+  const``: the producer claims one tile ahead and hands each position, with the one
+  after it, to the consumers in shared memory beside Q, published by Q's own barrier (no
+  barrier of its own), so the consumers decode their next tile before its Q is in. (Handed
+  over alone, the consumers decoded after Q's barrier and the claimed build ran about 5%
+  slower than the dealt-out one on even tiles: experiments/attention_claim_probe.py.)
+  After a -1 the producer claims no more; a cursor over the tile's key blocks,
   ``__device__ KeyBlock first_block(const Tile&) const`` and ``template <bool PRODUCER>
   __device__ void next_block(const Tile&, KeyBlock&) const`` (O(1) per block: the
   consumers step it in their softmax's loop; producer and consumers walk it
@@ -90,7 +92,7 @@ struct Config {
     static constexpr int KV_BYTES = BKV * D * 2;    // K or V of one stage
     // 1024 of slack to align the tiles (128B swizzle), then barriers: q full/empty,
     // and per stage k full, v full, k empty, v empty.
-    // ... and the claimed tile's position (8 bytes, next to the barriers)
+    // ... and the claimed tiles' positions (two ints, next to the barriers)
     static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + (2 + 4 * STAGES) * 8 + 8;
     // setmaxnreg moves registers inside the CTA's launch share (SHARE per thread: 168 at 384
     // threads, 128 at 512): producer + consumers must stay within it, or an increase waits
@@ -203,7 +205,8 @@ struct Pipeline {
     u64* v_full;    // [STAGES]
     u64* k_empty;   // [STAGES]: every consumer's scores of the stage's K are done
     u64* v_empty;   // [STAGES]: every consumer's P V of the stage's V is done
-    int* position;  // claimed work lists: the queue position of the tile whose Q is loading (-1: none left)
+    int* position;  // claimed work lists: [0] the queue position of the tile whose Q is
+                    // loading, [1] the tile after it (-1: none)
 
     __device__ __forceinline__ explicit Pipeline(char* dynamic_smem) {
         char* base = reinterpret_cast<char*>(
@@ -253,20 +256,30 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
     int stage = 0;
     u32 phase = 0, q_phase = 0;
     Tile tile;
+    // claimed: tiles are claimed one ahead, so each hand-over names the tile after it too
+    // and the consumers decode their next tile before its Q is in, as dealt-out ones do
+    // (decoding after Q's barrier cost the claimed build about 5%: attention_claim_probe)
+    int following = 0;
+    if constexpr (Work::CLAIMED) following = work.next_position(0);
     for (int i = 0;; ++i) {
         int position = 0;
         if constexpr (Work::CLAIMED) {
-            position = work.next_position(i);
-            if (position >= 0) work.tile_at(position, tile);
+            position = following;
+            if (position < 0 && i > 0) break;       // the last hand-over said so
+            if (position >= 0) {
+                following = work.next_position(i + 1);
+                work.tile_at(position, tile);
+            }
         } else if (!work.get(i, tile)) {
             break;
         }
         mbarrier_wait(pipe.q_empty, q_phase ^ 1);
         q_phase ^= 1;
         if constexpr (Work::CLAIMED) {
-            // the position goes out with Q's barrier: the consumers read it once Q is in
-            *pipe.position = position;
-            if (position < 0) { mbarrier_arrive(pipe.q_full); break; }
+            // the positions go out with Q's barrier: the consumers read them once Q is in
+            pipe.position[0] = position;
+            pipe.position[1] = following;
+            if (position < 0) { mbarrier_arrive(pipe.q_full); break; }     // no tile at all
         }
         mbarrier_arrive_expect_tx(pipe.q_full, Cfg::Q_BYTES);
         #pragma unroll
@@ -405,7 +418,7 @@ template <class Cfg, class Work, int CONSUMERS>
 __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Work& work, const Tile& tile,
                                              float scale_log2, RowState<Cfg>& state,
                                              const ConsumerThread<CONSUMERS>& who,
-                                             int& stage, u32& phase, u32& q_phase) {
+                                             int& stage, u32& phase, u32& q_phase, int& following) {
     const bool warp_leader = who.lane() == 0;
     const u32 q_address = smem_address(pipe.q) + who.warpgroup * 64 * 128;
     #pragma unroll
@@ -418,6 +431,9 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
 
     mbarrier_wait(pipe.q_full, q_phase);
     q_phase ^= 1;
+    // claimed: the next tile, handed over with this one's Q (read before this warpgroup
+    // releases Q, after which the producer writes the next hand-over)
+    if constexpr (Work::CLAIMED) following = pipe.position[1];
     const int blocks = tile.blocks;
     if (blocks == 0) {
         if (warp_leader) mbarrier_arrive(pipe.q_empty);
@@ -532,20 +548,21 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaD
         int stage = 0;
         u32 phase = 0, q_phase = 0;
         Tile tile;
+        int following = -1;
         if constexpr (Work::CLAIMED) {
-            while (true) {
-                // the producer's claim arrives with the tile's Q (consume_tile's own wait
-                // for Q then finds the phase complete)
-                mbarrier_wait(pipe.q_full, q_phase);
-                const int position = *pipe.position;
-                if (position < 0) break;
+            // the first hand-over (consume_tile's own wait for Q then finds the phase
+            // complete); each tile's hand-over names the next, decoded while Q loads
+            mbarrier_wait(pipe.q_full, q_phase);
+            for (int position = pipe.position[0]; position >= 0; position = following) {
                 work.tile_at(position, tile);
-                consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase);
+                consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase,
+                                  following);
                 epilogue(tile, state, who);
             }
         } else {
             for (int i = 0; work.get(i, tile); ++i) {
-                consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase);
+                consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase,
+                                  following);
                 epilogue(tile, state, who);
             }
         }
