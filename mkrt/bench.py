@@ -64,13 +64,16 @@ def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
     call alike instead of favouring the first timed. Timed one after the other, a GEMM
     sweep saw its first configuration up to 17% faster than in rounds. Each round starts one
     call further on, so no call always follows the same one (a slow host-bound baseline
-    leaves the GPU at other clocks for whatever comes next)."""
+    leaves the GPU at other clocks for whatever comes next). Each call's warm-up is
+    synchronized before the next one's: a first call may wait for the device (a module
+    load, a memory pool growing), and on an emulated world with nodes that holds back the
+    proxy's copies of a fused call still in flight (a 2x2 ring timed out so)."""
     import cupy
     stream = cupy.cuda.get_current_stream()
     for call in calls.values():
         for _ in range(warmup):
             call()
-    stream.synchronize()
+        stream.synchronize()
     samples: dict = {name: [] for name in calls}
     names = list(calls)
     for round_index in range(rounds):

@@ -164,6 +164,24 @@ struct RowState {
     }
 };
 
+// v as a value ptxas knows is the same in every lane (lane 0's; every lane must call it).
+// A tile read from memory (a claimed position in shared memory, a planned deal in global
+// memory) is the same in every lane, but ptxas cannot tell, so the loop over its key
+// blocks, with every wgmma in it, would be compiled as possibly divergent.
+__device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+
+__device__ __forceinline__ void make_warp_uniform(Tile& tile) {
+    tile.batch = warp_uniform(tile.batch);
+    tile.head = warp_uniform(tile.head);
+    tile.kv_head = warp_uniform(tile.kv_head);
+    tile.q_row = warp_uniform(tile.q_row);
+    tile.q_rows = warp_uniform(tile.q_rows);
+    tile.q_position = warp_uniform(tile.q_position);
+    tile.blocks = warp_uniform(tile.blocks);
+    tile.causal = warp_uniform(tile.causal);
+    tile.index = warp_uniform(tile.index);
+}
+
 // -inf (NVRTC has no INFINITY macro)
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -433,7 +451,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
     q_phase ^= 1;
     // claimed: the next tile, handed over with this one's Q (read before this warpgroup
     // releases Q, after which the producer writes the next hand-over)
-    if constexpr (Work::CLAIMED) following = pipe.position[1];
+    if constexpr (Work::CLAIMED) following = warp_uniform(pipe.position[1]);
     const int blocks = tile.blocks;
     if (blocks == 0) {
         if (warp_leader) mbarrier_arrive(pipe.q_empty);
@@ -553,14 +571,16 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_q, const TmaD
             // the first hand-over (consume_tile's own wait for Q then finds the phase
             // complete); each tile's hand-over names the next, decoded while Q loads
             mbarrier_wait(pipe.q_full, q_phase);
-            for (int position = pipe.position[0]; position >= 0; position = following) {
+            for (int position = warp_uniform(pipe.position[0]); position >= 0; position = following) {
                 work.tile_at(position, tile);
+                make_warp_uniform(tile);
                 consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase,
                                   following);
                 epilogue(tile, state, who);
             }
         } else {
             for (int i = 0; work.get(i, tile); ++i) {
+                make_warp_uniform(tile);        // a planned deal's tile comes from memory
                 consume_tile<Cfg>(pipe, work, tile, scale_log2, state, who, stage, phase, q_phase,
                                   following);
                 epilogue(tile, state, who);
