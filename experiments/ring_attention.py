@@ -48,6 +48,8 @@ def parse():
     parser.add_argument("--bands", nargs="+", default=["rule"],
                         help="tile bands to time: 'rule' (the op's: K/V in the rank's share of "
                              "the L2), 'whole' (as if each rank had the whole L2), or a number")
+    parser.add_argument("--stages", nargs="+", default=["default"],
+                        help="K/V stages of the engine to time ('default': the op's, 2, 3)")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
@@ -100,10 +102,11 @@ def main():
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
         W = world.size
-        ops = {(c, b): mkrt.RingAttention(world, timeout_ms=20000,
-                                          comm_ctas=None if c == "default" else int(c),
-                                          band=int(b) if b.isdigit() else None)
-               for c in args.comm_ctas for b in args.bands}
+        ops = {(c, b, st): mkrt.RingAttention(world, timeout_ms=20000,
+                                              comm_ctas=None if c == "default" else int(c),
+                                              band=int(b) if b.isdigit() else None,
+                                              stages=None if st == "default" else int(st))
+               for c in args.comm_ctas for b in args.bands for st in args.stages}
         gather = mkrt.AllGather(world, timeout_ms=20000)
         for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
             c, S = rows // 2, rows * W
@@ -218,9 +221,10 @@ def main():
             for name, op in ops.items():
                 ring_tflops = flops / ring_ms[name] / 1e9
                 error = errors[name]
-                comm, band = name
+                comm, band, stages = name
                 label = case + ("" if comm == "default" else f"_comm{comm}") + \
-                    ("" if band == "rule" else f"_band{band}")
+                    ("" if band == "rule" else f"_band{band}") + \
+                    ("" if stages == "default" else f"_s{stages}")
                 row = record("ring_attention", label, "tflops", ring_tflops,
                              flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms[name],
                              baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
@@ -229,6 +233,7 @@ def main():
                              x_per_step=per_step_ms / ring_ms[name],
                              max_rel_error=error, correct=error < 2e-2, layout=layout,
                              rows=rows, causal=causal, ctas=op.split()[0], comm_ctas=op.split()[1],
+                             stages=op.spec(problem_of_rank).stages,
                              band=op.band_for(problem_of_rank, world.local[0].rank),
                              note="emulated ranks share one GPU: aggregate throughput",
                              timing="interleaved_ms medians")

@@ -91,6 +91,10 @@ struct RingWork {
     roles::CountedQueue queue;  // tile positions claimed this launch (the engine hands each to the consumers)
     int chunks;                 // chunk flags per gathered block this launch
     u64 row_bytes;              // one row of K (or V): Hkv x D elements
+    // the producer's: sources (below 64) it has seen whole and fenced, so their blocks load
+    // with no flag read and no fence (a system-scope load per block delayed the producer,
+    // whose lead over the consumers is a stage or two)
+    mutable u64 whole_sources = 0;
 
     __device__ __forceinline__ int world() const { return G * N; }
     // Global chunk id of slot 0 or 1 of rank r: zigzag when causal.
@@ -200,7 +204,11 @@ struct RingWork {
     // (K rows batch x 2c + row.., V the same B x 2c rows further on). Our own block on
     // several nodes has no chunk flags: it is whole once ready.
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
-        if (ld_acquire_sys(flags + L.ready(block.source)) < epoch) {
+        const u64 bit = block.source < 64 ? 1ull << block.source : 0ull;
+        if (whole_sources & bit) return true;
+        if (ld_acquire_sys(flags + L.ready(block.source)) >= epoch) {
+            whole_sources |= bit;
+        } else {
             const int rows = batches * 2 * chunk;
             const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;
             const bool ok = block.source == node * G + me && N > 1
@@ -471,13 +479,19 @@ class RingAttention(GatheringOp):
     (:class:`mkrt.controller.rule.LaunchSearch`; :meth:`controller_state`); ``"static"``
     (default) keeps it. ``band``: (batch, key head) pairs whose tiles run together (default
     :meth:`band_for`: as many as keep their K/V in the rank's share of the L2).
+    ``stages``: K/V stages of the engine's pipeline (default :func:`spec_for`'s: those of
+    mkrt.attention's configuration).
     """
 
     name = "ring_attention"
 
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
-                 roles: str = "static", band: int | None = None):
+                 roles: str = "static", band: int | None = None, stages: int | None = None):
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, (int, np.integer))
+                                   or stages < 2):
+            raise ValueError(f"mkrt.ring_attention: stages={stages!r}; expected an integer of at "
+                             "least 2 (K/V stages of the engine's pipeline) or None")
         if band is not None and (isinstance(band, bool) or not isinstance(band, (int, np.integer))
                                  or band < 1):
             raise ValueError(f"mkrt.ring_attention: band={band!r}; expected a positive integer "
@@ -485,6 +499,13 @@ class RingAttention(GatheringOp):
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
                          muted_rank=muted_rank, roles=roles)
         self.band = None if band is None else int(band)
+        self.stages = None if stages is None else int(stages)
+
+    def spec(self, problem) -> "RingAttentionSpec":
+        """The engine configuration of the ring's kernel for `problem` (:func:`spec_for`,
+        with ``stages`` if given)."""
+        spec = spec_for(problem.dtype, problem.head_dim, problem.causal)
+        return spec if self.stages is None else dataclasses.replace(spec, stages=self.stages)
 
     def band_for(self, problem, rank: int) -> int:
         """(batch, key head) pairs whose tiles run together on `rank`: ``band``, or as many
@@ -553,7 +574,7 @@ class RingAttention(GatheringOp):
             lses = self.new_outputs((p.batches, p.heads, p.sq), np.float32)
         if self.world.size == 1:
             # one rank holds the whole sequence in order: the engine alone
-            spec = spec_for(p.dtype, p.head_dim, p.causal)     # the ring's engine configuration
+            spec = self.spec(p)         # the ring's engine configuration
             attention_module.attention(q_list[0], k_list[0], v_list[0], causal=p.causal,
                                        scale=call.scale, out=outs[0], lse=lses[0],
                                        block_kv=spec.block_kv, stages=spec.stages,
@@ -570,7 +591,7 @@ class RingAttention(GatheringOp):
             return call.launches
         self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
         p = call.problem
-        spec = spec_for(p.dtype, p.head_dim, p.causal)
+        spec = self.spec(p)
         launches, words = [], []
         for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
