@@ -219,6 +219,39 @@ def test_the_band_keeps_gathered_kv_in_the_ranks_share_of_l2():
             RA.RingAttention(object(), band=bad)
 
 
+def test_stages_and_trace_options_are_checked_and_reach_the_spec():
+    from types import SimpleNamespace
+    for bad in (1, 0, True, 2.5, "3"):
+        with pytest.raises(ValueError, match="stages="):
+            RA.RingAttention(object(), stages=bad)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="trace="):
+            RA.RingAttention(object(), trace=bad)
+    problem = SimpleNamespace(dtype="bf16", head_dim=128, causal=True)
+    op = RA.RingAttention.__new__(RA.RingAttention)
+    op.stages, op.tracing = None, False
+    assert op.spec(problem) == RA.spec_for("bf16", 128, True)
+    op.stages, op.tracing = 3, True
+    spec = op.spec(problem)
+    assert (spec.stages, spec.trace) == (3, 1) and "_t1_" in spec.uri
+    with pytest.raises(ValueError, match="trace\\(\\) needs"):
+        op.tracing = False
+        op.trace()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_trace_build_compiles_without_spills_and_mirrors_its_words(causal):
+    import dataclasses
+    spec = dataclasses.replace(RA.spec_for("bf16", 128, causal), trace=1)
+    text = spec.render()
+    assert f"constexpr int TRACE_WORDS = {len(RA.TRACE_FIELDS)};" in text
+    assert "constexpr bool RING_TRACE = true;" in text
+    resources = spec.build(check_spills=True).resources["ring_attention"]
+    assert resources.spills == 0, resources
+    plain = RA.spec_for("bf16", 128, causal)
+    assert "constexpr bool RING_TRACE = false;" in plain.render()
+
+
 def _ring_cursor(rank, G, N, chunk, q_row, q_rows, causal, block_kv=128):
     """RingWork's cursor (first_block, next_block, enter_next_chunk in the kernel source),
     line for line: the blocks it steps through, (source, row, position, count)."""

@@ -80,6 +80,40 @@ def test_hundred_calls_without_sync_are_identical(make_world, layout):
             assert cupy.array_equal(first.view(cupy.uint16), again.view(cupy.uint16))
 
 
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_the_trace_build_is_correct_and_accounts_for_every_tile_and_block(make_world, layout):
+    import cupy
+
+    from mkrt.kernels.gemm import poison
+    world = make_world(layout)
+    op = mkrt.RingAttention(world, timeout_ms=10000, trace=True)
+    B, chunk, H = 2, 320, 4
+    q, k, v = sequence(B, 2 * world.size * chunk, H, 2, 128, "bf16", seed=11)
+    qs, ks, vs = (shards(world, x, True) for x in (q, k, v))
+    outs = [poison(cupy.empty_like(x)) for x in qs]
+    lses = [cupy.full((B, H, 2 * chunk), np.nan, np.float32) for _ in qs]
+    op(qs, ks, vs, causal=True, out=outs, lse=lses)
+    records = op.trace()
+    check(world, q, k, v, outs, lses, True, "bf16")
+    ctas, comm = op.split()
+    q_blocks = -(-chunk // A.BLOCK_Q)
+    for info, r in zip(world.local, records):
+        assert int(r["tiles"].sum()) == 2 * q_blocks * B * H
+        blocks = sum(len(RA.tile_blocks(info.rank, world.ranks_per_node, world.nodes, chunk,
+                                        slot * chunk + i * A.BLOCK_Q,
+                                        min(A.BLOCK_Q, chunk - i * A.BLOCK_Q), True))
+                     for slot in (0, 1) for i in range(q_blocks)) * B * H
+        assert int(r["blocks"].sum()) == blocks
+        assert (r["start_ns"] > 0).all() and (r["producer_done_ns"] >= r["start_ns"]).all()
+        assert (r["consumer_done_ns"] >= r["start_ns"]).all()
+        assert (r["copies_done_ns"][:ctas - comm] == 0).all()
+        assert (r["copies_done_ns"][ctas - comm:] >= r["start_ns"][ctas - comm:]).all()
+        long = (r["producer_done_cycles"] - r["start_cycles"]) > 50_000    # globaltimer ticks ~1 us
+        if long.any():
+            assert 0.2 < float(np.median(r["ns_per_cycle"][long])) < 5, r["ns_per_cycle"]
+        assert (r["starved_ns"] >= 0).all() and (r["flag_wait_ns"] >= 0).all()
+
+
 def test_graph_capture_and_replay(make_world):
     import cupy
     world = make_world("2x2")

@@ -66,6 +66,7 @@ struct HeadWork {
     // possible: claiming costs registers that three consumer warpgroups, and the
     // producer's 24 above 128-key blocks, do not have).
     static constexpr bool CLAIMED = $CLAIMED;
+    static constexpr bool TRACE = false;       // (the ring's trace build counts waits)
     static_assert(!CLAIMED || (Cfg::CONSUMERS == 2 && Cfg::BKV <= 128),
                   "claiming tiles needs two consumer warpgroups and blocks of at most 128 keys "
                   "(registers)");

@@ -71,17 +71,60 @@ struct Args {
     float scale_log2;
     int band;                   // (batch, key head) pairs whose tiles run together
     u64* board;                 // roles="search": the split comes from the role board (null: compute_ctas)
+    u64* trace;                 // the trace build's per-CTA records [ctas][TRACE_WORDS]
 };
 $ARGS_CHECKS
+
+// The trace build ($TRACE: RingAttention(trace=True)) writes, per CTA, TRACE_WORDS words
+// (mirror: TRACE_FIELDS): %globaltimer at entry, when its copies were done (communication
+// CTAs), when its producer and its first consumer warpgroup were done; the cycles the
+// producer waited for key blocks' flags, the tiles it claimed and the blocks it loaded;
+// the cycles the first consumer warpgroup waited for loaded stages (no keys to work on);
+// clock64 at entry and when the producer was done (to turn cycles into time).
+constexpr bool RING_TRACE = $TRACE;
+constexpr int TRACE_WORDS = $TRACE_WORDS;        // len(TRACE_FIELDS)
 
 // Chunks per gathered block: fine enough that a key block waits for little more than its
 // own rows (at most GATHER_MAX_CHUNKS; mirror: RING_CHUNKS below).
 constexpr int RING_CHUNKS = 64;
 
+// The trace build's counters, per thread (each thread has its own copy of the work list);
+// nothing in other builds.
+template <bool ON> struct RingCounters {
+    static constexpr bool TRACE = false;
+    __device__ __forceinline__ void count_claim(int) const {}
+    __device__ __forceinline__ void count_block() const {}
+    __device__ __forceinline__ long long now() const { return 0; }
+    __device__ __forceinline__ void count_flag_wait(long long) const {}
+    __device__ __forceinline__ void record(u64*) const {}
+};
+template <> struct RingCounters<true> {
+    static constexpr bool TRACE = true;
+    mutable long long starved = 0, flag_wait = 0;       // cycles
+    mutable int tiles = 0, blocks = 0;
+    __device__ __forceinline__ void count_claim(int position) const { tiles += position >= 0; }
+    __device__ __forceinline__ void count_block() const { ++blocks; }
+    __device__ __forceinline__ long long now() const { return clock64(); }
+    __device__ __forceinline__ void count_flag_wait(long long start) const { flag_wait += clock64() - start; }
+    // at the end: the producer's words (thread 0) or the first consumer warpgroup's (128)
+    __device__ __forceinline__ void record(u64* words) const {
+        if (threadIdx.x == 0) {
+            words[2] = global_timer_ns();
+            words[4] = flag_wait;
+            words[5] = tiles;
+            words[6] = blocks;
+            words[9] = clock64();
+        } else if (threadIdx.x == 128) {
+            words[3] = global_timer_ns();
+            words[7] = starved;
+        }
+    }
+};
+
 // The compute role's tiles and key blocks (mirrors: tile_order, source_order, tile_blocks).
 // Every CTA claims tiles from one counter in tile_at's order (the communication CTAs too,
 // once their copies are done), so the order is the queue's, not a fixed deal per CTA.
-struct RingWork {
+struct RingWork : RingCounters<RING_TRACE> {
     int batches, heads, group, chunk, q_blocks, kv_blocks;   // q/kv blocks per chunk
     int G, N, node, me, causal, band;
     const u64* flags;
@@ -117,7 +160,9 @@ struct RingWork {
     static constexpr bool CLAIMED = true;
     __device__ __forceinline__ int next_position(int) const {
         int left_because;
-        return roles::claim(queue, &left_because);
+        const int position = roles::claim(queue, &left_because);
+        count_claim(position);
+        return position;
     }
     // Tile t: in bands of `band` (batch, key head) pairs whose gathered K/V stay in L2
     // together (as mkrt.attention's HeadWork); inside a band by `order`, then key heads,
@@ -205,10 +250,12 @@ struct RingWork {
     // several nodes has no chunk flags: it is whole once ready.
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
         const u64 bit = block.source < 64 ? 1ull << block.source : 0ull;
+        count_block();
         if (whole_sources & bit) return true;
         if (ld_acquire_sys(flags + L.ready(block.source)) >= epoch) {
             whole_sources |= bit;
         } else {
+            const long long start = now();
             const int rows = batches * 2 * chunk;
             const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;
             const bool ok = block.source == node * G + me && N > 1
@@ -217,6 +264,7 @@ struct RingWork {
                                      epoch, ctx, tile.index) &&
                   wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes,
                                      2 * rows, chunks, epoch, ctx, tile.index);
+            count_flag_wait(start);
             if (!ok) return false;
         }
         fence_proxy_async_global();      // peers wrote it with generic stores; TMA reads it
@@ -261,6 +309,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     extern __shared__ char dynamic_smem[];
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
     const Args& a = args;
+    u64* const record = RING_TRACE ? a.trace + (u64)blockIdx.x * TRACE_WORDS : nullptr;
+    if (RING_TRACE && threadIdx.x == 0) { record[0] = global_timer_ns(); record[8] = clock64(); }
     const Layout L{a.G, a.N};
     // The split: the host's, or (roles="search") what the board's search measures next.
     const int compute_ctas = roles::split_for_launch(a.board, a.compute_ctas);
@@ -279,15 +329,17 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
         gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
         __syncthreads();                 // the role's shared memory is the engine's now
+        if (RING_TRACE && threadIdx.x == 0) record[1] = global_timer_ns();
     }
     const int q_blocks = (a.chunk + Cfg::BQ - 1) / Cfg::BQ;
-    const RingWork work{a.batches, a.heads, a.heads / a.kv_heads, a.chunk, q_blocks,
+    const RingWork work{{}, a.batches, a.heads, a.heads / a.kv_heads, a.chunk, q_blocks,
                         (a.chunk + Cfg::BKV - 1) / Cfg::BKV, a.G, a.N, a.node, a.me, a.causal,
                         a.band, a.flags, L, epoch, ctx,
                         {a.flags + L.claims(), 2 * q_blocks * a.batches * a.heads},
                         gather_chunks(comm_ctas, RING_CHUNKS), row_bytes};
     const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
     attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
+    work.record(record);
     launch.end(a.flags, L);
     roles::leave_launch(a.board);
 }
@@ -303,8 +355,13 @@ ARGS_DTYPE = np.dtype([
     ("batches", "<i4"), ("heads", "<i4"), ("kv_heads", "<i4"), ("chunk", "<i4"),
     ("me", "<i4"), ("node", "<i4"), ("G", "<i4"), ("N", "<i4"), ("compute_ctas", "<i4"),
     ("causal", "<i4"), ("gathered_region", "<i4"), ("flags_region", "<i4"),
-    ("scale_log2", "<f4"), ("band", "<i4"), ("board", "<u8"),
+    ("scale_log2", "<f4"), ("band", "<i4"), ("board", "<u8"), ("trace", "<u8"),
 ], align=True)
+
+#: the trace build's words per CTA (the kernel's TRACE_WORDS, in order)
+TRACE_FIELDS = ("start_ns", "copies_done_ns", "producer_done_ns", "consumer_done_ns",
+                "flag_wait_cycles", "tiles", "blocks", "starved_cycles", "start_cycles",
+                "producer_done_cycles")
 
 #: kernel parameters, in order (tensor maps 64-byte aligned)
 LAUNCH_PARAMETERS = [("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
@@ -314,12 +371,13 @@ LAUNCH_PARAMETERS = [("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
 @dataclasses.dataclass(frozen=True)
 class RingAttentionSpec(attention_module.AttentionSpec):
     """The attention engine's configuration, in the ring kernel (URI e.g.
-    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_sm90a``)."""
+    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_t0_sm90a``)."""
 
     family = "ring_attention"
     entry_points = ("ring_attention",)
 
     claimed: int = dataclasses.field(default=1, metadata={"short": "q"})     # RingWork claims
+    trace: int = dataclasses.field(default=0, metadata={"short": "t"})       # 1: per-CTA records
 
     def __post_init__(self):
         # before the engine's checks, whose claim check would name the consumers otherwise
@@ -328,12 +386,15 @@ class RingAttentionSpec(attention_module.AttentionSpec):
         super().__post_init__()
         if not self.claimed:          # RingWork always claims
             raise ValueError("mkrt.ring_attention: claimed=0; the ring's CTAs always claim tiles")
+        if self.trace not in (0, 1):
+            raise ValueError(f"mkrt.ring_attention: trace={self.trace}; expected 0 or 1")
 
     def template(self):
         return RING_ATTENTION
 
     def params(self):
         return {**super().params(), "KERNEL_ID": f"{KERNEL_ID}ull",
+                "TRACE": "true" if self.trace else "false", "TRACE_WORDS": len(TRACE_FIELDS),
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
 
@@ -480,14 +541,18 @@ class RingAttention(GatheringOp):
     (default) keeps it. ``band``: (batch, key head) pairs whose tiles run together (default
     :meth:`band_for`: as many as keep their K/V in the rank's share of the L2).
     ``stages``: K/V stages of the engine's pipeline (default :func:`spec_for`'s: those of
-    mkrt.attention's configuration).
+    mkrt.attention's configuration). ``trace=True`` runs the trace build, whose CTAs record
+    when they started and finished and how long they waited (:meth:`trace`).
     """
 
     name = "ring_attention"
 
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
-                 roles: str = "static", band: int | None = None, stages: int | None = None):
+                 roles: str = "static", band: int | None = None, stages: int | None = None,
+                 trace: bool = False):
+        if not isinstance(trace, (bool, np.bool_)):
+            raise ValueError(f"mkrt.ring_attention: trace={trace!r}; expected True or False")
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, (int, np.integer))
                                    or stages < 2):
             raise ValueError(f"mkrt.ring_attention: stages={stages!r}; expected an integer of at "
@@ -500,12 +565,15 @@ class RingAttention(GatheringOp):
                          muted_rank=muted_rank, roles=roles)
         self.band = None if band is None else int(band)
         self.stages = None if stages is None else int(stages)
+        self.tracing = bool(trace)
 
     def spec(self, problem) -> "RingAttentionSpec":
         """The engine configuration of the ring's kernel for `problem` (:func:`spec_for`,
         with ``stages`` if given)."""
         spec = spec_for(problem.dtype, problem.head_dim, problem.causal)
-        return spec if self.stages is None else dataclasses.replace(spec, stages=self.stages)
+        if self.stages is not None:
+            spec = dataclasses.replace(spec, stages=self.stages)
+        return dataclasses.replace(spec, trace=int(self.tracing))
 
     def band_for(self, problem, rank: int) -> int:
         """(batch, key head) pairs whose tiles run together on `rank`: ``band``, or as many
@@ -593,11 +661,20 @@ class RingAttention(GatheringOp):
         p = call.problem
         spec = self.spec(p)
         launches, words = [], []
+        if self.tracing:
+            # allocated while nothing is in flight (an allocation may wait for the device)
+            self.world.synchronize()
+            import cupy
+            call.traces = []
+            for info in self.world.local:
+                with self.on_device(info.device):
+                    call.traces.append(cupy.zeros((call.ctas, len(TRACE_FIELDS)), np.uint64))
         for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
             args = self._args(call, info)
             args["board"] = self._board_pointer(call, i, call.ctas, call.comm_ctas)
+            args["trace"] = call.traces[i].data.ptr if self.tracing else 0
             params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             base = self._gathered.local_ptr(info.rank)
             head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2      # strides in bytes
@@ -625,11 +702,36 @@ class RingAttention(GatheringOp):
         args["band"] = self.band_for(p, info.rank)
         return args
 
+    def trace(self) -> list[dict]:
+        """The trace build's records of the last call, per local rank (waits for the
+        device): a dict of per-CTA arrays (CTA order: compute CTAs, then communication
+        CTAs), one per TRACE_FIELDS name, plus ``ns_per_cycle`` (per CTA, from its
+        producer's span) and ``flag_wait_ns`` and ``starved_ns`` converted with it."""
+        if not self.tracing:
+            raise ValueError("mkrt.ring_attention: trace() needs RingAttention(trace=True)")
+        call = getattr(self, "_traced_call", None)
+        if call is None:
+            raise ValueError("mkrt.ring_attention: trace() before any multi-rank call")
+        self.world.synchronize()
+        records = []
+        for buffer in call.traces:
+            raw = buffer.get().astype(np.int64)
+            record = {name: raw[:, i] for i, name in enumerate(TRACE_FIELDS)}
+            span_ns = record["producer_done_ns"] - record["start_ns"]
+            span_cycles = record["producer_done_cycles"] - record["start_cycles"]
+            record["ns_per_cycle"] = span_ns / np.maximum(span_cycles, 1)
+            record["flag_wait_ns"] = record["flag_wait_cycles"] * record["ns_per_cycle"]
+            record["starved_ns"] = record["starved_cycles"] * record["ns_per_cycle"]
+            records.append(record)
+        return records
+
     def _call_shape(self, call) -> tuple:
         return call.q_shape
 
     def _run(self, call, q_list, k_list, v_list, outs, lses) -> None:
         launches = self._launches(call)
+        if self.tracing:
+            self._traced_call = call
         p = call.problem
         for i, launch in enumerate(launches):
             q = q_list[i]
@@ -657,6 +759,7 @@ class _PreparedCall:
     words: list | None = None
     q_pointers: dict = dataclasses.field(default_factory=dict)
     boards: list | None = None      # roles="search": per rank, the role board
+    traces: list | None = None      # trace=True: per rank, the CTAs' records
 
     @property
     def kv_bytes(self) -> int:

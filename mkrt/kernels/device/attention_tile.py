@@ -54,7 +54,9 @@ Plugging in (what a kernel supplies), as for the GEMM engine:
   long step inlined, and the consumers' code cannot hold a call); and
   ``__device__ bool wait(const Tile&, const KeyBlock&) const``, which the producer calls
   before loading a block (a ring waits there for the block's source to arrive); false
-  releases the block's stage unloaded, and the host raises the timeout.
+  releases the block's stage unloaded, and the host raises the timeout; and
+  ``static constexpr bool TRACE`` (true: the consumers add the cycles they wait for a
+  loaded stage to a ``mutable long long starved`` member; each thread has its own copy).
 * an **epilogue**: ``__device__ void operator()(const Tile&, const RowState<Cfg>&,
   const ConsumerThread&) const``, called by every consumer thread once per tile with the
   *normalised* output fragment and the rows' LSE (natural log).
@@ -431,6 +433,20 @@ __device__ __forceinline__ void rescale_output(RowState<Cfg>& state, const float
     }
 }
 
+// A consumer's wait for a loaded stage. A tracing work list (Work::TRACE, the ring's trace
+// build) adds the cycles it waited to its `starved` counter: time the tensor cores had no
+// keys to work on.
+template <class Work>
+__device__ __forceinline__ void wait_loaded(const Work& work, u64* full, u32 phase) {
+    if constexpr (Work::TRACE) {
+        const long long start = clock64();
+        mbarrier_wait(full, phase);
+        work.starved += clock64() - start;
+    } else {
+        mbarrier_wait(full, phase);
+    }
+}
+
 // One tile for one consumer warpgroup: every key block, then the normalised output.
 template <class Cfg, class Work, int CONSUMERS>
 __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Work& work, const Tile& tile,
@@ -457,7 +473,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
         if (warp_leader) mbarrier_arrive(pipe.q_empty);
     } else {
         // first block: scores, softmax
-        mbarrier_wait(&pipe.k_full[stage], phase);
+        wait_loaded(work, &pipe.k_full[stage], phase);
         turn_wait<Cfg>(who);
         wgmma_fence();
         issue_scores<Cfg>(s, q_address, smem_address(pipe.k_stage(stage)));
@@ -475,10 +491,10 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
             if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
             work.template next_block<false>(tile, block);   // block j: a few adds (a walk where a chunk ends)
             to_operand<Cfg>(s, p);
-            mbarrier_wait(&pipe.k_full[stage], phase);
+            wait_loaded(work, &pipe.k_full[stage], phase);
             // scores of this block, then the previous block's P V: the tensor cores run
             // while this block's softmax waits for its scores
-            mbarrier_wait(&pipe.v_full[previous], previous_phase);
+            wait_loaded(work, &pipe.v_full[previous], previous_phase);
             turn_wait<Cfg>(who);
             fence_accumulators(state.o);
             wgmma_fence();
@@ -499,7 +515,7 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
         }
         // the last block's P V
         to_operand<Cfg>(s, p);
-        mbarrier_wait(&pipe.v_full[stage], phase);
+        wait_loaded(work, &pipe.v_full[stage], phase);
         turn_wait<Cfg>(who);
         fence_accumulators(state.o);
         wgmma_fence();

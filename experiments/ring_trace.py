@@ -1,0 +1,166 @@
+"""Where a ring's time goes: the trace build of mkrt.RingAttention on an emulated world.
+
+For each layout and shape: the ring, its trace build and the floor (mkrt.attention on the
+whole sequence) are timed in rotating rounds (the trace's own cost shows), then the trace
+build runs `--calls` more times, one call at a time, and the call with the median span is
+summarised per rank (times in microseconds from the first CTA of any rank to start):
+
+* ``start``: the rank's first and last CTA starts (launch skew between the ranks);
+* ``copies``: when its communication CTAs were done copying (median, last);
+* ``end``: when its CTAs were done (first, median, last: the spread is the tail);
+* ``flag_wait``: what the producers waited for key blocks' flags (mean per CTA);
+* ``starved``: what the first consumer warpgroups waited for loaded stages (mean per CTA:
+  time with no keys for the tensor cores);
+* ``tiles``: tiles per CTA (min, max).
+
+One row per case in experiments/results/ring_trace.jsonl (value: the traced call's span
+in ms, baseline: the floor's ms; per-rank summaries in ``ranks``) and, with ``--raw``,
+every CTA's record of that call in a JSON file.
+
+    PYTHONPATH=$PWD python3 experiments/ring_trace.py --layouts 1x2 2x2 \
+        --shapes 4:4096:16:16:128:1 --out experiments/results/ring_trace.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.attention import shapes  # noqa: E402
+from mkrt.bench import append_jsonl, interleaved_ms, record, repeated  # noqa: E402
+
+SUITE = [(4, 4096, 16, 16, 128, c) for c in (False, True)]
+
+
+def parse():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=["1x2", "1x4", "2x2"])
+    parser.add_argument("--shapes", default="suite", help="'suite' or B:S:Hq:Hkv:D:causal,...")
+    parser.add_argument("--calls", type=int, default=5, help="traced calls per case")
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--raw", default="", help="write every CTA's record to this JSON file")
+    return parser.parse_args()
+
+
+def summarise(records: list[dict], compute_ctas: int) -> tuple[float, list[dict]]:
+    """(the world's span in us, per-rank summaries) of one traced call's records."""
+    origin = min(int(r["start_ns"].min()) for r in records)
+    ends = [np.maximum(r["producer_done_ns"], r["consumer_done_ns"]) for r in records]
+    span = (max(int(e.max()) for e in ends) - origin) / 1e3
+    ranks = []
+    for r, end in zip(records, ends):
+        us = lambda x: (np.asarray(x, np.float64) - origin) / 1e3      # noqa: E731
+        copies = us(r["copies_done_ns"][compute_ctas:])
+        ranks.append({
+            "start_first": float(us(r["start_ns"]).min()), "start_last": float(us(r["start_ns"]).max()),
+            "copies_median": float(np.median(copies)) if copies.size else None,
+            "copies_last": float(copies.max()) if copies.size else None,
+            "end_first": float(us(end).min()), "end_median": float(np.median(us(end))),
+            "end_last": float(us(end).max()),
+            "flag_wait_mean": float(r["flag_wait_ns"].mean() / 1e3),
+            "flag_wait_max": float(r["flag_wait_ns"].max() / 1e3),
+            "starved_mean": float(r["starved_ns"].mean() / 1e3),
+            "starved_max": float(r["starved_ns"].max() / 1e3),
+            "tiles_min": int(r["tiles"].min()), "tiles_max": int(r["tiles"].max()),
+            "blocks": int(r["blocks"].sum()),
+            "ns_per_cycle": float(np.median(r["ns_per_cycle"])),
+        })
+    return span, ranks
+
+
+def main():
+    args = parse()
+    import cupy
+    import torch
+
+    import mkrt
+    from mkrt.kernels import attention as A
+    from mkrt.kernels import ring_attention as RA
+
+    for layout in args.layouts:
+        world = mkrt.init(emulate=layout)
+        W = world.size
+        plain = mkrt.RingAttention(world, timeout_ms=20000)
+        traced = mkrt.RingAttention(world, timeout_ms=20000, trace=True)
+        for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
+            S = rows * W
+            case = f"{layout}_b{B}_s{rows}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
+            gen = torch.Generator(device="cuda").manual_seed(rows + Hq)
+            full = [cupy.from_dlpack(torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16,
+                                                 generator=gen)) for h in (Hq, Hkv, Hkv)]
+            q, k, v = full
+            qs, ks, vs = ([RA.shard(x, r, W, causal=causal) for r in range(W)] for x in full)
+            outs = [cupy.empty_like(x) for x in qs]
+            lses = [cupy.empty((B, Hq, rows), cupy.float32) for _ in qs]
+            flops = A.check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                                     causal=causal).flops
+            # the trace build's answer against the engine on the whole sequence
+            whole, _ = mkrt.attention(q, k, v, causal=causal)
+            for x in outs:
+                x.fill(float("nan"))
+            traced(qs, ks, vs, causal=causal, out=outs, lse=lses)
+            world.synchronize()
+            got = RA.unshard(outs, causal=causal).astype(cupy.float32)
+            error = float(cupy.abs(got - whole.astype(cupy.float32)).max()
+                          / cupy.abs(whole.astype(cupy.float32)).max())
+
+            calls = {"ring": repeated(lambda: plain(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                                      args.iterations),
+                     "traced": repeated(lambda: traced(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                                        args.iterations),
+                     "floor": repeated(lambda: mkrt.attention(q, k, v, causal=causal), args.iterations)}
+            for call in calls.values():
+                call()
+                world.synchronize()
+            ms = {key: t / args.iterations for key, t in interleaved_ms(
+                calls, iterations=1, rounds=args.repeats, warmup=1).items()}
+
+            spans = []
+            for _ in range(args.calls):
+                traced(qs, ks, vs, causal=causal, out=outs, lse=lses)
+                records = traced.trace()
+                spans.append((summarise(records, traced.split()[0] - traced.split()[1]), records))
+            spans.sort(key=lambda item: item[0][0])
+            (span_us, ranks), records = spans[len(spans) // 2]
+            row = record("ring_trace", case, "span_ms", span_us / 1e3, ms["floor"], "ms",
+                         higher_is_better=False, ring_ms=ms["ring"], traced_ms=ms["traced"],
+                         floor_ms=ms["floor"], of_floor=ms["floor"] / ms["ring"],
+                         trace_cost=ms["traced"] / ms["ring"], max_rel_error=error,
+                         correct=error < 2e-2, layout=layout, rows=rows, causal=causal,
+                         ctas=traced.split()[0], comm_ctas=traced.split()[1],
+                         floor_tflops=flops / ms["floor"] / 1e9, ring_tflops=flops / ms["ring"] / 1e9,
+                         ranks=ranks, timing="interleaved_ms medians; span: globaltimer, median of "
+                                             f"{args.calls} traced calls")
+            print(f"{case}: ring {ms['ring']:.3f} ms, traced {ms['traced']:.3f}, floor "
+                  f"{ms['floor']:.3f} (of floor {row['of_floor']:.3f}); traced span "
+                  f"{span_us:.0f} us, err {error:.4f}", flush=True)
+            for i, r in enumerate(ranks):
+                print(f"  rank {i}: start {r['start_first']:.0f}-{r['start_last']:.0f}, copies "
+                      f"{r['copies_median'] or 0:.0f}/{r['copies_last'] or 0:.0f}, end "
+                      f"{r['end_first']:.0f}/{r['end_median']:.0f}/{r['end_last']:.0f}, flag wait "
+                      f"{r['flag_wait_mean']:.0f} (max {r['flag_wait_max']:.0f}), starved "
+                      f"{r['starved_mean']:.0f} (max {r['starved_max']:.0f}), tiles "
+                      f"{r['tiles_min']}-{r['tiles_max']}, {r['ns_per_cycle']:.3f} ns/cycle",
+                      flush=True)
+            if args.out:
+                append_jsonl(args.out, [row])
+            if args.raw:
+                raw = {name: [x.tolist() for x in (rr[name] for rr in records)]
+                       for name in RA.TRACE_FIELDS}
+                with open(args.raw, "a") as handle:
+                    handle.write(json.dumps({"case": case, "commit": row["commit"], **raw}) + "\n")
+        plain.close()
+        traced.close()
+        world.close()
+
+
+if __name__ == "__main__":
+    main()
