@@ -62,9 +62,12 @@ def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
     `iterations` back-to-back calls, the calls taking turns round by round: clock and
     power drift (a GPU fresh from idle runs its first long kernels faster) falls on every
     call alike instead of favouring the first timed. Timed one after the other, a GEMM
-    sweep saw its first configuration up to 17% faster than in rounds. Each round starts one
-    call further on, so no call always follows the same one (a slow host-bound baseline
-    leaves the GPU at other clocks for whatever comes next). Each call's warm-up is
+    sweep saw its first configuration up to 17% faster than in rounds. Each round takes the
+    calls in a new order (a seeded shuffle, the same in every run), so no call always follows
+    the same one: a slow host-bound baseline leaves the GPU at other clocks for whatever
+    comes next, and with the rounds only rotated (until c526389) each call always followed
+    the same one; two rings of one configuration then differed by 2-10% in one run. Each
+    call's warm-up is
     synchronized before the next one's: a first call may wait for the device (a module
     load, a memory pool growing), and on an emulated world with nodes that holds back the
     proxy's copies of a fused call still in flight (a 2x2 ring timed out so)."""
@@ -75,12 +78,24 @@ def interleaved_ms(calls: dict, *, iterations: int = 10, rounds: int = 5,
             call()
         stream.synchronize()
     samples: dict = {name: [] for name in calls}
-    names = list(calls)
-    for round_index in range(rounds):
-        start_at = round_index % len(names)
-        for name in names[start_at:] + names[:start_at]:
+    for order in round_orders(list(calls), rounds):
+        for name in order:
             samples[name].append(_batch(calls[name], iterations, stream))
     return {name: median(values) for name, values in samples.items()}
+
+
+def round_orders(names: list, rounds: int, seed: int = 0) -> list[list]:
+    """The order of `names` in each of `rounds` rounds (interleaved_ms): round k leads with
+    name k mod n (each leads equally often), the rest in a seeded shuffle."""
+    import random
+    shuffle = random.Random(seed).shuffle
+    orders = []
+    for k in range(rounds):
+        i = k % len(names)
+        rest = names[:i] + names[i + 1:]
+        shuffle(rest)
+        orders.append([names[i]] + rest)
+    return orders
 
 
 def repeated(call, count: int, context=None):
