@@ -43,6 +43,9 @@ def parse():
     parser.add_argument("--layouts", nargs="+", default=["1x2", "1x4", "2x2"])
     parser.add_argument("--shapes", default="suite", help="'suite' or B:S:Hq:Hkv:D:causal,...")
     parser.add_argument("--calls", type=int, default=5, help="traced calls per case")
+    parser.add_argument("--own", nargs="+", default=["direct"],
+                        help="where the compute reads the rank's own K/V: 'direct' (inputs) "
+                             "or 'gathered' (its copy); each traced and timed in the same rounds")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
@@ -88,8 +91,10 @@ def main():
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
         W = world.size
-        plain = mkrt.RingAttention(world, timeout_ms=20000)
-        traced = mkrt.RingAttention(world, timeout_ms=20000, trace=True)
+        plain = {own: mkrt.RingAttention(world, timeout_ms=20000, direct_own=own == "direct")
+                 for own in args.own}
+        traced = {own: mkrt.RingAttention(world, timeout_ms=20000, trace=True,
+                                          direct_own=own == "direct") for own in args.own}
         for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
             S = rows * W
             case = f"{layout}_b{B}_s{rows}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
@@ -102,64 +107,77 @@ def main():
             lses = [cupy.empty((B, Hq, rows), cupy.float32) for _ in qs]
             flops = A.check_operands(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
                                      causal=causal).flops
-            # the trace build's answer against the engine on the whole sequence
+            # the trace builds' answers against the engine on the whole sequence
             whole, _ = mkrt.attention(q, k, v, causal=causal)
-            for x in outs:
-                x.fill(float("nan"))
-            traced(qs, ks, vs, causal=causal, out=outs, lse=lses)
-            world.synchronize()
-            got = RA.unshard(outs, causal=causal).astype(cupy.float32)
-            error = float(cupy.abs(got - whole.astype(cupy.float32)).max()
-                          / cupy.abs(whole.astype(cupy.float32)).max())
+            errors = {}
+            for own, op in traced.items():
+                for x in outs:
+                    x.fill(float("nan"))
+                op(qs, ks, vs, causal=causal, out=outs, lse=lses)
+                world.synchronize()
+                got = RA.unshard(outs, causal=causal).astype(cupy.float32)
+                errors[own] = float(cupy.abs(got - whole.astype(cupy.float32)).max()
+                                    / cupy.abs(whole.astype(cupy.float32)).max())
 
-            calls = {"ring": repeated(lambda: plain(qs, ks, vs, causal=causal, out=outs, lse=lses),
-                                      args.iterations),
-                     "traced": repeated(lambda: traced(qs, ks, vs, causal=causal, out=outs, lse=lses),
-                                        args.iterations),
-                     "floor": repeated(lambda: mkrt.attention(q, k, v, causal=causal), args.iterations)}
+            calls = {"floor": repeated(lambda: mkrt.attention(q, k, v, causal=causal), args.iterations)}
+            for own in args.own:
+                calls["ring", own] = repeated(
+                    lambda op=plain[own]: op(qs, ks, vs, causal=causal, out=outs, lse=lses), args.iterations)
+                calls["traced", own] = repeated(
+                    lambda op=traced[own]: op(qs, ks, vs, causal=causal, out=outs, lse=lses), args.iterations)
             for call in calls.values():
                 call()
                 world.synchronize()
             ms = {key: t / args.iterations for key, t in interleaved_ms(
-                calls, iterations=1, rounds=args.repeats, warmup=1).items()}
-
-            spans = []
-            for _ in range(args.calls):
-                traced(qs, ks, vs, causal=causal, out=outs, lse=lses)
-                records = traced.trace()
-                spans.append((summarise(records, traced.split()[0] - traced.split()[1]), records))
-            spans.sort(key=lambda item: item[0][0])
-            (span_us, ranks), records = spans[len(spans) // 2]
-            row = record("ring_trace", case, "span_ms", span_us / 1e3, ms["floor"], "ms",
-                         higher_is_better=False, ring_ms=ms["ring"], traced_ms=ms["traced"],
-                         floor_ms=ms["floor"], of_floor=ms["floor"] / ms["ring"],
-                         trace_cost=ms["traced"] / ms["ring"], max_rel_error=error,
-                         correct=error < 2e-2, layout=layout, rows=rows, causal=causal,
-                         ctas=traced.split()[0], comm_ctas=traced.split()[1],
-                         floor_tflops=flops / ms["floor"] / 1e9, ring_tflops=flops / ms["ring"] / 1e9,
-                         ranks=ranks, timing="interleaved_ms medians; span: globaltimer, median of "
-                                             f"{args.calls} traced calls")
-            print(f"{case}: ring {ms['ring']:.3f} ms, traced {ms['traced']:.3f}, floor "
-                  f"{ms['floor']:.3f} (of floor {row['of_floor']:.3f}); traced span "
-                  f"{span_us:.0f} us, err {error:.4f}", flush=True)
-            for i, r in enumerate(ranks):
-                print(f"  rank {i}: start {r['start_first']:.0f}-{r['start_last']:.0f}, copies "
-                      f"{r['copies_median'] or 0:.0f}/{r['copies_last'] or 0:.0f}, end "
-                      f"{r['end_first']:.0f}/{r['end_median']:.0f}/{r['end_last']:.0f}, flag wait "
-                      f"{r['flag_wait_mean']:.0f} (max {r['flag_wait_max']:.0f}), starved "
-                      f"{r['starved_mean']:.0f} (max {r['starved_max']:.0f}), tiles "
-                      f"{r['tiles_min']}-{r['tiles_max']}, {r['ns_per_cycle']:.3f} ns/cycle",
-                      flush=True)
-            if args.out:
-                append_jsonl(args.out, [row])
-            if args.raw:
-                raw = {name: [x.tolist() for x in (rr[name] for rr in records)]
-                       for name in RA.TRACE_FIELDS}
-                with open(args.raw, "a") as handle:
-                    handle.write(json.dumps({"case": case, "commit": row["commit"], **raw}) + "\n")
-        plain.close()
-        traced.close()
+                calls, iterations=1, rounds=max(args.repeats, len(calls)), warmup=1).items()}
+            for own in args.own:
+                report(args, layout, case, own, traced[own], ms, errors[own], flops, qs, ks, vs, outs,
+                       lses, causal, rows)
+        for op in [*plain.values(), *traced.values()]:
+            op.close()
         world.close()
+
+
+def report(args, layout, case, own, traced, ms, error, flops, qs, ks, vs, outs, lses, causal, rows):
+    """Trace `traced` over args.calls calls; print and record the median call's summary."""
+    from mkrt.kernels import ring_attention as RA
+    case = case + ("" if own == "direct" else f"_own{own}")
+    ring_ms, traced_ms = ms["ring", own], ms["traced", own]
+
+    spans = []
+    for _ in range(args.calls):
+        traced(qs, ks, vs, causal=causal, out=outs, lse=lses)
+        records = traced.trace()
+        spans.append((summarise(records, traced.split()[0] - traced.split()[1]), records))
+    spans.sort(key=lambda item: item[0][0])
+    (span_us, ranks), records = spans[len(spans) // 2]
+    row = record("ring_trace", case, "span_ms", span_us / 1e3, ms["floor"], "ms",
+                 higher_is_better=False, ring_ms=ring_ms, traced_ms=traced_ms,
+                 floor_ms=ms["floor"], of_floor=ms["floor"] / ring_ms,
+                 trace_cost=traced_ms / ring_ms, max_rel_error=error, own=own,
+                 correct=error < 2e-2, layout=layout, rows=rows, causal=causal,
+                 ctas=traced.split()[0], comm_ctas=traced.split()[1],
+                 floor_tflops=flops / ms["floor"] / 1e9, ring_tflops=flops / ring_ms / 1e9,
+                 ranks=ranks, timing="interleaved_ms medians; span: globaltimer, median of "
+                                     f"{args.calls} traced calls")
+    print(f"{case}: ring {ring_ms:.3f} ms, traced {traced_ms:.3f}, floor "
+          f"{ms['floor']:.3f} (of floor {row['of_floor']:.3f}); traced span "
+          f"{span_us:.0f} us, err {error:.4f}", flush=True)
+    for i, r in enumerate(ranks):
+        print(f"  rank {i}: start {r['start_first']:.0f}-{r['start_last']:.0f}, copies "
+              f"{r['copies_median'] or 0:.0f}/{r['copies_last'] or 0:.0f}, end "
+              f"{r['end_first']:.0f}/{r['end_median']:.0f}/{r['end_last']:.0f}, flag wait "
+              f"{r['flag_wait_mean']:.0f} (max {r['flag_wait_max']:.0f}), starved "
+              f"{r['starved_mean']:.0f} (max {r['starved_max']:.0f}), tiles "
+              f"{r['tiles_min']}-{r['tiles_max']}, {r['ns_per_cycle']:.3f} ns/cycle",
+              flush=True)
+    if args.out:
+        append_jsonl(args.out, [row])
+    if args.raw:
+        raw = {name: [x.tolist() for x in (rr[name] for rr in records)]
+               for name in RA.TRACE_FIELDS}
+        with open(args.raw, "a") as handle:
+            handle.write(json.dumps({"case": case, "commit": row["commit"], **raw}) + "\n")
 
 
 if __name__ == "__main__":

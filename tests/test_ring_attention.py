@@ -194,7 +194,11 @@ def test_the_kernels_wait_is_the_mirrored_one():
     assert "const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;" in text
     assert "wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks," in text
     assert "wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes," in text
-    assert "gather_chunks(comm_ctas, RING_CHUNKS), row_bytes};" in text
+    assert "gather_chunks(comm_ctas, RING_CHUNKS), row_bytes, &tma_k_own, &tma_v_own};" in text
+    # the rank's own keys come from its inputs: no wait, and on one node no copy of them
+    assert "if (DIRECT_OWN && block.source == node * G + me) return true;" in text
+    assert "gather.own_in_input = DIRECT_OWN;" in text
+    assert "targets[p] = (p == a.me && (a.N > 1 || a.own_in_input)) ? nullptr" in text
 
 
 def test_the_band_keeps_gathered_kv_in_the_ranks_share_of_l2():
@@ -227,13 +231,15 @@ def test_stages_and_trace_options_are_checked_and_reach_the_spec():
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="trace="):
             RA.RingAttention(object(), trace=bad)
+        with pytest.raises(ValueError, match="direct_own="):
+            RA.RingAttention(object(), direct_own=bad)
     problem = SimpleNamespace(dtype="bf16", head_dim=128, causal=True)
     op = RA.RingAttention.__new__(RA.RingAttention)
-    op.stages, op.tracing = None, False
+    op.stages, op.tracing, op.direct_own = None, False, True
     assert op.spec(problem) == RA.spec_for("bf16", 128, True)
-    op.stages, op.tracing = 3, True
+    op.stages, op.tracing, op.direct_own = 3, True, False
     spec = op.spec(problem)
-    assert (spec.stages, spec.trace) == (3, 1) and "_t1_" in spec.uri
+    assert (spec.stages, spec.trace, spec.direct_own) == (3, 1, 0) and "_t1_o0_" in spec.uri
     with pytest.raises(ValueError, match="trace\\(\\) needs"):
         op.tracing = False
         op.trace()

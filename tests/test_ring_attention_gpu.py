@@ -81,6 +81,22 @@ def test_hundred_calls_without_sync_are_identical(make_world, layout):
 
 
 @pytest.mark.parametrize("layout", ["1x2", "2x2"])
+def test_reading_own_keys_from_the_gathered_copy_still_matches(make_world, layout):
+    import cupy
+
+    from mkrt.kernels.gemm import poison
+    world = make_world(layout)
+    op = mkrt.RingAttention(world, timeout_ms=10000, direct_own=False)
+    q, k, v = sequence(2, 2 * world.size * 192, 4, 2, 128, "bf16", seed=5)
+    qs, ks, vs = (shards(world, x, False) for x in (q, k, v))
+    outs = [poison(cupy.empty_like(x)) for x in qs]
+    lses = [cupy.full((2, 4, 384), np.nan, np.float32) for _ in qs]
+    op(qs, ks, vs, causal=False, out=outs, lse=lses)
+    world.synchronize()
+    check(world, q, k, v, outs, lses, False, "bf16")
+
+
+@pytest.mark.parametrize("layout", ["1x2", "2x2"])
 def test_the_trace_build_is_correct_and_accounts_for_every_tile_and_block(make_world, layout):
     import cupy
 

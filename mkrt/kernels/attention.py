@@ -67,6 +67,12 @@ struct HeadWork {
     // producer's 24 above 128-key blocks, do not have).
     static constexpr bool CLAIMED = $CLAIMED;
     static constexpr bool TRACE = false;       // (the ring's trace build counts waits)
+    // every block through the engine's maps
+    __device__ __forceinline__ const mkrt::TmaDescriptor* map_for(const mkrt::TmaDescriptor* map, bool,
+                                                            const KeyBlock& block, int& source) const {
+        source = block.source;
+        return map;
+    }
     static_assert(!CLAIMED || (Cfg::CONSUMERS == 2 && Cfg::BKV <= 128),
                   "claiming tiles needs two consumer warpgroups and blocks of at most 128 keys "
                   "(registers)");

@@ -82,6 +82,10 @@ $ARGS_CHECKS
 // the cycles the first consumer warpgroup waited for loaded stages (no keys to work on);
 // clock64 at entry and when the producer was done (to turn cycles into time).
 constexpr bool RING_TRACE = $TRACE;
+// $DIRECT_OWN: the compute reads the rank's own K/V from its inputs (tma_k_own, tma_v_own),
+// without waiting for anything; false: from its copy in the gathered buffer, as until
+// c526389 (on several nodes the whole copy came first: every CTA waited for it at the start).
+constexpr bool DIRECT_OWN = $DIRECT_OWN;
 constexpr int TRACE_WORDS = $TRACE_WORDS;        // len(TRACE_FIELDS)
 
 // Chunks per gathered block: fine enough that a key block waits for little more than its
@@ -134,6 +138,8 @@ struct RingWork : RingCounters<RING_TRACE> {
     roles::CountedQueue queue;  // tile positions claimed this launch (the engine hands each to the consumers)
     int chunks;                 // chunk flags per gathered block this launch
     u64 row_bytes;              // one row of K (or V): Hkv x D elements
+    const TmaDescriptor* own_k; // DIRECT_OWN: maps over this rank's inputs ([1][B, 2c, Hkv, D])
+    const TmaDescriptor* own_v;
     // the producer's: sources (below 64) it has seen whole and fenced, so their blocks load
     // with no flag read and no fence (a system-scope load per block delayed the producer,
     // whose lead over the consumers is a stage or two)
@@ -244,13 +250,25 @@ struct RingWork : RingCounters<RING_TRACE> {
             }
         }
     }
-    // Before loading a block: its rows of K and V are in our gathered buffer. A source
+    // The map a block loads through: our own keys from the inputs (DIRECT_OWN).
+    __device__ __forceinline__ const TmaDescriptor* map_for(const TmaDescriptor* map, bool values,
+                                                            const KeyBlock& block, int& source) const {
+        if (DIRECT_OWN && block.source == node * G + me) {
+            source = 0;
+            return values ? own_v : own_k;
+        }
+        source = block.source;
+        return map;
+    }
+    // Before loading a block: our own keys are in the inputs (DIRECT_OWN); others' rows of
+    // K and V in our gathered buffer. A source
     // whose whole block is in costs one load; otherwise only the chunks holding the rows
     // (K rows batch x 2c + row.., V the same B x 2c rows further on). Our own block on
     // several nodes has no chunk flags: it is whole once ready.
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
         const u64 bit = block.source < 64 ? 1ull << block.source : 0ull;
         count_block();
+        if (DIRECT_OWN && block.source == node * G + me) return true;
         if (whole_sources & bit) return true;
         if (ld_acquire_sys(flags + L.ready(block.source)) >= epoch) {
             whole_sources |= bit;
@@ -304,6 +322,8 @@ extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                const __grid_constant__ TmaDescriptor tma_k,
                const __grid_constant__ TmaDescriptor tma_v,
+               const __grid_constant__ TmaDescriptor tma_k_own,
+               const __grid_constant__ TmaDescriptor tma_v_own,
                const __grid_constant__ Args args, int muted_rank,
                u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
     extern __shared__ char dynamic_smem[];
@@ -325,7 +345,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     const u64 row_bytes = (u64)a.kv_heads * Cfg::D * sizeof(T);
     if ((int)blockIdx.x >= compute_ctas) {
         const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * row_bytes;
-        const GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
+        GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
+        gather.own_in_input = DIRECT_OWN;
         gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
         __syncthreads();                 // the role's shared memory is the engine's now
@@ -336,7 +357,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                         (a.chunk + Cfg::BKV - 1) / Cfg::BKV, a.G, a.N, a.node, a.me, a.causal,
                         a.band, a.flags, L, epoch, ctx,
                         {a.flags + L.claims(), 2 * q_blocks * a.batches * a.heads},
-                        gather_chunks(comm_ctas, RING_CHUNKS), row_bytes};
+                        gather_chunks(comm_ctas, RING_CHUNKS), row_bytes, &tma_k_own, &tma_v_own};
     const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
     attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
     work.record(record);
@@ -365,19 +386,21 @@ TRACE_FIELDS = ("start_ns", "copies_done_ns", "producer_done_ns", "consumer_done
 
 #: kernel parameters, in order (tensor maps 64-byte aligned)
 LAUNCH_PARAMETERS = [("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
+                     ("tma_k_own", 128, 64), ("tma_v_own", 128, 64),
                      ("args", ARGS_DTYPE, 8), ("muted_rank", np.int32, 4), *CONTEXT_PARAMETERS]
 
 
 @dataclasses.dataclass(frozen=True)
 class RingAttentionSpec(attention_module.AttentionSpec):
     """The attention engine's configuration, in the ring kernel (URI e.g.
-    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_t0_sm90a``)."""
+    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_t0_o1_sm90a``)."""
 
     family = "ring_attention"
     entry_points = ("ring_attention",)
 
     claimed: int = dataclasses.field(default=1, metadata={"short": "q"})     # RingWork claims
     trace: int = dataclasses.field(default=0, metadata={"short": "t"})       # 1: per-CTA records
+    direct_own: int = dataclasses.field(default=1, metadata={"short": "o"})  # 1: own K/V from the inputs
 
     def __post_init__(self):
         # before the engine's checks, whose claim check would name the consumers otherwise
@@ -388,6 +411,8 @@ class RingAttentionSpec(attention_module.AttentionSpec):
             raise ValueError("mkrt.ring_attention: claimed=0; the ring's CTAs always claim tiles")
         if self.trace not in (0, 1):
             raise ValueError(f"mkrt.ring_attention: trace={self.trace}; expected 0 or 1")
+        if self.direct_own not in (0, 1):
+            raise ValueError(f"mkrt.ring_attention: direct_own={self.direct_own}; expected 0 or 1")
 
     def template(self):
         return RING_ATTENTION
@@ -395,6 +420,7 @@ class RingAttentionSpec(attention_module.AttentionSpec):
     def params(self):
         return {**super().params(), "KERNEL_ID": f"{KERNEL_ID}ull",
                 "TRACE": "true" if self.trace else "false", "TRACE_WORDS": len(TRACE_FIELDS),
+                "DIRECT_OWN": "true" if self.direct_own else "false",
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
 
@@ -543,6 +569,9 @@ class RingAttention(GatheringOp):
     ``stages``: K/V stages of the engine's pipeline (default :func:`spec_for`'s: those of
     mkrt.attention's configuration). ``trace=True`` runs the trace build, whose CTAs record
     when they started and finished and how long they waited (:meth:`trace`).
+    ``direct_own`` (default True): each rank's compute reads its own K/V from its inputs;
+    False reads them from the rank's copy in the gathered buffer (the kernel until
+    c526389, kept for comparison).
     """
 
     name = "ring_attention"
@@ -550,9 +579,10 @@ class RingAttention(GatheringOp):
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
                  roles: str = "static", band: int | None = None, stages: int | None = None,
-                 trace: bool = False):
-        if not isinstance(trace, (bool, np.bool_)):
-            raise ValueError(f"mkrt.ring_attention: trace={trace!r}; expected True or False")
+                 trace: bool = False, direct_own: bool = True):
+        for name, value in (("trace", trace), ("direct_own", direct_own)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"mkrt.ring_attention: {name}={value!r}; expected True or False")
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, (int, np.integer))
                                    or stages < 2):
             raise ValueError(f"mkrt.ring_attention: stages={stages!r}; expected an integer of at "
@@ -566,6 +596,7 @@ class RingAttention(GatheringOp):
         self.band = None if band is None else int(band)
         self.stages = None if stages is None else int(stages)
         self.tracing = bool(trace)
+        self.direct_own = bool(direct_own)
 
     def spec(self, problem) -> "RingAttentionSpec":
         """The engine configuration of the ring's kernel for `problem` (:func:`spec_for`,
@@ -573,7 +604,7 @@ class RingAttention(GatheringOp):
         spec = spec_for(problem.dtype, problem.head_dim, problem.causal)
         if self.stages is not None:
             spec = dataclasses.replace(spec, stages=self.stages)
-        return dataclasses.replace(spec, trace=int(self.tracing))
+        return dataclasses.replace(spec, trace=int(self.tracing), direct_own=int(self.direct_own))
 
     def band_for(self, problem, rank: int) -> int:
         """(batch, key head) pairs whose tiles run together on `rank`: ``band``, or as many
@@ -660,6 +691,7 @@ class RingAttention(GatheringOp):
         self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
         p = call.problem
         spec = self.spec(p)
+        call.block_kv = spec.block_kv
         launches, words = [], []
         if self.tracing:
             # allocated while nothing is in flight (an allocation may wait for the device)
@@ -687,7 +719,7 @@ class RingAttention(GatheringOp):
             launches.append(KernelLaunch(function, call.ctas, spec.threads, spec.smem_bytes, params))
             words.append(tuple(params.field_view("args", f) for f in ("k", "v", "out", "lse")))
         call.launches, call.generation, call.words = launches, self._generation, words
-        call.q_pointers = {}
+        call.q_pointers, call.kv_pointers = {}, {}
         return launches
 
     def _args(self, call, info) -> np.ndarray:
@@ -739,6 +771,16 @@ class RingAttention(GatheringOp):
                 descriptor = attention_module.head_major_map(q, p.dtype, attention_module.BLOCK_Q)
                 ctypes.memmove(launch.params.address("tma_q"), descriptor.address, 128)
                 call.q_pointers[i] = q.data.ptr
+            pointers = (k_list[i].data.ptr, v_list[i].data.ptr)
+            if call.kv_pointers.get(i) != pointers:
+                # [1][B, 2c, Hkv, D] over the inputs, the gathered maps' boxes (DIRECT_OWN)
+                head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2
+                for name, pointer in zip(("tma_k_own", "tma_v_own"), pointers):
+                    descriptor = tma_descriptor(
+                        pointer, p.dtype, (p.head_dim, p.kv_heads, p.sk, p.batches, 1),
+                        (head, row, p.sk * row, call.kv_bytes), (64, 1, call.block_kv, 1, 1))
+                    ctypes.memmove(launch.params.address(name), descriptor.address, 128)
+                call.kv_pointers[i] = pointers
             for word, x in zip(call.words[i], (k_list[i], v_list[i], outs[i], lses[i])):
                 word[()] = x.data.ptr
         self.launch(launches)
@@ -758,6 +800,8 @@ class _PreparedCall:
     generation: int = -1
     words: list | None = None
     q_pointers: dict = dataclasses.field(default_factory=dict)
+    kv_pointers: dict = dataclasses.field(default_factory=dict)
+    block_kv: int = 128             # the spec's key block (the own maps' box)
     boards: list | None = None      # roles="search": per rank, the role board
     traces: list | None = None      # trace=True: per rank, the CTAs' records
 

@@ -56,7 +56,10 @@ Plugging in (what a kernel supplies), as for the GEMM engine:
   before loading a block (a ring waits there for the block's source to arrive); false
   releases the block's stage unloaded, and the host raises the timeout; and
   ``static constexpr bool TRACE`` (true: the consumers add the cycles they wait for a
-  loaded stage to a ``mutable long long starved`` member; each thread has its own copy).
+  loaded stage to a ``mutable long long starved`` member; each thread has its own copy);
+  and ``__device__ const TmaDescriptor* map_for(const TmaDescriptor* map, bool values,
+  const KeyBlock&, int& source) const``: the map a block's K (values: V) loads through, of
+  the engine's own (``map``) or another, and its source coordinate there.
 * an **epilogue**: ``__device__ void operator()(const Tile&, const RowState<Cfg>&,
   const ConsumerThread&) const``, called by every consumer thread once per tile with the
   *normalised* output fragment and the rows' LSE (natural log).
@@ -249,17 +252,22 @@ struct Pipeline {
 // K or V of one block into its stage, once the consumers have released the stage. A block
 // whose keys never came (a bounded wait gave up) is released unloaded so the consumers
 // drain; the host raises the timeout.
-template <class Cfg>
+// The work list picks the map and its source coordinate (Work::map_for: a ring reads its
+// own keys from its inputs, the others' from the gathered buffer).
+template <class Cfg, class Work>
 __device__ __forceinline__ void load_block(char* destination, u64* full, u64* empty,
-                                           const TmaDescriptor* map, const Tile& tile,
-                                           const KeyBlock& block, bool ready, u32 phase) {
+                                           const TmaDescriptor* map, const Work& work, bool values,
+                                           const Tile& tile, const KeyBlock& block, bool ready,
+                                           u32 phase) {
     mbarrier_wait(empty, phase ^ 1);
     if (ready) {
+        int source;
+        const TmaDescriptor* const chosen = work.map_for(map, values, block, source);
         mbarrier_arrive_expect_tx(full, Cfg::KV_BYTES);
         #pragma unroll
         for (int c = 0; c < Cfg::CHUNKS; ++c)
-            tma_load_5d(destination + c * Cfg::BKV * 128, map, c * 64, tile.kv_head, block.row,
-                        tile.batch, block.source, full);
+            tma_load_5d(destination + c * Cfg::BKV * 128, chosen, c * 64, tile.kv_head, block.row,
+                        tile.batch, source, full);
     } else {
         mbarrier_arrive(full);
     }
@@ -312,14 +320,14 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
         bool previous_ready = false;
         auto load_previous_values = [&]() {
             const int s = stage == 0 ? Cfg::STAGES - 1 : stage - 1;
-            load_block<Cfg>(pipe.v_stage(s), &pipe.v_full[s], &pipe.v_empty[s], tma_v, tile,
+            load_block<Cfg>(pipe.v_stage(s), &pipe.v_full[s], &pipe.v_empty[s], tma_v, work, true, tile,
                             previous, previous_ready, stage == 0 ? phase ^ 1 : phase);
         };
         KeyBlock block = work.first_block(tile);
         for (int j = 0; j < tile.blocks; ++j) {
             if (j > 0) work.template next_block<true>(tile, block);
             const bool ready = work.wait(tile, block);
-            load_block<Cfg>(pipe.k_stage(stage), &pipe.k_full[stage], &pipe.k_empty[stage], tma_k,
+            load_block<Cfg>(pipe.k_stage(stage), &pipe.k_full[stage], &pipe.k_empty[stage], tma_k, work, false,
                             tile, block, ready, phase);
             if (j > 0) load_previous_values();
             previous = block;

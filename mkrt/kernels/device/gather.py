@@ -138,6 +138,8 @@ struct GatherArgs {
     int me, node, G, N;
     int gathered_region, flags_region;
     int want_chunks;            // gather_chunks(comm_ctas, want_chunks) chunks per block
+    bool own_in_input;          // the compute reads our block from the inputs: no copy of it
+                                // into our own buffer on one node (several: the puts read it)
 };
 
 constexpr int GATHER_MAX_NODE_RANKS = 32;
@@ -302,8 +304,9 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
     __syncthreads();          // targets is rewritten below
     if (threadIdx.x < a.G) {
         const int p = threadIdx.x;
-        // several nodes: step 2 already wrote our own buffer
-        targets[p] = (p == a.me && a.N > 1) ? nullptr
+        // several nodes: step 2 already wrote our own buffer; one node, with our compute
+        // reading the inputs, nobody reads it
+        targets[p] = (p == a.me && (a.N > 1 || a.own_in_input)) ? nullptr
                      : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes;
     }
     __syncthreads();
