@@ -22,6 +22,6 @@ echo "trace done at $SECONDS s" | tee -a $LOG
 TRACE_S=60 trace 1x2 4:8192:16:16:128:1,4:8192:16:16:128:0
 echo "trace 8192 done at $SECONDS s" | tee -a $LOG
 # 3. the attention engine's GPU tests (its loads now take their map from the work list)
-timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention_gpu.py \
+timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
 echo "attention tests done at $SECONDS s" | tee -a $LOG
