@@ -19,8 +19,6 @@ trace() {   # layouts, shapes
 }
 trace "1x2 1x4 2x2" 4:4096:16:16:128:1,4:4096:16:16:128:0
 echo "trace done at $SECONDS s" | tee -a $LOG
-TRACE_S=60 trace 1x2 4:8192:16:16:128:1,4:8192:16:16:128:0
-echo "trace 8192 done at $SECONDS s" | tee -a $LOG
 # 3. with its own K/V read directly, a rank on one node copies half what it did: fewer
 #    copying CTAs may do; and the L2 band as if the rank had the whole L2 (1x2 at 4096)
 timeout ${SPLIT_S:-100} python3 experiments/ring_attention.py --layouts 1x2 \
@@ -28,7 +26,3 @@ timeout ${SPLIT_S:-100} python3 experiments/ring_attention.py --layouts 1x2 \
     --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
     grep -v "F.scaled_dot" | tee -a $LOG
 echo "split done at $SECONDS s" | tee -a $LOG
-# 4. the attention engine's GPU tests (its loads now take their map from the work list)
-timeout ${ATT_TEST_S:-60} python3 -m pytest -q -m gpu tests/test_attention.py \
-    -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
-echo "attention tests done at $SECONDS s" | tee -a $LOG
