@@ -5,7 +5,7 @@
 #    one node no copy into its own gathered slot); the trace build's records account for
 #    every tile and key block;
 # 2. where the ring's time goes: experiments/ring_trace.py on 1x2, 1x4 and 2x2 at 4096
-#    rows per rank, causal or not, then 1x2 at 8192 (the ring lost about 0.6 ms to the
+#    rows per rank, causal or not (the ring lost about 0.6 ms to the
 #    floor at 4096 causal on 1x2 and about 1 ms at 8192: a near-fixed cost somewhere),
 #    own K/V read directly and (as until c526389) from the gathered copy, in the same rounds.
 source experiments/device_prelude.sh log.txt
