@@ -1,28 +1,21 @@
 #!/bin/bash
-# The next device call (about 4 min, at most 8 files under $OUT), most important first:
+# The next device call (about 4 min with the start, at most 8 files under $OUT), most important first:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
 # 1. GPU tests of the ring: each rank now reads its own K/V from its inputs (no wait; on
 #    one node no copy into its own gathered slot); the trace build's records account for
 #    every tile and key block;
-# 2. where the ring's time goes: experiments/ring_trace.py on 1x2, 1x4 and 2x2 at 4096
+# 2. where the ring's time goes: experiments/ring_trace.py on 1x2 and 2x2 at 4096
 #    rows per rank, causal or not (the ring lost about 0.6 ms to the
 #    floor at 4096 causal on 1x2 and about 1 ms at 8192: a near-fixed cost somewhere),
 #    own K/V read directly and (as until c526389) from the gathered copy, in the same rounds.
 source experiments/device_prelude.sh log.txt
-timeout ${TEST_S:-90} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py \
+timeout ${TEST_S:-80} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
 echo "tests done at $SECONDS s" | tee -a $LOG
 trace() {   # layouts, shapes
-    timeout ${TRACE_S:-150} python3 experiments/ring_trace.py --layouts $1 --shapes $2 \
+    timeout ${TRACE_S:-130} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 4 \
         --own direct gathered --out $OUT/ring_trace.jsonl --raw $OUT/ring_trace_raw.jsonl 2>&1 | \
         grep -v Warning | tee -a $LOG
 }
-trace "1x2 1x4 2x2" 4:4096:16:16:128:1,4:4096:16:16:128:0
+trace "1x2 2x2" 4:4096:16:16:128:1,4:4096:16:16:128:0
 echo "trace done at $SECONDS s" | tee -a $LOG
-# 3. with its own K/V read directly, a rank on one node copies half what it did: fewer
-#    copying CTAs may do; and the L2 band as if the rank had the whole L2 (1x2 at 4096)
-timeout ${SPLIT_S:-100} python3 experiments/ring_attention.py --layouts 1x2 \
-    --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --comm-ctas default 8 --bands rule whole \
-    --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
-    grep -v "F.scaled_dot" | tee -a $LOG
-echo "split done at $SECONDS s" | tee -a $LOG
