@@ -46,6 +46,9 @@ def parse():
     parser.add_argument("--own", nargs="+", default=["direct"],
                         help="where the compute reads the rank's own K/V: 'direct' (inputs) "
                              "or 'gathered' (its copy); each traced and timed in the same rounds")
+    parser.add_argument("--ctas", nargs="+", default=["default"],
+                        help="CTAs per rank ('default': the rank's SM share); fewer leave SMs "
+                             "to the proxy's copy kernels on a world of several nodes")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
@@ -91,10 +94,13 @@ def main():
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
         W = world.size
-        plain = {own: mkrt.RingAttention(world, timeout_ms=20000, direct_own=own == "direct")
-                 for own in args.own}
-        traced = {own: mkrt.RingAttention(world, timeout_ms=20000, trace=True,
-                                          direct_own=own == "direct") for own in args.own}
+        variants = [(own, ctas) for own in args.own for ctas in args.ctas]
+        options = {variant: dict(timeout_ms=20000, direct_own=variant[0] == "direct",
+                                 ctas=None if variant[1] == "default" else int(variant[1]))
+                   for variant in variants}
+        plain = {variant: mkrt.RingAttention(world, **options[variant]) for variant in variants}
+        traced = {variant: mkrt.RingAttention(world, trace=True, **options[variant])
+                  for variant in variants}
         for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
             S = rows * W
             case = f"{layout}_b{B}_s{rows}_h{Hq}_kv{Hkv}_d{D}" + ("_causal" if causal else "")
@@ -110,39 +116,43 @@ def main():
             # the trace builds' answers against the engine on the whole sequence
             whole, _ = mkrt.attention(q, k, v, causal=causal)
             errors = {}
-            for own, op in traced.items():
+            for variant, op in traced.items():
                 for x in outs:
                     x.fill(float("nan"))
                 op(qs, ks, vs, causal=causal, out=outs, lse=lses)
                 world.synchronize()
                 got = RA.unshard(outs, causal=causal).astype(cupy.float32)
-                errors[own] = float(cupy.abs(got - whole.astype(cupy.float32)).max()
+                errors[variant] = float(cupy.abs(got - whole.astype(cupy.float32)).max()
                                     / cupy.abs(whole.astype(cupy.float32)).max())
 
             calls = {"floor": repeated(lambda: mkrt.attention(q, k, v, causal=causal), args.iterations)}
-            for own in args.own:
-                calls["ring", own] = repeated(
-                    lambda op=plain[own]: op(qs, ks, vs, causal=causal, out=outs, lse=lses), args.iterations)
-                calls["traced", own] = repeated(
-                    lambda op=traced[own]: op(qs, ks, vs, causal=causal, out=outs, lse=lses), args.iterations)
+            for variant in variants:
+                calls["ring", variant] = repeated(
+                    lambda op=plain[variant]: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                    args.iterations)
+                calls["traced", variant] = repeated(
+                    lambda op=traced[variant]: op(qs, ks, vs, causal=causal, out=outs, lse=lses),
+                    args.iterations)
             for call in calls.values():
                 call()
                 world.synchronize()
             ms = {key: t / args.iterations for key, t in interleaved_ms(
                 calls, iterations=1, rounds=max(args.repeats, len(calls)), warmup=1).items()}
-            for own in args.own:
-                report(args, layout, case, own, traced[own], ms, errors[own], flops, qs, ks, vs, outs,
-                       lses, causal, rows)
+            for variant in variants:
+                report(args, layout, case, variant, traced[variant], ms, errors[variant], flops, qs,
+                       ks, vs, outs, lses, causal, rows)
         for op in [*plain.values(), *traced.values()]:
             op.close()
         world.close()
 
 
-def report(args, layout, case, own, traced, ms, error, flops, qs, ks, vs, outs, lses, causal, rows):
+def report(args, layout, case, variant, traced, ms, error, flops, qs, ks, vs, outs, lses, causal,
+           rows):
     """Trace `traced` over args.calls calls; print and record the median call's summary."""
     from mkrt.kernels import ring_attention as RA
-    case = case + ("" if own == "direct" else f"_own{own}")
-    ring_ms, traced_ms = ms["ring", own], ms["traced", own]
+    own, ctas = variant
+    case = case + ("" if own == "direct" else f"_own{own}") + ("" if ctas == "default" else f"_ctas{ctas}")
+    ring_ms, traced_ms = ms["ring", variant], ms["traced", variant]
 
     spans = []
     for _ in range(args.calls):
