@@ -1,5 +1,5 @@
 #!/bin/bash
-# The next device call (about 4 min with the start, at most 8 files under $OUT), most important first:
+# The next device call (about 3 min with the start, at most 8 files under $OUT), most important first:
 #   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
 # 1. where the ring's time goes: experiments/ring_trace.py on 1x2 and 2x2 at 4096
 #    rows per rank, causal or not (the ring lost about 0.6 ms to the
@@ -10,7 +10,7 @@
 #    every tile and key block.
 source experiments/device_prelude.sh log.txt
 trace() {   # layouts, shapes, CTAs per rank
-    timeout ${TRACE_S:-75} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 4 \
+    timeout ${TRACE_S:-60} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 4 \
         --own direct gathered --ctas $3 --out $OUT/ring_trace.jsonl --raw $OUT/ring_trace_raw.jsonl 2>&1 | \
         grep -v Warning | tee -a $LOG
 }
@@ -21,6 +21,6 @@ echo "trace 1x2 done at $SECONDS s" | tee -a $LOG
 # ranks leave free; with 28 CTAs per rank they get 20
 trace 2x2 4:4096:16:16:128:1,4:4096:16:16:128:0 "default 28"
 echo "trace 2x2 done at $SECONDS s" | tee -a $LOG
-timeout ${TEST_S:-70} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py \
+timeout ${TEST_S:-60} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
 echo "tests done at $SECONDS s" | tee -a $LOG
