@@ -11,7 +11,10 @@ summarised per rank (times in microseconds from the first CTA of any rank to sta
 * ``flag_wait``: what the producers waited for key blocks' flags (mean per CTA);
 * ``starved``: what the first consumer warpgroups waited for loaded stages (mean per CTA:
   time with no keys for the tensor cores);
-* ``tiles``: tiles per CTA (min, max).
+* ``tiles``: tiles per CTA (min, max);
+* ``sources``: per source in the order the rank visits them, when its CTAs' producers
+  first asked for one of its blocks (first CTA, median) and when one first saw it whole
+  (first CTA): a source asked for long before it is whole held the compute up.
 
 One row per case in experiments/results/ring_trace.jsonl (value: the traced call's span
 in ms, baseline: the floor's ms; per-rank summaries in ``ranks``) and, with ``--raw``,
@@ -56,14 +59,27 @@ def parse():
     return parser.parse_args()
 
 
-def summarise(records: list[dict], compute_ctas: int) -> tuple[float, list[dict]]:
-    """(the world's span in us, per-rank summaries) of one traced call's records."""
+def summarise(records: list[dict], compute_ctas: int, G: int = 1, N: int = 1) -> tuple[float, list[dict]]:
+    """(the world's span in us, per-rank summaries) of one traced call's records (rank
+    order, world of N nodes of G ranks)."""
+    from mkrt.kernels import ring_attention as RA
     origin = min(int(r["start_ns"].min()) for r in records)
     ends = [np.maximum(r["producer_done_ns"], r["consumer_done_ns"]) for r in records]
     span = (max(int(e.max()) for e in ends) - origin) / 1e3
     ranks = []
-    for r, end in zip(records, ends):
+    for rank, (r, end) in enumerate(zip(records, ends)):
         us = lambda x: (np.asarray(x, np.float64) - origin) / 1e3      # noqa: E731
+        sources = []
+        for source in RA.source_order(rank // G, rank % G, G, N):
+            if source >= RA.TRACE_SOURCES:
+                break
+            reached = r["source_reached_ns"][:, source]
+            whole = r["source_whole_ns"][:, source]
+            reached, whole = us(reached[reached > 0]), us(whole[whole > 0])
+            sources.append({"source": source,
+                            "reached_first": float(reached.min()) if reached.size else None,
+                            "reached_median": float(np.median(reached)) if reached.size else None,
+                            "whole_first": float(whole.min()) if whole.size else None})
         copies = us(r["copies_done_ns"][compute_ctas:])
         ranks.append({
             "start_first": float(us(r["start_ns"]).min()), "start_last": float(us(r["start_ns"]).max()),
@@ -78,6 +94,7 @@ def summarise(records: list[dict], compute_ctas: int) -> tuple[float, list[dict]
             "tiles_min": int(r["tiles"].min()), "tiles_max": int(r["tiles"].max()),
             "blocks": int(r["blocks"].sum()),
             "ns_per_cycle": float(np.median(r["ns_per_cycle"])),
+            "sources": sources,
         })
     return span, ranks
 
@@ -158,7 +175,8 @@ def report(args, layout, case, variant, traced, ms, error, flops, qs, ks, vs, ou
     for _ in range(args.calls):
         traced(qs, ks, vs, causal=causal, out=outs, lse=lses)
         records = traced.trace()
-        spans.append((summarise(records, traced.split()[0] - traced.split()[1]), records))
+        spans.append((summarise(records, traced.split()[0] - traced.split()[1],
+                                traced.world.ranks_per_node, traced.world.nodes), records))
     spans.sort(key=lambda item: item[0][0])
     (span_us, ranks), records = spans[len(spans) // 2]
     row = record("ring_trace", case, "span_ms", span_us / 1e3, ms["floor"], "ms",
@@ -181,11 +199,15 @@ def report(args, layout, case, variant, traced, ms, error, flops, qs, ks, vs, ou
               f"{r['starved_mean']:.0f} (max {r['starved_max']:.0f}), tiles "
               f"{r['tiles_min']}-{r['tiles_max']}, {r['ns_per_cycle']:.3f} ns/cycle",
               flush=True)
+        fmt = lambda x: "-" if x is None else f"{x:.0f}"      # noqa: E731
+        print("    sources (asked first/median, whole first): " + "; ".join(
+            f"{x['source']}: {fmt(x['reached_first'])}/{fmt(x['reached_median'])}, "
+            f"{fmt(x['whole_first'])}" for x in r["sources"]), flush=True)
     if args.out:
         append_jsonl(args.out, [row])
     if args.raw:
         raw = {name: [x.tolist() for x in (rr[name] for rr in records)]
-               for name in RA.TRACE_FIELDS}
+               for name in (*RA.TRACE_FIELDS, "source_reached_ns", "source_whole_ns")}
         with open(args.raw, "a") as handle:
             handle.write(json.dumps({"case": case, "commit": row["commit"], **raw}) + "\n")
 

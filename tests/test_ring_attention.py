@@ -250,7 +250,8 @@ def test_the_trace_build_compiles_without_spills_and_mirrors_its_words(causal):
     import dataclasses
     spec = dataclasses.replace(RA.spec_for("bf16", 128, causal), trace=1)
     text = spec.render()
-    assert f"constexpr int TRACE_WORDS = {len(RA.TRACE_FIELDS)};" in text
+    assert f"constexpr int TRACE_WORDS = {len(RA.TRACE_FIELDS) + 2 * RA.TRACE_SOURCES};" in text
+    assert f"constexpr int TRACE_SOURCES = {RA.TRACE_SOURCES};" in text
     assert "constexpr bool RING_TRACE = true;" in text
     resources = spec.build(check_spills=True).resources["ring_attention"]
     assert resources.spills == 0, resources

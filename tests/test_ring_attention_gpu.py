@@ -128,6 +128,16 @@ def test_the_trace_build_is_correct_and_accounts_for_every_tile_and_block(make_w
         if long.any():
             assert 0.2 < float(np.median(r["ns_per_cycle"][long])) < 5, r["ns_per_cycle"]
         assert (r["starved_ns"] >= 0).all() and (r["flag_wait_ns"] >= 0).all()
+        # every source is asked for by some CTA (zigzag: the later chunk sees them all), after
+        # the CTA started; a source seen whole was seen so after the CTA started
+        reached, whole = r["source_reached_ns"], r["source_whole_ns"]
+        for source in range(world.size):
+            assert reached[:, source].max() > 0, (info.rank, source)
+            asked = reached[:, source] > 0
+            assert (reached[asked, source] >= r["start_ns"][asked]).all()
+            seen = whole[:, source] > 0
+            assert (whole[seen, source] >= r["start_ns"][seen]).all()
+        assert (whole[:, info.rank] == 0).all()      # own keys: read in place, never waited for
 
 
 def test_graph_capture_and_replay(make_world):

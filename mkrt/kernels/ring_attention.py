@@ -80,13 +80,16 @@ $ARGS_CHECKS
 // CTAs), when its producer and its first consumer warpgroup were done; the cycles the
 // producer waited for key blocks' flags, the tiles it claimed and the blocks it loaded;
 // the cycles the first consumer warpgroup waited for loaded stages (no keys to work on);
-// clock64 at entry and when the producer was done (to turn cycles into time).
+// clock64 at entry and when the producer was done (to turn cycles into time); then, for
+// sources below TRACE_SOURCES, when the producer first asked for a block of the source,
+// and when it first saw the source whole (its ready flag: 0 if it never looked again).
 constexpr bool RING_TRACE = $TRACE;
 // $DIRECT_OWN: the compute reads the rank's own K/V from its inputs (tma_k_own, tma_v_own),
 // without waiting for anything; false: from its copy in the gathered buffer, as until
 // c526389 (on several nodes the whole copy came first: every CTA waited for it at the start).
 constexpr bool DIRECT_OWN = $DIRECT_OWN;
-constexpr int TRACE_WORDS = $TRACE_WORDS;        // len(TRACE_FIELDS)
+constexpr int TRACE_SOURCES = $TRACE_SOURCES;
+constexpr int TRACE_WORDS = $TRACE_WORDS;        // len(TRACE_FIELDS) + 2 TRACE_SOURCES
 
 // Chunks per gathered block: fine enough that a key block waits for little more than its
 // own rows (at most GATHER_MAX_CHUNKS; mirror: RING_CHUNKS below).
@@ -97,17 +100,36 @@ constexpr int RING_CHUNKS = 64;
 template <bool ON> struct RingCounters {
     static constexpr bool TRACE = false;
     __device__ __forceinline__ void count_claim(int) const {}
-    __device__ __forceinline__ void count_block() const {}
+    __device__ __forceinline__ void attach(u64*) const {}
+    __device__ __forceinline__ void count_block(int) const {}
+    __device__ __forceinline__ void count_whole(int) const {}
     __device__ __forceinline__ long long now() const { return 0; }
     __device__ __forceinline__ void count_flag_wait(long long) const {}
     __device__ __forceinline__ void record(u64*) const {}
 };
+// The trace build's record of this CTA, in shared memory (a pointer kept in registers made
+// the producer spill).
+__shared__ u64* ring_trace_record;
 template <> struct RingCounters<true> {
     static constexpr bool TRACE = true;
     mutable long long starved = 0, flag_wait = 0;       // cycles
     mutable int tiles = 0, blocks = 0;
+    __device__ __forceinline__ void attach(u64* record) const {
+        if (threadIdx.x == 0) ring_trace_record = record;     // the producer reads it
+    }
     __device__ __forceinline__ void count_claim(int position) const { tiles += position >= 0; }
-    __device__ __forceinline__ void count_block() const { ++blocks; }
+    // the producer asks for a block of `source`: the first time, stamp it
+    __device__ __forceinline__ void count_block(int source) const {
+        ++blocks;
+        // (the word itself says whether it was stamped: no state in registers)
+        u64* const stamp = ring_trace_record + TRACE_WORDS - 2 * TRACE_SOURCES + source;
+        if (source < TRACE_SOURCES && *stamp == 0) *stamp = global_timer_ns();
+    }
+    // ... and sees it whole for the first time
+    __device__ __forceinline__ void count_whole(int source) const {
+        if (source < TRACE_SOURCES)
+            ring_trace_record[TRACE_WORDS - TRACE_SOURCES + source] = global_timer_ns();
+    }
     __device__ __forceinline__ long long now() const { return clock64(); }
     __device__ __forceinline__ void count_flag_wait(long long start) const { flag_wait += clock64() - start; }
     // at the end: the producer's words (thread 0) or the first consumer warpgroup's (128)
@@ -267,11 +289,12 @@ struct RingWork : RingCounters<RING_TRACE> {
     // several nodes has no chunk flags: it is whole once ready.
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
         const u64 bit = block.source < 64 ? 1ull << block.source : 0ull;
-        count_block();
+        count_block(block.source);
         if (DIRECT_OWN && block.source == node * G + me) return true;
         if (whole_sources & bit) return true;
         if (ld_acquire_sys(flags + L.ready(block.source)) >= epoch) {
             whole_sources |= bit;
+            count_whole(block.source);
         } else {
             const long long start = now();
             const int rows = batches * 2 * chunk;
@@ -330,7 +353,12 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
     const Args& a = args;
     u64* const record = RING_TRACE ? a.trace + (u64)blockIdx.x * TRACE_WORDS : nullptr;
-    if (RING_TRACE && threadIdx.x == 0) { record[0] = global_timer_ns(); record[8] = clock64(); }
+    if (RING_TRACE && threadIdx.x == 0) {
+        record[0] = global_timer_ns();
+        record[8] = clock64();
+        record[1] = 0;                                  // (the producer, thread 0, writes the rest)
+        for (int i = TRACE_WORDS - 2 * TRACE_SOURCES; i < TRACE_WORDS; ++i) record[i] = 0;
+    }
     const Layout L{a.G, a.N};
     // The split: the host's, or (roles="search") what the board's search measures next.
     const int compute_ctas = roles::split_for_launch(a.board, a.compute_ctas);
@@ -358,6 +386,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                         a.band, a.flags, L, epoch, ctx,
                         {a.flags + L.claims(), 2 * q_blocks * a.batches * a.heads},
                         gather_chunks(comm_ctas, RING_CHUNKS), row_bytes, &tma_k_own, &tma_v_own};
+    work.attach(record);
     const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
     attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
     work.record(record);
@@ -379,7 +408,10 @@ ARGS_DTYPE = np.dtype([
     ("scale_log2", "<f4"), ("band", "<i4"), ("board", "<u8"), ("trace", "<u8"),
 ], align=True)
 
-#: the trace build's words per CTA (the kernel's TRACE_WORDS, in order)
+#: sources whose first request and first whole sighting the trace build stamps
+TRACE_SOURCES = 16
+#: the trace build's scalar words per CTA, in order (then TRACE_SOURCES words of
+#: ``source_reached_ns``, TRACE_SOURCES of ``source_whole_ns``)
 TRACE_FIELDS = ("start_ns", "copies_done_ns", "producer_done_ns", "consumer_done_ns",
                 "flag_wait_cycles", "tiles", "blocks", "starved_cycles", "start_cycles",
                 "producer_done_cycles")
@@ -419,7 +451,8 @@ class RingAttentionSpec(attention_module.AttentionSpec):
 
     def params(self):
         return {**super().params(), "KERNEL_ID": f"{KERNEL_ID}ull",
-                "TRACE": "true" if self.trace else "false", "TRACE_WORDS": len(TRACE_FIELDS),
+                "TRACE": "true" if self.trace else "false", "TRACE_SOURCES": TRACE_SOURCES,
+                "TRACE_WORDS": len(TRACE_FIELDS) + 2 * TRACE_SOURCES,
                 "DIRECT_OWN": "true" if self.direct_own else "false",
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
@@ -700,7 +733,8 @@ class RingAttention(GatheringOp):
             call.traces = []
             for info in self.world.local:
                 with self.on_device(info.device):
-                    call.traces.append(cupy.zeros((call.ctas, len(TRACE_FIELDS)), np.uint64))
+                    call.traces.append(cupy.zeros((call.ctas, len(TRACE_FIELDS) + 2 * TRACE_SOURCES),
+                                                  np.uint64))
         for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
@@ -738,7 +772,10 @@ class RingAttention(GatheringOp):
         """The trace build's records of the last call, per local rank (waits for the
         device): a dict of per-CTA arrays (CTA order: compute CTAs, then communication
         CTAs), one per TRACE_FIELDS name, plus ``ns_per_cycle`` (per CTA, from its
-        producer's span) and ``flag_wait_ns`` and ``starved_ns`` converted with it."""
+        producer's span) and ``flag_wait_ns`` and ``starved_ns`` converted with it, and
+        ``source_reached_ns`` and ``source_whole_ns`` [CTAs, TRACE_SOURCES] (0: not
+        stamped): when the CTA's producer first asked for a block of each source and first
+        saw the source whole."""
         if not self.tracing:
             raise ValueError("mkrt.ring_attention: trace() needs RingAttention(trace=True)")
         call = getattr(self, "_traced_call", None)
@@ -749,6 +786,9 @@ class RingAttention(GatheringOp):
         for buffer in call.traces:
             raw = buffer.get().astype(np.int64)
             record = {name: raw[:, i] for i, name in enumerate(TRACE_FIELDS)}
+            first = len(TRACE_FIELDS)
+            record["source_reached_ns"] = raw[:, first:first + TRACE_SOURCES]
+            record["source_whole_ns"] = raw[:, first + TRACE_SOURCES:first + 2 * TRACE_SOURCES]
             span_ns = record["producer_done_ns"] - record["start_ns"]
             span_cycles = record["producer_done_cycles"] - record["start_cycles"]
             record["ns_per_cycle"] = span_ns / np.maximum(span_cycles, 1)
