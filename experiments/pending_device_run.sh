@@ -1,26 +1,36 @@
 #!/bin/bash
-# The next device call (about 3 min with the start, at most 8 files under $OUT), most important first:
-#   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
-# 1. where the ring's time goes: experiments/ring_trace.py on 1x2 and 2x2 at 4096
-#    rows per rank, causal or not (the ring lost about 0.6 ms to the
-#    floor at 4096 causal on 1x2 and about 1 ms at 8192: a near-fixed cost somewhere),
-#    own K/V read directly and (as until c526389) from the gathered copy, in the same rounds;
-# 2. GPU tests of the ring: each rank now reads its own K/V from its inputs (no wait; on
-#    one node no copy into its own gathered slot); the trace build's records account for
-#    every tile and key block.
+# The next device call (about 7 min with the start, at most 8 files under $OUT), most
+# important first:   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
+# Nothing here has run on a GPU yet: no machine could be had in the twentieth session.
+# 1. where the ring's time goes (experiments/ring_trace.py) at 4096 rows per rank, causal or
+#    not, with each rank's own K/V read from its inputs (new) and from its gathered copy
+#    (as until c526389), in the same rounds. At b7b6849 the ring lost a nearly fixed time to
+#    the floor: ~0.55 ms on 1x2, ~1-1.4 ms on 1x4, ~4.7 ms on 2x2 (causal and not alike);
+#    on 2x2 likely the proxy's inter-node copies (copy kernels on the 4 SMs the ranks leave
+#    free), so 2x2 also with 28 CTAs per rank (20 SMs for the copies). The per-source stamps
+#    say when each source was first asked for and first seen whole;
+# 2. GPU tests of the ring (own K/V in place; the trace build; direct_own=False);
+# 3. fewer copying CTAs now that a rank on one node copies half what it did, and the L2 band
+#    as if the rank had the whole L2 (1x2 at 4096);
+# 4. the attention engine's GPU tests (its loads take their map from the work list).
 source experiments/device_prelude.sh log.txt
 trace() {   # layouts, shapes, CTAs per rank
-    timeout ${TRACE_S:-60} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 4 \
+    timeout ${TRACE_S:-100} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 4 \
         --own direct gathered --ctas $3 --out $OUT/ring_trace.jsonl --raw $OUT/ring_trace_raw.jsonl 2>&1 | \
         grep -v Warning | tee -a $LOG
 }
-trace 1x2 4:4096:16:16:128:1,4:4096:16:16:128:0 default
-echo "trace 1x2 done at $SECONDS s" | tee -a $LOG
-# 2x2 lost about 4.7 ms to the floor at 4096 rows per rank, causal or not (b7b6849): a fixed
-# cost, likely the proxy's copies between the nodes, GPU copy kernels on the 4 SMs the
-# ranks leave free; with 28 CTAs per rank they get 20
+trace "1x2 1x4" 4:4096:16:16:128:1,4:4096:16:16:128:0 default
+echo "trace 1x2 1x4 done at $SECONDS s" | tee -a $LOG
 trace 2x2 4:4096:16:16:128:1,4:4096:16:16:128:0 "default 28"
 echo "trace 2x2 done at $SECONDS s" | tee -a $LOG
-timeout ${TEST_S:-60} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py \
+timeout ${TEST_S:-90} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py \
     -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
-echo "tests done at $SECONDS s" | tee -a $LOG
+echo "ring tests done at $SECONDS s" | tee -a $LOG
+timeout ${SPLIT_S:-100} python3 experiments/ring_attention.py --layouts 1x2 \
+    --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --comm-ctas default 8 --bands rule whole \
+    --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
+    grep -v "F.scaled_dot" | tee -a $LOG
+echo "split done at $SECONDS s" | tee -a $LOG
+timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \
+    -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
+echo "attention tests done at $SECONDS s" | tee -a $LOG
