@@ -9,7 +9,9 @@
 #    on 2x2 likely the proxy's inter-node copies (copy kernels on the 4 SMs the ranks leave
 #    free), so 2x2 also with 28 CTAs per rank (20 SMs for the copies). The per-source stamps
 #    say when each source was first asked for and first seen whole;
-# 2. GPU tests of the ring (own K/V in place; the trace build; direct_own=False);
+# 2. GPU tests of the ring (own K/V in place, direct_own=True, and from the gathered copy,
+#    the default; the trace build); if they and the traces bear it out, make direct_own the
+#    default;
 # 3. fewer copying CTAs now that a rank on one node copies half what it did, and the L2 band
 #    as if the rank had the whole L2 (1x2 at 4096);
 # 4. the attention engine's GPU tests (its loads take their map from the work list).
@@ -28,6 +30,7 @@ timeout ${TEST_S:-90} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.
 echo "ring tests done at $SECONDS s" | tee -a $LOG
 timeout ${SPLIT_S:-100} python3 experiments/ring_attention.py --layouts 1x2 \
     --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --comm-ctas default 8 --bands rule whole \
+    --own gathered direct \
     --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
     grep -v "F.scaled_dot" | tee -a $LOG
 echo "split done at $SECONDS s" | tee -a $LOG

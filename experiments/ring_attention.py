@@ -50,9 +50,9 @@ def parse():
                              "the L2), 'whole' (as if each rank had the whole L2), or a number")
     parser.add_argument("--stages", nargs="+", default=["default"],
                         help="K/V stages of the engine to time ('default': the op's, 2, 3)")
-    parser.add_argument("--own", nargs="+", default=["direct"],
-                        help="where each rank's compute reads its own K/V: 'direct' (the "
-                             "inputs, the default), 'gathered' (its copy, the kernel until c526389)")
+    parser.add_argument("--own", nargs="+", default=["default"],
+                        help="where each rank's compute reads its own K/V: 'default' (the op's), "
+                             "'direct' (the inputs) or 'gathered' (its copy in the gathered buffer)")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
@@ -109,7 +109,8 @@ def main():
                                                    comm_ctas=None if c == "default" else int(c),
                                                    band=int(b) if b.isdigit() else None,
                                                    stages=None if st == "default" else int(st),
-                                                   direct_own=own == "direct")
+                                                   **({} if own == "default"
+                                                      else {"direct_own": own == "direct"}))
                for c in args.comm_ctas for b in args.bands for st in args.stages for own in args.own}
         gather = mkrt.AllGather(world, timeout_ms=20000)
         for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
@@ -229,7 +230,7 @@ def main():
                 label = case + ("" if comm == "default" else f"_comm{comm}") + \
                     ("" if band == "rule" else f"_band{band}") + \
                     ("" if stages == "default" else f"_s{stages}") + \
-                    ("" if own == "direct" else f"_own{own}")
+                    ("" if own == "default" else f"_own{own}")
                 row = record("ring_attention", label, "tflops", ring_tflops,
                              flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms[name],
                              baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
@@ -238,7 +239,8 @@ def main():
                              x_per_step=per_step_ms / ring_ms[name],
                              max_rel_error=error, correct=error < 2e-2, layout=layout,
                              rows=rows, causal=causal, ctas=op.split()[0], comm_ctas=op.split()[1],
-                             stages=op.spec(problem_of_rank).stages, own=own,
+                             stages=op.spec(problem_of_rank).stages,
+                             own="direct" if op.direct_own else "gathered",
                              band=op.band_for(problem_of_rank, world.local[0].rank),
                              note="emulated ranks share one GPU: aggregate throughput",
                              timing="interleaved_ms medians")

@@ -235,8 +235,10 @@ def test_stages_and_trace_options_are_checked_and_reach_the_spec():
             RA.RingAttention(object(), direct_own=bad)
     problem = SimpleNamespace(dtype="bf16", head_dim=128, causal=True)
     op = RA.RingAttention.__new__(RA.RingAttention)
-    op.stages, op.tracing, op.direct_own = None, False, True
+    op.stages, op.tracing, op.direct_own = None, False, False
     assert op.spec(problem) == RA.spec_for("bf16", 128, True)
+    op.direct_own = True
+    assert op.spec(problem).direct_own == 1 and "_o1_" in op.spec(problem).uri
     op.stages, op.tracing, op.direct_own = 3, True, False
     spec = op.spec(problem)
     assert (spec.stages, spec.trace, spec.direct_own) == (3, 1, 0) and "_t1_o0_" in spec.uri

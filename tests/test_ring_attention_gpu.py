@@ -80,20 +80,23 @@ def test_hundred_calls_without_sync_are_identical(make_world, layout):
             assert cupy.array_equal(first.view(cupy.uint16), again.view(cupy.uint16))
 
 
-@pytest.mark.parametrize("layout", ["1x2", "2x2"])
-def test_reading_own_keys_from_the_gathered_copy_still_matches(make_world, layout):
+@pytest.mark.parametrize("layout", ["1x2", "2x2", "1x3"])
+@pytest.mark.parametrize("direct_own", [True, False])
+def test_own_keys_read_in_place_or_from_the_gathered_copy_match(make_world, layout, direct_own):
     import cupy
 
     from mkrt.kernels.gemm import poison
     world = make_world(layout)
-    op = mkrt.RingAttention(world, timeout_ms=10000, direct_own=False)
-    q, k, v = sequence(2, 2 * world.size * 192, 4, 2, 128, "bf16", seed=5)
-    qs, ks, vs = (shards(world, x, False) for x in (q, k, v))
-    outs = [poison(cupy.empty_like(x)) for x in qs]
-    lses = [cupy.full((2, 4, 384), np.nan, np.float32) for _ in qs]
-    op(qs, ks, vs, causal=False, out=outs, lse=lses)
-    world.synchronize()
-    check(world, q, k, v, outs, lses, False, "bf16")
+    op = mkrt.RingAttention(world, timeout_ms=10000, direct_own=direct_own)
+    for causal, chunk in ((False, 192), (True, 130)):
+        q, k, v = sequence(2, 2 * world.size * chunk, 4, 2, 128, "bf16", seed=5 + chunk)
+        qs, ks, vs = (shards(world, x, causal) for x in (q, k, v))
+        outs = [poison(cupy.empty_like(x)) for x in qs]
+        lses = [cupy.full((2, 4, 2 * chunk), np.nan, np.float32) for _ in qs]
+        for _ in range(3):            # repeated calls: the gathered buffer is reused
+            op(qs, ks, vs, causal=causal, out=outs, lse=lses)
+        world.synchronize()
+        check(world, q, k, v, outs, lses, causal, "bf16")
 
 
 @pytest.mark.parametrize("layout", ["1x2", "2x2"])
@@ -102,7 +105,7 @@ def test_the_trace_build_is_correct_and_accounts_for_every_tile_and_block(make_w
 
     from mkrt.kernels.gemm import poison
     world = make_world(layout)
-    op = mkrt.RingAttention(world, timeout_ms=10000, trace=True)
+    op = mkrt.RingAttention(world, timeout_ms=10000, trace=True, direct_own=True)
     B, chunk, H = 2, 320, 4
     q, k, v = sequence(B, 2 * world.size * chunk, H, 2, 128, "bf16", seed=11)
     qs, ks, vs = (shards(world, x, True) for x in (q, k, v))

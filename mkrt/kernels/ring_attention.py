@@ -425,14 +425,14 @@ LAUNCH_PARAMETERS = [("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
 @dataclasses.dataclass(frozen=True)
 class RingAttentionSpec(attention_module.AttentionSpec):
     """The attention engine's configuration, in the ring kernel (URI e.g.
-    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_t0_o1_sm90a``)."""
+    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_t0_o0_sm90a``)."""
 
     family = "ring_attention"
     entry_points = ("ring_attention",)
 
     claimed: int = dataclasses.field(default=1, metadata={"short": "q"})     # RingWork claims
     trace: int = dataclasses.field(default=0, metadata={"short": "t"})       # 1: per-CTA records
-    direct_own: int = dataclasses.field(default=1, metadata={"short": "o"})  # 1: own K/V from the inputs
+    direct_own: int = dataclasses.field(default=0, metadata={"short": "o"})  # 1: own K/V from the inputs
 
     def __post_init__(self):
         # before the engine's checks, whose claim check would name the consumers otherwise
@@ -602,9 +602,9 @@ class RingAttention(GatheringOp):
     ``stages``: K/V stages of the engine's pipeline (default :func:`spec_for`'s: those of
     mkrt.attention's configuration). ``trace=True`` runs the trace build, whose CTAs record
     when they started and finished and how long they waited (:meth:`trace`).
-    ``direct_own`` (default True): each rank's compute reads its own K/V from its inputs;
-    False reads them from the rank's copy in the gathered buffer (the kernel until
-    c526389, kept for comparison).
+    ``direct_own=True``: each rank's compute reads its own K/V from its inputs (no wait for
+    them; on one node no copy of them into the rank's own slot); not yet run on a GPU, so
+    off by default: False reads them from the rank's copy in the gathered buffer.
     """
 
     name = "ring_attention"
@@ -612,7 +612,7 @@ class RingAttention(GatheringOp):
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
                  roles: str = "static", band: int | None = None, stages: int | None = None,
-                 trace: bool = False, direct_own: bool = True):
+                 trace: bool = False, direct_own: bool = False):
         for name, value in (("trace", trace), ("direct_own", direct_own)):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"mkrt.ring_attention: {name}={value!r}; expected True or False")
