@@ -247,10 +247,13 @@ def test_stages_and_trace_options_are_checked_and_reach_the_spec():
         op.trace()
 
 
+@pytest.mark.parametrize("direct_own", [0, 1])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_trace_build_compiles_without_spills_and_mirrors_its_words(causal):
+def test_the_trace_build_compiles_without_spills_and_mirrors_its_words(causal, direct_own):
     import dataclasses
-    spec = dataclasses.replace(RA.spec_for("bf16", 128, causal), trace=1)
+    direct = dataclasses.replace(RA.spec_for("bf16", 128, causal), direct_own=1)
+    assert direct.build(check_spills=True).resources["ring_attention"].spills == 0
+    spec = dataclasses.replace(RA.spec_for("bf16", 128, causal), trace=1, direct_own=direct_own)
     text = spec.render()
     assert f"constexpr int TRACE_WORDS = {len(RA.TRACE_FIELDS) + 2 * RA.TRACE_SOURCES};" in text
     assert f"constexpr int TRACE_SOURCES = {RA.TRACE_SOURCES};" in text
