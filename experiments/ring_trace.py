@@ -31,12 +31,12 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.attention import shapes  # noqa: E402
 from mkrt.bench import append_jsonl, interleaved_ms, record, repeated  # noqa: E402
+from mkrt.kernels.ring_trace import summarise  # noqa: E402
 
 SUITE = [(4, 4096, 16, 16, 128, c) for c in (False, True)]
 
@@ -57,46 +57,6 @@ def parse():
     parser.add_argument("--out", default="")
     parser.add_argument("--raw", default="", help="write every CTA's record to this JSON file")
     return parser.parse_args()
-
-
-def summarise(records: list[dict], compute_ctas: int, G: int = 1, N: int = 1) -> tuple[float, list[dict]]:
-    """(the world's span in us, per-rank summaries) of one traced call's records (rank
-    order, world of N nodes of G ranks)."""
-    from mkrt.kernels import ring_attention as RA
-    origin = min(int(r["start_ns"].min()) for r in records)
-    ends = [np.maximum(r["producer_done_ns"], r["consumer_done_ns"]) for r in records]
-    span = (max(int(e.max()) for e in ends) - origin) / 1e3
-    ranks = []
-    for rank, (r, end) in enumerate(zip(records, ends)):
-        us = lambda x: (np.asarray(x, np.float64) - origin) / 1e3      # noqa: E731
-        sources = []
-        for source in RA.source_order(rank // G, rank % G, G, N):
-            if source >= RA.TRACE_SOURCES:
-                break
-            reached = r["source_reached_ns"][:, source]
-            whole = r["source_whole_ns"][:, source]
-            reached, whole = us(reached[reached > 0]), us(whole[whole > 0])
-            sources.append({"source": source,
-                            "reached_first": float(reached.min()) if reached.size else None,
-                            "reached_median": float(np.median(reached)) if reached.size else None,
-                            "whole_first": float(whole.min()) if whole.size else None})
-        copies = us(r["copies_done_ns"][compute_ctas:])
-        ranks.append({
-            "start_first": float(us(r["start_ns"]).min()), "start_last": float(us(r["start_ns"]).max()),
-            "copies_median": float(np.median(copies)) if copies.size else None,
-            "copies_last": float(copies.max()) if copies.size else None,
-            "end_first": float(us(end).min()), "end_median": float(np.median(us(end))),
-            "end_last": float(us(end).max()),
-            "flag_wait_mean": float(r["flag_wait_ns"].mean() / 1e3),
-            "flag_wait_max": float(r["flag_wait_ns"].max() / 1e3),
-            "starved_mean": float(r["starved_ns"].mean() / 1e3),
-            "starved_max": float(r["starved_ns"].max() / 1e3),
-            "tiles_min": int(r["tiles"].min()), "tiles_max": int(r["tiles"].max()),
-            "blocks": int(r["blocks"].sum()),
-            "ns_per_cycle": float(np.median(r["ns_per_cycle"])),
-            "sources": sources,
-        })
-    return span, ranks
 
 
 def main():

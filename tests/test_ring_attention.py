@@ -334,3 +334,37 @@ def test_the_consumers_cursor_steps_through_the_producers_blocks(nodes, G, causa
                 q_row, q_rows = slot * chunk + start, min(128, chunk - start)
                 assert _ring_cursor(rank, G, nodes, chunk, q_row, q_rows, causal) == \
                     RA.tile_blocks(rank, G, nodes, chunk, q_row, q_rows, causal)
+
+
+def test_the_trace_summary_reads_per_rank_times_from_the_records():
+    """mkrt.kernels.ring_trace.summarise on a synthetic 1x2 trace: times from the first
+    start, copies from the copying CTAs only, sources in each rank's visiting order."""
+    from mkrt.kernels.ring_trace import summarise
+    ctas, compute = 4, 3
+    records = []
+    for rank in range(2):
+        start = np.array([1_000, 2_000, 3_000, 4_000]) + 10_000 * rank
+        r = {"start_ns": start, "copies_done_ns": np.array([0, 0, 0, 50_000 + 10_000 * rank]),
+             "producer_done_ns": start + 100_000, "consumer_done_ns": start + 101_000,
+             "flag_wait_ns": np.array([0.0, 1_000.0, 2_000.0, 3_000.0]),
+             "starved_ns": np.full(ctas, 4_000.0), "tiles": np.array([3, 3, 2, 1]),
+             "blocks": np.array([10, 10, 5, 2]), "ns_per_cycle": np.full(ctas, 0.5),
+             "source_reached_ns": np.zeros((ctas, RA.TRACE_SOURCES), np.int64),
+             "source_whole_ns": np.zeros((ctas, RA.TRACE_SOURCES), np.int64)}
+        other = 1 - rank
+        r["source_reached_ns"][:, rank] = start + 10
+        r["source_reached_ns"][:, other] = start + 60_000
+        r["source_whole_ns"][1:, other] = 70_000
+        records.append(r)
+    span, ranks = summarise(records, compute, G=2, N=1)
+    assert span == (14_000 + 101_000 - 1_000) / 1e3
+    r0, r1 = ranks
+    assert (r0["start_first"], r0["start_last"], r1["start_first"]) == (0.0, 3.0, 10.0)
+    assert (r0["copies_median"], r1["copies_last"]) == (49.0, 59.0)
+    assert (r0["end_first"], r0["end_last"]) == (101.0, 104.0)
+    assert r0["flag_wait_mean"] == 1.5 and r0["starved_max"] == 4.0
+    assert (r0["tiles_min"], r0["tiles_max"], r0["blocks"]) == (1, 3, 27)
+    assert [s["source"] for s in r0["sources"]] == [0, 1]
+    assert [s["source"] for s in r1["sources"]] == [1, 0]
+    assert r0["sources"][0]["whole_first"] is None            # own keys: never waited for
+    assert r0["sources"][1]["reached_first"] == 60.0 and r0["sources"][1]["whole_first"] == 69.0

@@ -141,6 +141,9 @@ def test_the_trace_build_is_correct_and_accounts_for_every_tile_and_block(make_w
             seen = whole[:, source] > 0
             assert (whole[seen, source] >= r["start_ns"][seen]).all()
         assert (whole[:, info.rank] == 0).all()      # own keys: read in place, never waited for
+    span, ranks = op.trace_summary()
+    assert span > 0 and len(ranks) == len(world.local)
+    assert all(len(r["sources"]) == world.size and r["end_last"] <= span for r in ranks)
 
 
 def test_graph_capture_and_replay(make_world):

@@ -797,6 +797,13 @@ class RingAttention(GatheringOp):
             records.append(record)
         return records
 
+    def trace_summary(self) -> tuple[float, list[dict]]:
+        """(span in us, per-rank summaries) of the last call's trace records
+        (:func:`mkrt.kernels.ring_trace.summarise`)."""
+        from mkrt.kernels.ring_trace import summarise
+        ctas, comm = self.split()
+        return summarise(self.trace(), ctas - comm, self.world.ranks_per_node, self.world.nodes)
+
     def _call_shape(self, call) -> tuple:
         return call.q_shape
 
