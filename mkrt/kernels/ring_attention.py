@@ -168,6 +168,7 @@ struct RingWork : RingCounters<RING_TRACE> {
     mutable u64 whole_sources = 0;
 
     __device__ __forceinline__ int world() const { return G * N; }
+    __device__ __forceinline__ bool is_own(int source) const { return source == node * G + me; }
     // Global chunk id of slot 0 or 1 of rank r: zigzag when causal.
     __device__ __forceinline__ int chunk_of(int r, int slot) const {
         return causal ? (slot == 0 ? r : 2 * world() - 1 - r) : 2 * r + slot;
@@ -275,7 +276,7 @@ struct RingWork : RingCounters<RING_TRACE> {
     // The map a block loads through: our own keys from the inputs (DIRECT_OWN).
     __device__ __forceinline__ const TmaDescriptor* map_for(const TmaDescriptor* map, bool values,
                                                             const KeyBlock& block, int& source) const {
-        if (DIRECT_OWN && block.source == node * G + me) {
+        if (DIRECT_OWN && is_own(block.source)) {
             source = 0;
             return values ? own_v : own_k;
         }
@@ -290,7 +291,7 @@ struct RingWork : RingCounters<RING_TRACE> {
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
         const u64 bit = block.source < 64 ? 1ull << block.source : 0ull;
         count_block(block.source);
-        if (DIRECT_OWN && block.source == node * G + me) return true;
+        if (DIRECT_OWN && is_own(block.source)) return true;
         if (whole_sources & bit) return true;
         if (ld_acquire_sys(flags + L.ready(block.source)) >= epoch) {
             whole_sources |= bit;
@@ -299,7 +300,7 @@ struct RingWork : RingCounters<RING_TRACE> {
             const long long start = now();
             const int rows = batches * 2 * chunk;
             const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;
-            const bool ok = block.source == node * G + me && N > 1
+            const bool ok = is_own(block.source) && N > 1
                 ? wait_gathered(flags, L, block.source, epoch, ctx, tile.index)
                 : wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks,
                                      epoch, ctx, tile.index) &&
@@ -422,6 +423,20 @@ LAUNCH_PARAMETERS = [("tma_q", 128, 64), ("tma_k", 128, 64), ("tma_v", 128, 64),
                      ("args", ARGS_DTYPE, 8), ("muted_rank", np.int32, 4), *CONTEXT_PARAMETERS]
 
 
+#: the trace build's words per CTA (the kernel's TRACE_WORDS)
+TRACE_WORDS = len(TRACE_FIELDS) + 2 * TRACE_SOURCES
+
+
+def kv_map(pointer: int, problem, sources: int, source_stride: int, block_kv: int):
+    """Tensor map of `sources` K (or V) arrays [B, 2c, Hkv, D], `source_stride` bytes apart
+    (the gathered buffer's [W][K | V], or one rank's input with sources 1), in the engine's
+    key-block boxes: 64 x 1 x block_kv x 1 x 1."""
+    p = problem
+    head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2      # strides in bytes
+    return tma_descriptor(pointer, p.dtype, (p.head_dim, p.kv_heads, p.sk, p.batches, sources),
+                          (head, row, p.sk * row, source_stride), (64, 1, block_kv, 1, 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class RingAttentionSpec(attention_module.AttentionSpec):
     """The attention engine's configuration, in the ring kernel (URI e.g.
@@ -452,7 +467,7 @@ class RingAttentionSpec(attention_module.AttentionSpec):
     def params(self):
         return {**super().params(), "KERNEL_ID": f"{KERNEL_ID}ull",
                 "TRACE": "true" if self.trace else "false", "TRACE_SOURCES": TRACE_SOURCES,
-                "TRACE_WORDS": len(TRACE_FIELDS) + 2 * TRACE_SOURCES,
+                "TRACE_WORDS": TRACE_WORDS,
                 "DIRECT_OWN": "true" if self.direct_own else "false",
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
@@ -733,8 +748,7 @@ class RingAttention(GatheringOp):
             call.traces = []
             for info in self.world.local:
                 with self.on_device(info.device):
-                    call.traces.append(cupy.zeros((call.ctas, len(TRACE_FIELDS) + 2 * TRACE_SOURCES),
-                                                  np.uint64))
+                    call.traces.append(cupy.zeros((call.ctas, TRACE_WORDS), np.uint64))
         for i, info in enumerate(self.world.local):
             function = spec.function("ring_attention", info.device, spec.smem_bytes)
             params = Parameters(LAUNCH_PARAMETERS)
@@ -743,12 +757,10 @@ class RingAttention(GatheringOp):
             args["trace"] = call.traces[i].data.ptr if self.tracing else 0
             params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             base = self._gathered.local_ptr(info.rank)
-            head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2      # strides in bytes
             for name, offset in (("tma_k", 0), ("tma_v", call.kv_bytes)):
                 # [W][K | V]: source s's K at s * 2 kv_bytes, its V kv_bytes after
-                descriptor = tma_descriptor(
-                    base + offset, p.dtype, (p.head_dim, p.kv_heads, p.sk, p.batches, self.world.size),
-                    (head, row, p.sk * row, 2 * call.kv_bytes), (64, 1, spec.block_kv, 1, 1))
+                descriptor = kv_map(base + offset, p, self.world.size, 2 * call.kv_bytes,
+                                    spec.block_kv)
                 ctypes.memmove(params.address(name), descriptor.address, 128)
             launches.append(KernelLaunch(function, call.ctas, spec.threads, spec.smem_bytes, params))
             words.append(tuple(params.field_view("args", f) for f in ("k", "v", "out", "lse")))
@@ -818,16 +830,12 @@ class RingAttention(GatheringOp):
                 descriptor = attention_module.head_major_map(q, p.dtype, attention_module.BLOCK_Q)
                 ctypes.memmove(launch.params.address("tma_q"), descriptor.address, 128)
                 call.q_pointers[i] = q.data.ptr
-            pointers = (k_list[i].data.ptr, v_list[i].data.ptr)
-            if call.kv_pointers.get(i) != pointers:
-                # [1][B, 2c, Hkv, D] over the inputs, the gathered maps' boxes (DIRECT_OWN)
-                head, row = p.head_dim * 2, p.kv_heads * p.head_dim * 2
-                for name, pointer in zip(("tma_k_own", "tma_v_own"), pointers):
-                    descriptor = tma_descriptor(
-                        pointer, p.dtype, (p.head_dim, p.kv_heads, p.sk, p.batches, 1),
-                        (head, row, p.sk * row, call.kv_bytes), (64, 1, call.block_kv, 1, 1))
+            if self.direct_own and call.kv_pointers.get(i) != (k_list[i].data.ptr, v_list[i].data.ptr):
+                # the kernel reads the rank's own K/V through maps over its inputs
+                for name, x in (("tma_k_own", k_list[i]), ("tma_v_own", v_list[i])):
+                    descriptor = kv_map(x.data.ptr, p, 1, call.kv_bytes, call.block_kv)
                     ctypes.memmove(launch.params.address(name), descriptor.address, 128)
-                call.kv_pointers[i] = pointers
+                call.kv_pointers[i] = (k_list[i].data.ptr, v_list[i].data.ptr)
             for word, x in zip(call.words[i], (k_list[i], v_list[i], outs[i], lses[i])):
                 word[()] = x.data.ptr
         self.launch(launches)
