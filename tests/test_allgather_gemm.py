@@ -75,8 +75,8 @@ def test_flag_layout_words_do_not_overlap():
     for G, N in [(1, 2), (2, 2), (4, 3), (8, 4)]:
         L = agg.FlagLayout(G, N)
         words = ([L.arrive(p) for p in range(G)] + [L.node_arrive(n) for n in range(N)]
-                 + [L.landed(n) for n in range(N)] + [L.ready(b) for b in range(N * G)]
-                 + [L.sent(), L.pushed()] + [L.forwarded(n) for n in range(N)]
+                 + [L.ready(b) for b in range(N * G)]
+                 + [L.pushed()] + [L.forwarded(n) for n in range(N)]
                  + [L.comm_before(), L.finished(), L.finished() + 1, L.finished() + 2]
                  + [L.chunk(b, c) for b in range(N * G) for c in range(GATHER_MAX_CHUNKS)]
                  + [L.claims()])
@@ -84,6 +84,8 @@ def test_flag_layout_words_do_not_overlap():
     # the device's layout and chunk count are the mirror's
     text = agg.AllGatherGemmSpec().render()
     assert f"constexpr int GATHER_MAX_CHUNKS = {GATHER_MAX_CHUNKS};" in text
+    assert "int ready(int b) const { return G + N + b; }" in text
+    assert "int pushed() const { return G + N + N * G; }" in text
     assert "int chunk(int b, int c) const { return finished() + 3 + b * GATHER_MAX_CHUNKS + c; }" in text
     assert "int claims() const { return chunk(N * G, 0); }" in text
 

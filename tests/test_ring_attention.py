@@ -198,7 +198,7 @@ def test_the_kernels_wait_is_the_mirrored_one():
     # the rank's own keys come from its inputs: no wait, and on one node no copy of them
     assert "if (DIRECT_OWN && is_own(block.source)) return true;" in text
     assert "gather.own_in_input = DIRECT_OWN;" in text
-    assert "targets[p] = (p == a.me && (a.N > 1 || a.own_in_input)) ? nullptr" in text
+    assert "targets[p] = (p == a.me && a.N == 1 && a.own_in_input) ? nullptr" in text
 
 
 def test_the_band_keeps_gathered_kv_in_the_ranks_share_of_l2():

@@ -121,10 +121,9 @@ struct GatheredWork {
         if (tile.a_map) return true;     // the rank's own input, written before the launch
         const int row0 = tile.m * BM, row1 = min(row0 + BM, m) - 1;
         for (int b = row0 / rows; b <= row1 / rows; ++b) {
-            const bool ok = b * rows == own_first
-                ? wait_gathered(flags, L, b, epoch, ctx, tile.index)
-                : wait_gathered_rows(flags, L, b, max(row0 - b * rows, 0), min(row1 - b * rows, rows - 1),
-                                     row_bytes, rows, chunks, epoch, ctx, tile.index);
+            const bool ok = wait_gathered_rows(flags, L, b, max(row0 - b * rows, 0),
+                                               min(row1 - b * rows, rows - 1), row_bytes, rows, chunks,
+                                               epoch, ctx, tile.index);
             if (!ok) return false;
         }
         fence_proxy_async_global();      // peers wrote the blocks with generic stores; TMA reads them

@@ -28,12 +28,10 @@ class FlagLayout:
 
     def arrive(self, p): return p
     def node_arrive(self, n): return self.G + n
-    def landed(self, n): return self.G + self.N + n
-    def ready(self, b): return self.G + 2 * self.N + b
-    def sent(self): return self.G + 2 * self.N + self.N * self.G
-    def pushed(self): return self.sent() + 1
-    def forwarded(self, n): return self.sent() + 2 + n
-    def comm_before(self): return self.sent() + 2 + self.N
+    def ready(self, b): return self.G + self.N + b
+    def pushed(self): return self.G + self.N + self.N * self.G
+    def forwarded(self, n): return self.pushed() + 1 + n
+    def comm_before(self): return self.pushed() + 1 + self.N
     def finished(self): return self.comm_before() + 1
     def chunk(self, b, c): return self.finished() + 3 + b * GATHER_MAX_CHUNKS + c
     def claims(self): return self.chunk(self.N * self.G, 0)

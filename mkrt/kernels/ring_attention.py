@@ -284,10 +284,9 @@ struct RingWork : RingCounters<RING_TRACE> {
         return map;
     }
     // Before loading a block: our own keys are in the inputs (DIRECT_OWN); others' rows of
-    // K and V in our gathered buffer. A source
-    // whose whole block is in costs one load; otherwise only the chunks holding the rows
-    // (K rows batch x 2c + row.., V the same B x 2c rows further on). Our own block on
-    // several nodes has no chunk flags: it is whole once ready.
+    // K and V in our gathered buffer. A source whose whole block is in costs one load;
+    // otherwise only the chunks holding the rows (K rows batch x 2c + row.., V the same
+    // B x 2c rows further on).
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
         const u64 bit = block.source < 64 ? 1ull << block.source : 0ull;
         count_block(block.source);
@@ -300,12 +299,11 @@ struct RingWork : RingCounters<RING_TRACE> {
             const long long start = now();
             const int rows = batches * 2 * chunk;
             const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;
-            const bool ok = is_own(block.source) && N > 1
-                ? wait_gathered(flags, L, block.source, epoch, ctx, tile.index)
-                : wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks,
-                                     epoch, ctx, tile.index) &&
-                  wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes,
-                                     2 * rows, chunks, epoch, ctx, tile.index);
+            const bool ok =
+                wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks,
+                                   epoch, ctx, tile.index) &&
+                wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes,
+                                   2 * rows, chunks, epoch, ctx, tile.index);
             count_flag_wait(start);
             if (!ok) return false;
         }

@@ -82,12 +82,10 @@ struct GatheredFlags {
     int G, N;
     __device__ int arrive(int p) const { return p; }                 // node peer p's launch began
     __device__ int node_arrive(int n) const { return G + n; }        // rank (n, me) began (proxy)
-    __device__ int landed(int n) const { return G + N + n; }         // rank (n, me)'s block is here
-    __device__ int ready(int b) const { return G + 2 * N + b; }      // block b is in our buffer
-    __device__ int sent() const { return G + 2 * N + N * G; }        // communication CTA counters
-    __device__ int pushed() const { return sent() + 1; }
-    __device__ int forwarded(int n) const { return sent() + 2 + n; }
-    __device__ int comm_before() const { return sent() + 2 + N; }    // comm CTAs of earlier launches
+    __device__ int ready(int b) const { return G + N + b; }          // block b is in our buffer
+    __device__ int pushed() const { return G + N + N * G; }          // communication CTA counters
+    __device__ int forwarded(int n) const { return pushed() + 1 + n; }
+    __device__ int comm_before() const { return pushed() + 1 + N; }  // comm CTAs of earlier launches
     __device__ int finished() const { return comm_before() + 1; }    // every CTA, all launches
     __device__ int ctas_before() const { return finished() + 1; }
     __device__ int launches() const { return finished() + 2; }
@@ -207,11 +205,6 @@ __device__ __forceinline__ bool wait_gathered_word(const u64* flags, int word, u
     return true;
 }
 
-__device__ __forceinline__ bool wait_gathered(const u64* flags, const GatheredFlags& L, int block,
-                                              u64 epoch, const Context& ctx, int tile) {
-    return wait_gathered_word(flags, L.ready(block), epoch, ctx, tile);
-}
-
 // The compute role's wait for rows [row0, row1] of block `block` (`rows` rows of
 // `row_bytes` each): only the chunks that hold them.
 __device__ __forceinline__ bool wait_gathered_rows(const u64* flags, const GatheredFlags& L, int block,
@@ -241,10 +234,11 @@ __device__ __forceinline__ void spread_chunk(unsigned char* const* targets, int 
 }
 
 // The communication CTAs (comm of comm_ctas) of one launch: mkrt.allgather's steps into
-// `gathered`. Each block crosses to each other node once, through the proxy, to the rank
-// with the same local index, and is spread inside the node with peer stores; ready(b) at
-// every receiving rank says block b is in place. A rank writes into a peer's buffer only
-// after the peer's launch has begun (arrive), so the peer's previous call has read it.
+// `gathered`, chunk by chunk. Each block crosses to each other node once, through the
+// proxy, to the rank with the same local index, and is spread inside the node with peer
+// stores; chunk(b, c) at a rank says chunk c of block b is in its buffer, ready(b) that all
+// of it is. A rank writes into a peer's buffer only after the peer's launch has begun
+// (arrive), so the peer's previous call has read it.
 __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const Context& ctx,
                                          int comm, int comm_ctas, u64 comm_all, bool muted) {
     const GatheredFlags L{a.G, a.N};
@@ -253,16 +247,14 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
     const int mine = a.node * a.G + a.me;
     const int chunks = gather_chunks(comm_ctas, a.want_chunks);
     const bool pairs = a.bytes1 == a.bytes0 && chunks % 2 == 0;
-    const u64 worker = (u64)comm * blockDim.x + threadIdx.x;
-    const u64 workers = (u64)comm_ctas * blockDim.x;
-    unsigned char* gathered = a.gathered;
+    const int poster = blockDim.x - 1;
 
     // 1. arrive: node peers may now write into our buffer (our previous call has read it);
     // rank `me` of every other node may send into it.
     if (comm == 0 && threadIdx.x < a.G) {
         st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
     }
-    if (a.N > 1 && comm == 0 && threadIdx.x == blockDim.x - 1) {
+    if (a.N > 1 && comm == 0 && threadIdx.x == poster) {
         const Queue q = *a.queue;
         for (int step = 1; step < a.N; ++step) {
             const int other = (a.node + step) % a.N;
@@ -271,42 +263,26 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
         }
     }
 
-    // 2. send (several nodes): our block into our own buffer (the puts read it there),
-    // then one put of it to rank `me` of every other node, once that rank has arrived.
-    // The wait comes before the copy: that rank began this launch only after its last one
-    // saw our last put land, so the proxy no longer reads the span we overwrite.
-    if (a.N > 1) {
-        if (!cta_wait_words(a.flags, L.node_arrive(0), 1, a.N, a.node, epoch, ctx, ROLE_INTER,
-                            mine, 0, a.queue))
-            return;
-        copy_span(gathered + (u64)mine * nbytes, a.input0, a.bytes0, worker, workers);
-        if (a.bytes1) copy_span(gathered + (u64)mine * nbytes + a.bytes0, a.input1, a.bytes1, worker, workers);
-        if (last_cta_done(a.flags + L.sent(), comm_all) && !muted) {
-            st_release_sys(a.flags + L.ready(mine), epoch);     // whole here: our compute may read it
-            const Queue q = *a.queue;
-            for (int step = 1; step < a.N; ++step) {
-                const int other = (a.node + step) % a.N;
-                if (post_put_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.gathered_region,
-                                    (u64)mine * nbytes, (unsigned)a.gathered_region, (u64)mine * nbytes,
-                                    nbytes, (unsigned)a.flags_region, (u64)L.landed(a.node) * 8, epoch,
-                                    ROLE_INTER, mine) == POST_FAILED) break;
-            }
-        }
-    }
-
-    // 3. push: our block into every node rank's buffer once it has arrived, chunk by
-    // chunk (this CTA copies chunks chunk_at(comm), chunk_at(comm + comm_ctas), ...;
-    // chunk(mine, c) at each node rank it was copied to says chunk c is there: our own
-    // buffer too on one node), then ready(mine) once every chunk is.
+    // 2. push and send: our block into every node rank's buffer, chunk by chunk (this CTA
+    // copies chunks chunk_at(comm), chunk_at(comm + comm_ctas), ...), reading the inputs
+    // once; chunk(mine, c) at each rank it was copied to says chunk c is there. With
+    // several nodes our own buffer gets it too, and each chunk, once there, is put to
+    // rank `me` of every other node with chunk(mine, c) as the landed flag: the puts read
+    // our buffer (registered memory), and a chunk starts across as soon as it is copied.
+    // Node ranks must have arrived; other nodes too before our own buffer is overwritten:
+    // rank `me` there began this launch only after its last one saw our last put land, so
+    // the proxy no longer reads the span we overwrite.
     if (!cta_wait_words(a.flags, L.arrive(0), 1, a.G, -1, epoch, ctx, ROLE_INTRA, a.node * a.G, 1,
                         nullptr))
+        return;
+    if (a.N > 1 && !cta_wait_words(a.flags, L.node_arrive(0), 1, a.N, a.node, epoch, ctx, ROLE_INTER,
+                                   mine, 0, a.queue))
         return;
     __syncthreads();          // targets is rewritten below
     if (threadIdx.x < a.G) {
         const int p = threadIdx.x;
-        // several nodes: step 2 already wrote our own buffer; one node, with our compute
-        // reading the inputs, nobody reads it
-        targets[p] = (p == a.me && (a.N > 1 || a.own_in_input)) ? nullptr
+        // one node, with our compute reading the inputs: nobody reads our own copy
+        targets[p] = (p == a.me && a.N == 1 && a.own_in_input) ? nullptr
                      : (unsigned char*)a.peer_gathered[p] + (u64)mine * nbytes;
     }
     __syncthreads();
@@ -317,33 +293,45 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
         __syncthreads();
         if (threadIdx.x < a.G && targets[threadIdx.x] != nullptr)
             st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.chunk(mine, c), epoch);
+        if (a.N > 1 && threadIdx.x == poster) {
+            const Queue q = *a.queue;
+            const u64 x0 = chunk_begin(nbytes, c, chunks), x1 = chunk_begin(nbytes, c + 1, chunks);
+            const u64 at = (u64)mine * nbytes + x0;
+            for (int step = 1; step < a.N; ++step) {
+                const int other = (a.node + step) % a.N;
+                if (post_put_signal(q, ctx, (unsigned)(other * a.G + a.me), (unsigned)a.gathered_region,
+                                    at, (unsigned)a.gathered_region, at, x1 - x0, (unsigned)a.flags_region,
+                                    (u64)L.chunk(mine, c) * 8, epoch, ROLE_INTER, mine) == POST_FAILED)
+                    break;
+            }
+        }
     }
     if (last_cta_done(a.flags + L.pushed(), comm_all) && !muted) {
         for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.ready(mine), epoch);
     }
 
-    // 4. forward: the block of rank `me` of each other node, once it has landed in our
-    // buffer, to every other rank of the node, chunk by chunk as in step 3 (the chunk flags
-    // go to every node rank, us included: the block is whole here since it landed).
+    // 3. forward: the block of rank `me` of each other node to every other rank of the
+    // node, each chunk as soon as it has landed here (the chunks this CTA copied in step 2);
+    // ready(block) everywhere in the node once every chunk has been forwarded.
     for (int step = 1; step < a.N; ++step) {
         const int other = (a.node + a.N - step) % a.N;
         const int block = other * a.G + a.me;
-        if (!cta_wait_words(a.flags, L.landed(other), 0, 1, -1, epoch, ctx, ROLE_INTER, block, 0,
-                            a.queue))
-            return;
         __syncthreads();      // targets is rewritten below
         if (threadIdx.x < a.G) {
             const int p = threadIdx.x;
             targets[p] = p == a.me ? nullptr : (unsigned char*)a.peer_gathered[p] + (u64)block * nbytes;
         }
         __syncthreads();
-        const unsigned char* landed = gathered + (u64)block * nbytes;
+        const unsigned char* landed = a.gathered + (u64)block * nbytes;
         for (int k = comm; k < chunks; k += comm_ctas) {
             const int c = chunk_at(k, chunks, pairs);
+            if (!cta_wait_words(a.flags, L.chunk(block, c), 0, 1, -1, epoch, ctx, ROLE_INTER, block, 0,
+                                a.queue))
+                return;
             spread_chunk(targets, a.G, (a.me + 1) % a.G, landed, nbytes, nullptr, nbytes, c, chunks);
             __threadfence_system();
             __syncthreads();
-            if (threadIdx.x < a.G)
+            if (threadIdx.x < a.G && targets[threadIdx.x] != nullptr)
                 st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.chunk(block, c), epoch);
         }
         if (last_cta_done(a.flags + L.forwarded(other), comm_all)) {
