@@ -1,6 +1,7 @@
 #!/bin/bash
-# The next device call (about 8 min with the start, at most 8 files under $OUT), most
-# important first:   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh
+# The next two device calls (about 8 min each with the start, at most 8 files under $OUT),
+# most important first:   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh A
+# (steps 1-3 and 2x2 of step 4), then the same with B (the rest).
 # Nothing here has run on a GPU yet (no machine could be had in the twentieth session,
 # nor at the start of the twenty-first).
 # 1. GPU tests of the gathering role's new inter-node path (4317030: one put per chunk as
@@ -10,10 +11,25 @@
 # 2. the ring at 4096 rows per rank on 1x2, 1x4, 2x2, causal or not, own K/V gathered and
 #    direct: of floor against b7b6849 (2x2 0.751 / 0.582, 1x4 0.901 / 0.855, 1x2 0.865 /
 #    0.735), where the inter-node block went as one put after the whole own copy;
-# 3. where the ring's time goes (experiments/ring_trace.py): 2x2 with 32 and 28 CTAs per
+# 3. AllGather+GEMM on 2x2 against unfused (tp_pair --quick): it lost on every projection
+#    shape at ceaa97b (0.93-0.98), the cost in the blocks from the other node;
+# 4. where the ring's time goes (experiments/ring_trace.py): 2x2 with 32 and 28 CTAs per
 #    rank (the proxy's copies run on the SMs the ranks leave free), then 1x2 and 1x4;
-# 4. the attention engine's GPU tests (its loads take their map from the work list).
+# 5. the attention engine's GPU tests (its loads take their map from the work list).
 source experiments/device_prelude.sh log.txt
+trace() {   # layouts, shapes, CTAs per rank
+    timeout ${TRACE_S:-90} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 3 \
+        --own direct gathered --ctas $3 --out $OUT/ring_trace.jsonl --raw $OUT/ring_trace_raw.jsonl 2>&1 | \
+        grep -v Warning | tee -a $LOG
+}
+if [ "$1" = B ]; then
+    trace "1x2 1x4" 4:4096:16:16:128:1,4:4096:16:16:128:0 default
+    echo "trace 1x2 1x4 done at $SECONDS s" | tee -a $LOG
+    timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \
+        -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
+    echo "attention tests done at $SECONDS s" | tee -a $LOG
+    exit 0
+fi
 timeout ${TEST_S:-170} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
     tests/test_ring_attention_gpu.py -k "not across_processes" -p no:cacheprovider 2>&1 | \
     grep -v Warning | tail -4 | tee -a $LOG
@@ -23,15 +39,8 @@ timeout ${RING_S:-110} python3 experiments/ring_attention.py --layouts 1x2 1x4 2
     --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
     grep -v "F.scaled_dot" | tee -a $LOG
 echo "ring done at $SECONDS s" | tee -a $LOG
-trace() {   # layouts, shapes, CTAs per rank
-    timeout ${TRACE_S:-90} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 3 \
-        --own direct gathered --ctas $3 --out $OUT/ring_trace.jsonl --raw $OUT/ring_trace_raw.jsonl 2>&1 | \
-        grep -v Warning | tee -a $LOG
-}
+timeout ${TP_S:-100} python3 experiments/tp_pair.py --ops allgather_gemm --layouts 2x2 --quick \
+    --rounds 3 --out $OUT/tp_pair.jsonl 2>&1 | grep -v Warning | tee -a $LOG
+echo "tp_pair done at $SECONDS s" | tee -a $LOG
 trace 2x2 4:4096:16:16:128:1,4:4096:16:16:128:0 "default 28"
 echo "trace 2x2 done at $SECONDS s" | tee -a $LOG
-trace "1x2 1x4" 4:4096:16:16:128:1,4:4096:16:16:128:0 default
-echo "trace 1x2 1x4 done at $SECONDS s" | tee -a $LOG
-timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \
-    -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
-echo "attention tests done at $SECONDS s" | tee -a $LOG
