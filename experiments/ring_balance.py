@@ -16,7 +16,6 @@ If tile times were proportional to the cost, this is the time a ring loses to it
 from __future__ import annotations
 
 import argparse
-import heapq
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mkrt.kernels import attention as A  # noqa: E402
 from mkrt.kernels import ring_attention as RA  # noqa: E402
+from attention_balance import claimed_finish as finish  # noqa: E402
 
 # (nodes, ranks per node, CTAs per rank, copying CTAs): the emulated worlds on one H100
 # (2x2 leaves 4 SMs to the proxy's copies) with the ring's default split
@@ -31,16 +31,6 @@ LAYOUTS = [(1, 2, 66, 16), (1, 4, 33, 8), (2, 2, 32, 8)]
 # (B, rows per rank, Hq, Hkv, D, causal)
 SHAPES = [(4, 4096, 16, 16, 128, False), (4, 4096, 16, 16, 128, True),
           (4, 12288, 16, 16, 128, True), (1, 4096, 64, 8, 128, True)]
-
-
-def finish(costs, starts):
-    """The last CTA's finish when CTAs free at `starts` claim `costs` in order."""
-    free = [(s, c) for c, s in enumerate(starts)]
-    heapq.heapify(free)
-    for cost in costs:
-        t, cta = heapq.heappop(free)
-        heapq.heappush(free, (t + cost, cta))
-    return max(t for t, _ in free)
 
 
 def tile_costs(rank, N, G, B, rows, Hq, Hkv, D, causal):
