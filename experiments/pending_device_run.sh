@@ -15,7 +15,9 @@
 #    shape at ceaa97b (0.93-0.98), the cost in the blocks from the other node;
 # 4. where the ring's time goes (experiments/ring_trace.py): 2x2 with 32 and 28 CTAs per
 #    rank (the proxy's copies run on the SMs the ranks leave free), then 1x2 and 1x4;
-# 5. the attention engine's GPU tests (its loads take their map from the work list).
+# 5. the attention engine's GPU tests (its loads take their map from the work list);
+# B also times the bounded ring (RingAttention(slots=1, 2), one node) against the gathered
+# one at 4096 rows per rank (its GPU tests are in step 1's test file).
 source experiments/device_prelude.sh log.txt
 trace() {   # layouts, shapes, CTAs per rank
     timeout ${TRACE_S:-90} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 3 \
@@ -23,6 +25,11 @@ trace() {   # layouts, shapes, CTAs per rank
         grep -v Warning | tee -a $LOG
 }
 if [ "$1" = B ]; then
+    timeout ${SLOTS_S:-120} python3 experiments/ring_attention.py --layouts 1x2 1x4 \
+        --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --slots none 1 2 --iterations 4 --repeats 4 \
+        --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
+        grep -v "F.scaled_dot" | tee -a $LOG
+    echo "slots done at $SECONDS s" | tee -a $LOG
     trace "1x2 1x4" 4:4096:16:16:128:1,4:4096:16:16:128:0 default
     echo "trace 1x2 1x4 done at $SECONDS s" | tee -a $LOG
     timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \

@@ -53,6 +53,9 @@ def parse():
     parser.add_argument("--own", nargs="+", default=["default"],
                         help="where each rank's compute reads its own K/V: 'default' (the op's), "
                              "'direct' (the inputs) or 'gathered' (its copy in the gathered buffer)")
+    parser.add_argument("--slots", nargs="+", default=["none"],
+                        help="K/V slots per rank to time: 'none' (every rank's K/V gathered) or "
+                             "a number (RingAttention(slots=k), one-node layouts only)")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="")
@@ -105,13 +108,13 @@ def main():
     for layout in args.layouts:
         world = mkrt.init(emulate=layout)
         W = world.size
-        ops = {(c, b, st, own): mkrt.RingAttention(world, timeout_ms=20000,
-                                                   comm_ctas=None if c == "default" else int(c),
-                                                   band=int(b) if b.isdigit() else None,
-                                                   stages=None if st == "default" else int(st),
-                                                   **({} if own == "default"
-                                                      else {"direct_own": own == "direct"}))
-               for c in args.comm_ctas for b in args.bands for st in args.stages for own in args.own}
+        ops = {(c, b, st, own, k): mkrt.RingAttention(
+                   world, timeout_ms=20000, comm_ctas=None if c == "default" else int(c),
+                   band=int(b) if b.isdigit() else None, stages=None if st == "default" else int(st),
+                   slots=None if k == "none" else int(k),
+                   **({} if own == "default" else {"direct_own": own == "direct"}))
+               for c in args.comm_ctas for b in args.bands for st in args.stages for own in args.own
+               for k in args.slots if k == "none" or world.nodes == 1}
         gather = mkrt.AllGather(world, timeout_ms=20000)
         for B, rows, Hq, Hkv, D, causal in shapes(args.shapes, SUITE):
             c, S = rows // 2, rows * W
@@ -226,11 +229,12 @@ def main():
             for name, op in ops.items():
                 ring_tflops = flops / ring_ms[name] / 1e9
                 error = errors[name]
-                comm, band, stages, own = name
+                comm, band, stages, own, slots = name
                 label = case + ("" if comm == "default" else f"_comm{comm}") + \
                     ("" if band == "rule" else f"_band{band}") + \
                     ("" if stages == "default" else f"_s{stages}") + \
-                    ("" if own == "default" else f"_own{own}")
+                    ("" if own == "default" else f"_own{own}") + \
+                    ("" if slots == "none" else f"_slots{op.slots}")
                 row = record("ring_attention", label, "tflops", ring_tflops,
                              flops / best / 1e9 if best else None, "TFLOP/s", ms=ring_ms[name],
                              baseline_name="allgather+sdpa (best backend)", baseline_ms=theirs,
@@ -240,7 +244,7 @@ def main():
                              max_rel_error=error, correct=error < 2e-2, layout=layout,
                              rows=rows, causal=causal, ctas=op.split()[0], comm_ctas=op.split()[1],
                              stages=op.spec(problem_of_rank).stages,
-                             own="direct" if op.direct_own else "gathered",
+                             own="direct" if op.direct_own else "gathered", slots=op.slots,
                              band=op.band_for(problem_of_rank, world.local[0].rank),
                              note="emulated ranks share one GPU: aggregate throughput",
                              timing="interleaved_ms medians")

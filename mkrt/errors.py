@@ -55,7 +55,9 @@ SPECIAL_FLAGS = {-2: "the proxy reported an error; seen = its error word",
                  -3: "no space in the proxy's command ring",
                  -4: "an expert id outside [0, experts): tile = the token entry, seen = the id",
                  -5: "more rows routed to this rank than its receive capacity: seen = rows, "
-                     "expected = capacity"}
+                     "expected = capacity",
+                 -6: "ring attention with K/V slots: the tile's state from its previous "
+                     "source (tile = the visit's position, expected = epoch x world + step)"}
 
 
 class CommTimeout(MkrtError):

@@ -4,6 +4,8 @@ tests/test_ring_attention_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -196,7 +198,8 @@ def test_the_kernels_wait_is_the_mirrored_one():
     assert "wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes," in text
     assert "gather_chunks(comm_ctas, RING_CHUNKS), row_bytes, &tma_k_own, &tma_v_own};" in text
     # the rank's own keys come from its inputs: no wait, and on one node no copy of them
-    assert "if (DIRECT_OWN && is_own(block.source)) return true;" in text
+    assert "if (OWN_IN_INPUT && is_own(block.source)) return true;" in text
+    assert "constexpr bool OWN_IN_INPUT = DIRECT_OWN || SLOTS > 0;" in text
     assert "gather.own_in_input = DIRECT_OWN;" in text
     assert "targets[p] = (p == a.me && a.N == 1 && a.own_in_input) ? nullptr" in text
 
@@ -209,7 +212,7 @@ def test_the_band_keeps_gathered_kv_in_the_ranks_share_of_l2():
     for sharing, size in ((1, 2), (2, 2), (4, 4)):
         world = SimpleNamespace(size=size, device_sharing=lambda rank, n=sharing: n)
         op = RA.RingAttention.__new__(RA.RingAttention)
-        op.world, op.band = world, None
+        op.world, op.band, op.slots = world, None, 0
         band = op.band_for(problem, 0)
         per_head = 2 * size * 4096 * 128 * 2
         assert band == max(1, A.KV_L2_BYTES // sharing // per_head)
@@ -235,13 +238,16 @@ def test_stages_and_trace_options_are_checked_and_reach_the_spec():
             RA.RingAttention(object(), direct_own=bad)
     problem = SimpleNamespace(dtype="bf16", head_dim=128, causal=True)
     op = RA.RingAttention.__new__(RA.RingAttention)
-    op.stages, op.tracing, op.direct_own = None, False, False
+    op.stages, op.tracing, op.direct_own, op.slots = None, False, False, 0
     assert op.spec(problem) == RA.spec_for("bf16", 128, True)
     op.direct_own = True
     assert op.spec(problem).direct_own == 1 and "_o1_" in op.spec(problem).uri
     op.stages, op.tracing, op.direct_own = 3, True, False
     spec = op.spec(problem)
     assert (spec.stages, spec.trace, spec.direct_own) == (3, 1, 0) and "_t1_o0_" in spec.uri
+    op.slots, op.tracing = 2, False
+    assert op.spec(problem).slots == 2 and op.spec(problem).uri.endswith("_k2_sm90a")
+    op.tracing = True
     with pytest.raises(ValueError, match="trace\\(\\) needs"):
         op.tracing = False
         op.trace()
@@ -368,3 +374,67 @@ def test_the_trace_summary_reads_per_rank_times_from_the_records():
     assert [s["source"] for s in r1["sources"]] == [1, 0]
     assert r0["sources"][0]["whole_first"] is None            # own keys: never waited for
     assert r0["sources"][1]["reached_first"] == 60.0 and r0["sources"][1]["whole_first"] == 69.0
+
+
+def test_slots_option_is_checked_and_needs_one_node():
+    import mkrt
+    for bad in (0, -1, True, 2.5, "2", RA.MAX_SLOTS + 1):
+        with pytest.raises(ValueError, match="slots="):
+            RA.RingAttention(object(), slots=bad)
+    with pytest.raises(ValueError, match="trace build has no K/V-slots"):
+        RA.RingAttention(object(), slots=2, trace=True)
+    world = mkrt.init(emulate="2x2", gpus=0)
+    try:
+        with pytest.raises(ValueError, match="one node"):
+            mkrt.RingAttention(world, slots=2)
+    finally:
+        world.close()
+    world = mkrt.init(emulate="1x4", gpus=0)
+    try:
+        assert mkrt.RingAttention(world, slots=2).slots == 2
+        assert mkrt.RingAttention(world, slots=9).slots == 3      # one per peer at most
+        assert mkrt.RingAttention(world).slots == 0               # the gathered buffer
+    finally:
+        world.close()
+    with pytest.raises(ValueError, match="slots="):
+        RA.RingAttentionSpec("bf16", 128, 128, 2, 1, slots=RA.MAX_SLOTS + 1)
+
+
+def test_slot_pushes_follow_the_checked_schedule():
+    """The kernel's push (push_to_slots) and visit arithmetic, mirrored: peer p visits us at
+    step (me - p) mod G (its source order), into slot (step - 1) % k, after its arrival
+    (step <= k) or its step - k; ring_slots_plan's checked schedule does the same on one
+    node, and its checks (no wait cycle, no slot overwritten before its reader) pass."""
+    from mkrt.kernels import ring_slots_plan as plan
+    from mkrt.kernels.schedule import find_stall, unordered_accesses
+    text = dataclasses.replace(RA.spec_for("bf16", 128), slots=2).render()
+    assert "const int step = (a.me - p + a.G) % a.G;     // p visits us at this step" in text
+    assert "const int slot = (step - 1) % SLOTS;" in text
+    assert "step <= SLOTS ? a.flags + L.arrive(p)" in text
+    assert ": (const u64*)a.peer_flags[p] + L.ready(step - SLOTS);" in text
+    assert "const int slot = (block.step - 1) % (SLOTS > 0 ? SLOTS : 1);" in text
+    assert "epoch * world() + step - 1, ctx, tile.index, PARTIAL_FLAG);" in text
+    assert "if (fetch_add_acq_rel_gpu(counter, 1) + 1 == 2 * (u64)T) {" in text
+    for G in (2, 3, 4, 5):
+        for me in range(G):
+            for p in range(G):
+                if p != me:
+                    step = (me - p) % G
+                    assert RA.source_order(0, p, G, 1)[step] == me
+                    assert plan.slot_of(step, 2) == (step - 1) % 2
+        for k in (1, 2, 3):
+            s = plan.schedule(1, G, slots=k, epochs=2)
+            assert find_stall(s.workers, s.depends_on) == []
+            problems, _ = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes,
+                                             epoch_of=lambda t: t[-1])
+            assert problems == []
+
+
+def test_slot_builds_have_no_trace_version_and_the_plain_build_no_slot_state():
+    with pytest.raises(ValueError, match="trace"):
+        dataclasses.replace(RA.spec_for("bf16", 128, True), slots=2, trace=1)
+    # the plain build does not carry the slots' state pointers
+    plain = RA.spec_for("bf16", 128).render()
+    assert "template <bool ON> struct RingSlots {" in plain
+    assert "const RingWork work{{}, RingSlots<(SLOTS > 0)>::make(a)," in plain
+    assert "constexpr int SLOTS = 0;" in plain

@@ -25,7 +25,10 @@ One persistent kernel per rank, two roles (the plan: mkrt/kernels/ring_attention
   merges source after source in fp32, so the error does not grow with the world size.
 
 The gathered buffer holds every rank's K and V (W x the local K/V); it is reused by the
-next call once every rank's launch has begun. Epochs on the device, bounded waits
+next call once every rank's launch has begun. ``RingAttention(slots=k)`` (one node) holds
+k slots instead and visits the sources one step at a time, each tile's state carried from
+step to step in fp32 (the kernel's SLOTS; mkrt/kernels/ring_slots_plan.py checks the
+protocol). Epochs on the device, bounded waits
 (mkrt.CommTimeout), CUDA-graph capturable, like the other fused kernels.
 """
 
@@ -72,6 +75,9 @@ struct Args {
     int band;                   // (batch, key head) pairs whose tiles run together
     u64* board;                 // roles="search": the split comes from the role board (null: compute_ctas)
     u64* trace;                 // the trace build's per-CTA records [ctas][TRACE_WORDS]
+    float* partial;             // SLOTS: a visit's unnormalised O [B, 2c, Hq, D] (fp32)
+    float* partial_rows;        // SLOTS: its row maxima, then row sums [2][B, Hq, 2c]
+    u64* partial_flags;         // SLOTS: [tiles per step][2 halves] visit done, then [W] counters
 };
 $ARGS_CHECKS
 
@@ -88,6 +94,15 @@ constexpr bool RING_TRACE = $TRACE;
 // without waiting for anything; false: from its copy in the gathered buffer, as until
 // c526389 (on several nodes the whole copy came first: every CTA waited for it at the start).
 constexpr bool DIRECT_OWN = $DIRECT_OWN;
+// $SLOTS > 0 (RingAttention(slots=k), one node): a bounded ring of K/V slots instead of the
+// gathered buffer. A rank visits its sources one step at a time, step s the source
+// source_at(s): step 0 its own K/V (read from the inputs), step s >= 1 from slot
+// (s - 1) % SLOTS, into which that source pushes it once the step that last used the slot
+// is done here (ready(s) >= epoch, raised by the step's last visit). A tile's
+// online-softmax state goes from one visit to the next in fp32 (partial), never rounded.
+constexpr int SLOTS = $SLOTS;
+constexpr bool OWN_IN_INPUT = DIRECT_OWN || SLOTS > 0;
+constexpr int PARTIAL_FLAG = -6;                  // mirror: mkrt.errors.SPECIAL_FLAGS
 constexpr int TRACE_SOURCES = $TRACE_SOURCES;
 constexpr int TRACE_WORDS = $TRACE_WORDS;        // len(TRACE_FIELDS) + 2 TRACE_SOURCES
 
@@ -150,7 +165,25 @@ template <> struct RingCounters<true> {
 // The compute role's tiles and key blocks (mirrors: tile_order, source_order, tile_blocks).
 // Every CTA claims tiles from one counter in tile_at's order (the communication CTAs too,
 // once their copies are done), so the order is the queue's, not a fixed deal per CTA.
-struct RingWork : RingCounters<RING_TRACE> {
+// SLOTS: where the visits keep a tile's state between steps (Args); nothing in other builds
+// (the work list lives in local memory: three more words there grew the default build's
+// stack by 24 bytes).
+template <bool ON> struct RingSlots {
+    static constexpr float* partial = nullptr;
+    static constexpr float* partial_rows = nullptr;
+    static constexpr u64* partial_flags = nullptr;
+    template <class A> __device__ static RingSlots make(const A&) { return {}; }
+};
+template <> struct RingSlots<true> {
+    float* partial;
+    float* partial_rows;
+    u64* partial_flags;
+    template <class A> __device__ static RingSlots make(const A& a) {
+        return {a.partial, a.partial_rows, a.partial_flags};
+    }
+};
+
+struct RingWork : RingCounters<RING_TRACE>, RingSlots<(SLOTS > 0)> {
     int batches, heads, group, chunk, q_blocks, kv_blocks;   // q/kv blocks per chunk
     int G, N, node, me, causal, band;
     const u64* flags;
@@ -173,12 +206,14 @@ struct RingWork : RingCounters<RING_TRACE> {
     __device__ __forceinline__ int chunk_of(int r, int slot) const {
         return causal ? (slot == 0 ? r : 2 * world() - 1 - r) : 2 * r + slot;
     }
-    // The source rank of step `step`: node peers from this rank on, then the other nodes.
-    __device__ __forceinline__ int source_at(int step) const {
-        if (step < G) return node * G + (me + step) % G;
+    // The source rank (n, l) visits at `step`: its node peers from itself on, then the
+    // other nodes.
+    __device__ __forceinline__ int source_for(int n, int l, int step) const {
+        if (step < G) return n * G + (l + step) % G;
         const int i = (step - G) / G + 1, j = (step - G) % G;
-        return ((node + i) % N) * G + (me + j) % G;
+        return ((n + i) % N) * G + (l + j) % G;
     }
+    __device__ __forceinline__ int source_at(int step) const { return source_for(node, me, step); }
     // Key blocks of chunk kc a tile of query chunk qc visits.
     __device__ __forceinline__ int blocks_of(const Tile& tile, int qc, int kc) const {
         if (!causal || kc < qc) return kv_blocks;
@@ -193,10 +228,55 @@ struct RingWork : RingCounters<RING_TRACE> {
         count_claim(position);
         return position;
     }
+
+    // ---- K/V slots (SLOTS > 0): a position is a visit, step * tiles_per_step() + tile; the
+    // queue hands them out step by step, every tile at every step (a visit without keys,
+    // causal, moves no data: it passes its tile's state on from one step to the next).
+    static constexpr bool RESUMES = SLOTS > 0;
+    __device__ __forceinline__ int tiles_per_step() const { return 2 * q_blocks * batches * heads; }
+    // A visit resumes from its tile's previous visit (the step before) once that one's half
+    // is done; the own keys (step 0) start from zeros. A visit without keys loads nothing
+    // unless it is the tile's last (it then finishes the tile from the stored state).
+    template <int CONSUMERS>
+    __device__ __forceinline__ void resume(const Tile& tile, attention::RowState<Cfg>& state,
+                                           const attention::ConsumerThread<CONSUMERS>& who) const {
+        const int T = tiles_per_step(), step = tile.index / T;
+        if (step > 0)
+            wait_gathered_word(partial_flags, 2 * (tile.index - step * T) + who.warpgroup,
+                               epoch * world() + step - 1, ctx, tile.index, PARTIAL_FLAG);
+        const bool load = step > 0 && (tile.blocks > 0 || step == world() - 1);
+        const int rows = 2 * chunk;
+        const float* o = partial + ((long long)tile.batch * rows * heads + tile.head) * Cfg::D;
+        const long long row_stride = (long long)heads * Cfg::D;
+        const float* row_max = partial_rows + ((long long)tile.batch * heads + tile.head) * rows + tile.q_row;
+        const float* row_sum = row_max + (long long)batches * heads * rows;
+        const int row = who.row(), col = 2 * (who.lane() & 3);
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row + 8 * h;
+            const bool live = load && r < tile.q_rows;
+            state.row_max[h] = live ? row_max[r] : attention::neg_inf();
+            state.row_sum[h] = live && (who.lane() & 3) == 0 ? row_sum[r] : 0.f;
+            #pragma unroll
+            for (int j = 0; j < Cfg::D / 8; ++j) {
+                float2 v = make_float2(0.f, 0.f);
+                if (live) v = *reinterpret_cast<const float2*>(o + (tile.q_row + r) * row_stride + 8 * j + col);
+                state.o[4 * j + 2 * h] = v.x;
+                state.o[4 * j + 2 * h + 1] = v.y;
+            }
+        }
+    }
+    // The last step's visit finishes the tile.
+    __device__ __forceinline__ bool finishes(const Tile& tile) const {
+        return tile.index / tiles_per_step() == world() - 1;
+    }
+
     // Tile t: in bands of `band` (batch, key head) pairs whose gathered K/V stay in L2
     // together (as mkrt.attention's HeadWork); inside a band by `order`, then key heads,
     // then the query heads sharing one.
-    __device__ __forceinline__ void tile_at(int t, Tile& tile) const {
+    __device__ __forceinline__ void tile_at(int position, Tile& tile) const {
+        const int step = SLOTS > 0 ? position / tiles_per_step() : 0;
+        const int t = SLOTS > 0 ? position - step * tiles_per_step() : position;
         const int kv_heads = heads / group;
         const int units = batches * kv_heads;
         const int per_band = 2 * q_blocks * band * group;
@@ -217,11 +297,11 @@ struct RingWork : RingCounters<RING_TRACE> {
         const int qc = chunk_of(node * G + me, slot);
         tile.q_position = qc * chunk + q_block * Cfg::BQ;
         tile.causal = causal;
-        tile.index = t;
+        tile.index = position;
         int blocks = 0;
-        for (int step = 0; step < world(); ++step) {
-            const int s = source_at(step);
-            blocks += blocks_of(tile, qc, chunk_of(s, 0)) + blocks_of(tile, qc, chunk_of(s, 1));
+        for (int s = SLOTS > 0 ? step : 0; s < (SLOTS > 0 ? step + 1 : world()); ++s) {
+            const int source = source_at(s);
+            blocks += blocks_of(tile, qc, chunk_of(source, 0)) + blocks_of(tile, qc, chunk_of(source, 1));
         }
         tile.blocks = blocks;
     }
@@ -234,7 +314,7 @@ struct RingWork : RingCounters<RING_TRACE> {
     // call does not fit their code's register allocation).
     __device__ __forceinline__ KeyBlock first_block(const Tile& tile) const {
         KeyBlock block;
-        block.step = 0;
+        block.step = SLOTS > 0 ? tile.index / tiles_per_step() : 0;   // slots: the visit's step only
         block.part = -1;
         enter_next_chunk(tile, block);
         return block;
@@ -258,7 +338,11 @@ struct RingWork : RingCounters<RING_TRACE> {
     __device__ __forceinline__ void enter_next_chunk(const Tile& tile, KeyBlock& block) const {
         const int qc = tile.q_position / chunk;
         while (true) {
-            if (++block.part == 2) { block.part = 0; ++block.step; }
+            if (++block.part == 2) {
+                if (SLOTS > 0) { block.left = 0; return; }
+                block.part = 0;
+                ++block.step;
+            }
             if (block.step >= world()) { block.left = 0; return; }
             const int s = source_at(block.step);
             const int kc = chunk_of(s, block.part);
@@ -276,11 +360,11 @@ struct RingWork : RingCounters<RING_TRACE> {
     // The map a block loads through: our own keys from the inputs (DIRECT_OWN).
     __device__ __forceinline__ const TmaDescriptor* map_for(const TmaDescriptor* map, bool values,
                                                             const KeyBlock& block, int& source) const {
-        if (DIRECT_OWN && is_own(block.source)) {
+        if (OWN_IN_INPUT && is_own(block.source)) {
             source = 0;
             return values ? own_v : own_k;
         }
-        source = block.source;
+        source = SLOTS > 0 ? (block.step - 1) % SLOTS : block.source;
         return map;
     }
     // Before loading a block: our own keys are in the inputs (DIRECT_OWN); others' rows of
@@ -290,7 +374,22 @@ struct RingWork : RingCounters<RING_TRACE> {
     __device__ __forceinline__ bool wait(const Tile& tile, const KeyBlock& block) const {
         const u64 bit = block.source < 64 ? 1ull << block.source : 0ull;
         count_block(block.source);
-        if (DIRECT_OWN && is_own(block.source)) return true;
+        if (OWN_IN_INPUT && is_own(block.source)) return true;
+        if constexpr (SLOTS > 0) {
+            // the slot holds this step's source once all its chunks say epoch x W + step:
+            // waited for once per step (whole_sources has a bit per step then)
+            const u64 step_bit = 1ull << block.step;
+            if (whole_sources & step_bit) return true;
+            const long long start = now();
+            const int slot = (block.step - 1) % (SLOTS > 0 ? SLOTS : 1);
+            for (int c = 0; c < chunks; ++c)
+                if (!wait_gathered_word(flags, L.chunk(slot, c), epoch * world() + block.step, ctx, tile.index))
+                    return false;
+            count_flag_wait(start);
+            whole_sources |= step_bit;
+            fence_proxy_async_global();
+            return true;
+        }
         if (whole_sources & bit) return true;
         if (ld_acquire_sys(flags + L.ready(block.source)) >= epoch) {
             whole_sources |= bit;
@@ -339,7 +438,128 @@ struct StoreRows {
     }
 };
 
-// q: 4-D map over this rank's Q; k, v: 5-D maps over the gathered [W][K | V].
+// SLOTS: a visit's rows: the tile's last visit stores O and LSE (StoreRows); an earlier one
+// with keys keeps the state for the next (fp32 O as accumulated, row maxima and sums). Then each
+// consumer half says its rows are kept (partial_flags) and counts itself in the step; the
+// step's last half raises ready(step), freeing the step's slot for the push of step + SLOTS.
+struct VisitRows {
+    StoreRows final_rows;
+    const RingWork& work;
+
+    template <int CONSUMERS>
+    __device__ __forceinline__ void operator()(const Tile& tile, const attention::RowState<Cfg>& state,
+                                               const attention::ConsumerThread<CONSUMERS>& who) const {
+        const RingWork& w = work;
+        const int T = w.tiles_per_step(), step = tile.index / T, t = tile.index - step * T;
+        if (w.finishes(tile)) {
+            final_rows(tile, state, who);
+        } else if (tile.blocks > 0) {           // (no keys: the stored state stands)
+            const int rows = 2 * w.chunk;
+            float* const o = w.partial + ((long long)tile.batch * rows * w.heads + tile.head) * Cfg::D;
+            const long long row_stride = (long long)w.heads * Cfg::D;
+            state.for_each_pair(who, [&](int r, int c, float v0, float v1) {
+                if (r < tile.q_rows)
+                    *reinterpret_cast<float2*>(o + (tile.q_row + r) * row_stride + c) = make_float2(v0, v1);
+            });
+            if ((who.lane() & 3) == 0) {
+                float* const row_max = w.partial_rows + ((long long)tile.batch * w.heads + tile.head) * rows
+                                       + tile.q_row;
+                float* const row_sum = row_max + (long long)w.batches * w.heads * rows;
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = who.row() + 8 * h;
+                    if (r < tile.q_rows) { row_max[r] = state.row_max[h]; row_sum[r] = state.row_sum[h]; }
+                }
+            }
+        }
+        asm volatile("bar.sync %0, 128;" :: "r"(8 + who.warpgroup) : "memory");
+        if ((who.thread & 127) == 0) {
+            __threadfence();
+            st_release_gpu(w.partial_flags + 2 * (u64)t + who.warpgroup, w.epoch * w.world() + step);
+            // a per-launch count of the step's finished halves, reset by the last one
+            u64* const counter = w.partial_flags + 2 * (u64)T + step;
+            if (fetch_add_acq_rel_gpu(counter, 1) + 1 == 2 * (u64)T) {
+                st_relaxed_sys(counter, 0);
+                st_release_sys((u64*)w.flags + w.L.ready(step), w.epoch);
+            }
+        }
+    }
+};
+
+// SLOTS, one node: this comm CTA's chunks of the rank's K/V (from its inputs) into each
+// node peer's slot for the step at which that peer visits us, each peer as soon as its
+// slot is free: for the peer's steps 1 .. SLOTS its arrival (its previous launch is over),
+// later ones its step - SLOTS done. Peers are served in whichever order their slots free
+// up, so one that lags holds back no other (one stream per destination). Bounded: a
+// timeout is reported for the first peer still waited for.
+__device__ __noinline__ void push_to_slots(const Args& a, u64 epoch, const Context& ctx, int comm,
+                                           int comm_ctas, bool muted) {
+    const Layout L{a.G, a.N};
+    const int W = a.G * a.N;
+    const u64 half = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);   // K (or V)
+    const u64 nbytes = 2 * half;
+    const int chunks = gather_chunks(comm_ctas, RING_CHUNKS);
+    __shared__ int open_peer, stop;
+    if (comm == 0 && threadIdx.x < a.G)
+        st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
+    if (muted) return;
+    u32 pending = 0;                      // node peers still to serve (bit p)
+    for (int p = 0; p < a.G; ++p)
+        if (p != a.me) pending |= 1u << p;
+    const u64 start = global_timer_ns();
+    u32 backoff = 0;
+    while (pending) {
+        if (threadIdx.x == 0) {
+            open_peer = -1;
+            stop = 0;
+            int first = -1, word = 0;
+            u64 seen = 0;
+            for (int p = 0; p < a.G && open_peer < 0; ++p) {
+                if (!(pending >> p & 1)) continue;
+                const int step = (a.me - p + a.G) % a.G;     // p visits us at this step
+                const u64* flag = step <= SLOTS ? a.flags + L.arrive(p)
+                                                : (const u64*)a.peer_flags[p] + L.ready(step - SLOTS);
+                const u64 now_seen = ld_acquire_sys(flag);
+                if (now_seen >= epoch) open_peer = p;
+                else if (first < 0) { first = p; word = step <= SLOTS ? L.arrive(p) : L.ready(step - SLOTS); seen = now_seen; }
+            }
+            if (open_peer < 0) {
+                if (aborted(ctx)) {
+                    stop = 1;
+                } else if (global_timer_ns() - start > ctx.timeout_ns) {
+                    report_timeout(ctx, ROLE_INTRA, first, word, epoch, seen);
+                    stop = 1;
+                } else {
+                    backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
+                    sleep_ns(backoff);
+                }
+            }
+        }
+        __syncthreads();
+        const int p = open_peer;
+        const bool stopped = stop;
+        __syncthreads();                  // open_peer and stop are rewritten next round
+        if (stopped) return;
+        if (p < 0) continue;
+        backoff = 0;
+        const int step = (a.me - p + a.G) % a.G;
+        const int slot = (step - 1) % SLOTS;
+        unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)slot * nbytes;
+        for (int k = comm; k < chunks; k += comm_ctas) {
+            const int c = chunk_at(k, chunks, chunks % 2 == 0);
+            spread_chunk(&target, 1, 0, (const unsigned char*)a.k, half, (const unsigned char*)a.v, nbytes,
+                         c, chunks);
+            __threadfence_system();
+            __syncthreads();
+            if (threadIdx.x == 0)
+                st_release_sys((u64*)a.peer_flags[p] + L.chunk(slot, c), epoch * W + step);
+        }
+        pending &= ~(1u << p);
+    }
+}
+
+// q: 4-D map over this rank's Q; k, v: 5-D maps over the gathered [W][K | V] (SLOTS: the
+// slots [SLOTS][K | V]).
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                const __grid_constant__ TmaDescriptor tma_k,
@@ -371,23 +591,32 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     // and no SM idles once the copies are done.
     const u64 row_bytes = (u64)a.kv_heads * Cfg::D * sizeof(T);
     if ((int)blockIdx.x >= compute_ctas) {
-        const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * row_bytes;
-        GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
-        gather.own_in_input = DIRECT_OWN;
-        gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
-                    rank == muted_rank);
+        if constexpr (SLOTS > 0) {
+            push_to_slots(a, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, rank == muted_rank);
+        } else {
+            const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * row_bytes;
+            GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
+            gather.own_in_input = DIRECT_OWN;
+            gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
+                        rank == muted_rank);
+        }
         __syncthreads();                 // the role's shared memory is the engine's now
         if (RING_TRACE && threadIdx.x == 0) record[1] = global_timer_ns();
     }
     const int q_blocks = (a.chunk + Cfg::BQ - 1) / Cfg::BQ;
-    const RingWork work{{}, a.batches, a.heads, a.heads / a.kv_heads, a.chunk, q_blocks,
+    const RingWork work{{}, RingSlots<(SLOTS > 0)>::make(a), a.batches, a.heads, a.heads / a.kv_heads, a.chunk, q_blocks,
                         (a.chunk + Cfg::BKV - 1) / Cfg::BKV, a.G, a.N, a.node, a.me, a.causal,
                         a.band, a.flags, L, epoch, ctx,
-                        {a.flags + L.claims(), 2 * q_blocks * a.batches * a.heads},
+                        {a.flags + L.claims(), (SLOTS > 0 ? a.G * a.N : 1) * 2 * q_blocks * a.batches * a.heads},
                         gather_chunks(comm_ctas, RING_CHUNKS), row_bytes, &tma_k_own, &tma_v_own};
     work.attach(record);
     const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
-    attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
+    if constexpr (SLOTS > 0) {
+        attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, VisitRows{store, work},
+                                  dynamic_smem);
+    } else {
+        attention::run_tiles<Cfg>(&tma_q, &tma_k, &tma_v, a.scale_log2, work, store, dynamic_smem);
+    }
     work.record(record);
     launch.end(a.flags, L);
     roles::leave_launch(a.board);
@@ -397,6 +626,9 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
 KERNEL_ID = kernel_id("ring_attention")
 #: chunks per gathered K/V block (the kernel's RING_CHUNKS; at most GATHER_MAX_CHUNKS)
 RING_CHUNKS = 64
+#: most K/V slots (RingAttention(slots=)): a node's peers but one (more would be the gathered
+#: buffer again); the push keeps the peers still to serve in one 32-bit mask
+MAX_SLOTS = 31
 
 ARGS_DTYPE = np.dtype([
     ("k", "<u8"), ("v", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("gathered", "<u8"),
@@ -405,6 +637,7 @@ ARGS_DTYPE = np.dtype([
     ("me", "<i4"), ("node", "<i4"), ("G", "<i4"), ("N", "<i4"), ("compute_ctas", "<i4"),
     ("causal", "<i4"), ("gathered_region", "<i4"), ("flags_region", "<i4"),
     ("scale_log2", "<f4"), ("band", "<i4"), ("board", "<u8"), ("trace", "<u8"),
+    ("partial", "<u8"), ("partial_rows", "<u8"), ("partial_flags", "<u8"),
 ], align=True)
 
 #: sources whose first request and first whole sighting the trace build stamps
@@ -438,7 +671,7 @@ def kv_map(pointer: int, problem, sources: int, source_stride: int, block_kv: in
 @dataclasses.dataclass(frozen=True)
 class RingAttentionSpec(attention_module.AttentionSpec):
     """The attention engine's configuration, in the ring kernel (URI e.g.
-    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_t0_o0_sm90a``)."""
+    ``ring_attention_bf16_d128_bkv128_s2_pp0_c2_q1_t0_o0_k0_sm90a``)."""
 
     family = "ring_attention"
     entry_points = ("ring_attention",)
@@ -446,6 +679,7 @@ class RingAttentionSpec(attention_module.AttentionSpec):
     claimed: int = dataclasses.field(default=1, metadata={"short": "q"})     # RingWork claims
     trace: int = dataclasses.field(default=0, metadata={"short": "t"})       # 1: per-CTA records
     direct_own: int = dataclasses.field(default=0, metadata={"short": "o"})  # 1: own K/V from the inputs
+    slots: int = dataclasses.field(default=0, metadata={"short": "k"})       # K/V slots (0: gathered)
 
     def __post_init__(self):
         # before the engine's checks, whose claim check would name the consumers otherwise
@@ -458,6 +692,12 @@ class RingAttentionSpec(attention_module.AttentionSpec):
             raise ValueError(f"mkrt.ring_attention: trace={self.trace}; expected 0 or 1")
         if self.direct_own not in (0, 1):
             raise ValueError(f"mkrt.ring_attention: direct_own={self.direct_own}; expected 0 or 1")
+        if not 0 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"mkrt.ring_attention: slots={self.slots}; expected 0 (the gathered "
+                             f"buffer) to {MAX_SLOTS}")
+        if self.slots and self.trace:     # its producer spilled 60 bytes (not worked on yet)
+            raise ValueError("mkrt.ring_attention: the trace build has no K/V-slots version; "
+                             "use trace=True with slots=None")
 
     def template(self):
         return RING_ATTENTION
@@ -466,7 +706,7 @@ class RingAttentionSpec(attention_module.AttentionSpec):
         return {**super().params(), "KERNEL_ID": f"{KERNEL_ID}ull",
                 "TRACE": "true" if self.trace else "false", "TRACE_SOURCES": TRACE_SOURCES,
                 "TRACE_WORDS": TRACE_WORDS,
-                "DIRECT_OWN": "true" if self.direct_own else "false",
+                "DIRECT_OWN": "true" if self.direct_own else "false", "SLOTS": self.slots,
                 "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
 
 
@@ -484,9 +724,12 @@ def spec_for(dtype: str, head_dim: int, causal: bool = False) -> RingAttentionSp
 
 
 def default_specs() -> list[RingAttentionSpec]:
-    return sorted({spec_for(dtype, d, causal) for dtype in ("bf16", "f16")
-                   for d in attention_module.HEAD_DIMS for causal in (False, True)},
-                  key=lambda spec: spec.uri)
+    """The default builds, and the same with two K/V slots (slots=2, the issue's double
+    buffering), so that `python -m mkrt compile --all` checks both for spills."""
+    specs = {spec_for(dtype, d, causal) for dtype in ("bf16", "f16")
+             for d in attention_module.HEAD_DIMS for causal in (False, True)}
+    specs |= {dataclasses.replace(spec, slots=2) for spec in specs}
+    return sorted(specs, key=lambda spec: spec.uri)
 
 
 # ---- what the kernel does, in Python (mirrors of RingWork, checked on the CPU) -----------
@@ -618,6 +861,15 @@ class RingAttention(GatheringOp):
     ``direct_own=True``: each rank's compute reads its own K/V from its inputs (no wait for
     them; on one node no copy of them into the rank's own slot); not yet run on a GPU, so
     off by default: False reads them from the rank's copy in the gathered buffer.
+
+    ``slots=k`` (one-node worlds; not yet run on a GPU): instead of gathering every rank's
+    K/V (W x the local K/V per rank), each rank holds k slots of other ranks' K/V (the
+    issue's double buffering is k=2), so memory does not grow with the world: k x the
+    local K/V plus an fp32 state of its queries' output (2 x the size of O, and two floats
+    per query row). The rank then visits its sources one step at a time (own K/V first,
+    read in place), every tile once per step, carrying each tile's online-softmax state
+    from step to step in fp32; a peer pushes its K/V into a slot once the step that last
+    used the slot is done. k >= W - 1 means one slot per peer (no waiting for a slot).
     """
 
     name = "ring_attention"
@@ -625,7 +877,7 @@ class RingAttention(GatheringOp):
     def __init__(self, world=None, *, ctas: int | None = None, comm_ctas: int | None = None,
                  timeout_ms: float | None = None, muted_rank: int | None = None,
                  roles: str = "static", band: int | None = None, stages: int | None = None,
-                 trace: bool = False, direct_own: bool = False):
+                 trace: bool = False, direct_own: bool = False, slots: int | None = None):
         for name, value in (("trace", trace), ("direct_own", direct_own)):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"mkrt.ring_attention: {name}={value!r}; expected True or False")
@@ -637,8 +889,20 @@ class RingAttention(GatheringOp):
                                  or band < 1):
             raise ValueError(f"mkrt.ring_attention: band={band!r}; expected a positive integer "
                              "((batch, key head) pairs whose tiles run together) or None")
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, (int, np.integer))
+                                  or not 1 <= slots <= MAX_SLOTS):
+            raise ValueError(f"mkrt.ring_attention: slots={slots!r}; expected an integer in "
+                             f"[1, {MAX_SLOTS}] (K/V slots per rank) or None (gather every rank's K/V)")
+        if slots is not None and trace:
+            raise ValueError("mkrt.ring_attention: the trace build has no K/V-slots version; "
+                             "use trace=True with slots=None")
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
                          muted_rank=muted_rank, roles=roles)
+        if slots is not None and self.world.nodes > 1:
+            raise ValueError(f"mkrt.ring_attention: slots= runs on one node for now; this world "
+                             f"is {self.world.layout} (leave slots=None: every rank's K/V gathered)")
+        # more slots than peers would stay empty
+        self.slots = 0 if slots is None else min(int(slots), max(1, self.world.size - 1))
         self.band = None if band is None else int(band)
         self.stages = None if stages is None else int(stages)
         self.tracing = bool(trace)
@@ -650,16 +914,18 @@ class RingAttention(GatheringOp):
         spec = spec_for(problem.dtype, problem.head_dim, problem.causal)
         if self.stages is not None:
             spec = dataclasses.replace(spec, stages=self.stages)
-        return dataclasses.replace(spec, trace=int(self.tracing), direct_own=int(self.direct_own))
+        return dataclasses.replace(spec, trace=int(self.tracing), direct_own=int(self.direct_own),
+                                   slots=self.slots)
 
     def band_for(self, problem, rank: int) -> int:
         """(batch, key head) pairs whose tiles run together on `rank`: ``band``, or as many
         as keep their gathered K/V (every rank's keys) in the rank's share of the L2."""
         if self.band is not None:
             return min(self.band, problem.batches * problem.kv_heads)
+        # with slots a step's tiles read one source's keys
+        sources = 1 if self.slots else self.world.size
         return attention_module.kv_band(problem.batches, problem.kv_heads, problem.head_dim,
-                                        self.world.size * problem.sk,
-                                        share=self.world.device_sharing(rank))
+                                        sources * problem.sk, share=self.world.device_sharing(rank))
 
     def split(self) -> tuple[int, int]:
         """(CTAs per rank, communication CTAs among them)."""
@@ -734,11 +1000,14 @@ class RingAttention(GatheringOp):
     def _launches(self, call) -> list:
         if call.launches is not None and call.generation == self._generation:
             return call.launches
-        self._ensure_gathered(self.world.size * 2 * call.kv_bytes)
+        sources = self.slots or self.world.size      # [sources][K | V]
+        self._ensure_gathered(sources * 2 * call.kv_bytes)
         p = call.problem
         spec = self.spec(p)
         call.block_kv = spec.block_kv
         launches, words = [], []
+        if self.slots and call.partials is None:
+            self._allocate_partials(call)
         if self.tracing:
             # allocated while nothing is in flight (an allocation may wait for the device)
             self.world.synchronize()
@@ -753,18 +1022,35 @@ class RingAttention(GatheringOp):
             args = self._args(call, info)
             args["board"] = self._board_pointer(call, i, call.ctas, call.comm_ctas)
             args["trace"] = call.traces[i].data.ptr if self.tracing else 0
+            if self.slots:
+                args["partial"], args["partial_rows"], args["partial_flags"] = (
+                    x.data.ptr for x in call.partials[i])
             params.set(args=args, muted_rank=self.muted_rank, **self.context_params(info.rank))
             base = self._gathered.local_ptr(info.rank)
             for name, offset in (("tma_k", 0), ("tma_v", call.kv_bytes)):
                 # [W][K | V]: source s's K at s * 2 kv_bytes, its V kv_bytes after
-                descriptor = kv_map(base + offset, p, self.world.size, 2 * call.kv_bytes,
-                                    spec.block_kv)
+                descriptor = kv_map(base + offset, p, sources, 2 * call.kv_bytes, spec.block_kv)
                 ctypes.memmove(params.address(name), descriptor.address, 128)
             launches.append(KernelLaunch(function, call.ctas, spec.threads, spec.smem_bytes, params))
             words.append(tuple(params.field_view("args", f) for f in ("k", "v", "out", "lse")))
         call.launches, call.generation, call.words = launches, self._generation, words
         call.q_pointers, call.kv_pointers = {}, {}
         return launches
+
+    def _allocate_partials(self, call) -> None:
+        """slots: per local rank, the visits' fp32 state (O [B, 2c, Hq, D], row maxima and
+        sums [2][B, Hq, 2c]) and its flags (per tile two halves, then a counter per step;
+        zeros: the flags grow with the launches from there)."""
+        import cupy
+        p = call.problem
+        tiles = 2 * -(-(p.sq // 2) // attention_module.BLOCK_Q) * p.batches * p.heads
+        self.world.synchronize()        # an allocation may wait for the device
+        call.partials = []
+        for device in self._local_devices:
+            with self.on_device(device):
+                call.partials.append((cupy.empty((p.batches, p.sq, p.heads, p.head_dim), np.float32),
+                                      cupy.empty((2, p.batches, p.heads, p.sq), np.float32),
+                                      cupy.zeros(2 * tiles + self.world.size, np.uint64)))
 
     def _args(self, call, info) -> np.ndarray:
         p = call.problem
@@ -828,7 +1114,8 @@ class RingAttention(GatheringOp):
                 descriptor = attention_module.head_major_map(q, p.dtype, attention_module.BLOCK_Q)
                 ctypes.memmove(launch.params.address("tma_q"), descriptor.address, 128)
                 call.q_pointers[i] = q.data.ptr
-            if self.direct_own and call.kv_pointers.get(i) != (k_list[i].data.ptr, v_list[i].data.ptr):
+            if (self.direct_own or self.slots) and \
+                    call.kv_pointers.get(i) != (k_list[i].data.ptr, v_list[i].data.ptr):
                 # the kernel reads the rank's own K/V through maps over its inputs
                 for name, x in (("tma_k_own", k_list[i]), ("tma_v_own", v_list[i])):
                     descriptor = kv_map(x.data.ptr, p, 1, call.kv_bytes, call.block_kv)
@@ -857,6 +1144,7 @@ class _PreparedCall:
     block_kv: int = 128             # the spec's key block (the own maps' box)
     boards: list | None = None      # roles="search": per rank, the role board
     traces: list | None = None      # trace=True: per rank, the CTAs' records
+    partials: list | None = None    # slots: per rank, (state, row state, flags) of the visits
 
     @property
     def kv_bytes(self) -> int:

@@ -60,6 +60,13 @@ Plugging in (what a kernel supplies), as for the GEMM engine:
   and ``__device__ const TmaDescriptor* map_for(const TmaDescriptor* map, bool values,
   const KeyBlock&, int& source) const``: the map a block's K (values: V) loads through, of
   the engine's own (``map``) or another, and its source coordinate there.
+  Optionally, ``static constexpr bool RESUMES = true`` for a tile visited in several
+  parts (ring attention with a bounded ring of K/V slots visits it once per source):
+  ``__device__ void resume(const Tile&, RowState<Cfg>&, const ConsumerThread&) const``
+  sets the state a visit starts from (instead of zeros), and ``__device__ bool
+  finishes(const Tile&) const`` says whether the visit is the tile's last: if not, the
+  epilogue gets the state unnormalised (``o`` as accumulated, ``row_max``, and in
+  ``row_sum`` the row's whole sum in every thread of its quad; no ``lse``).
 * an **epilogue**: ``__device__ void operator()(const Tile&, const RowState<Cfg>&,
   const ConsumerThread&) const``, called by every consumer thread once per tile with the
   *normalised* output fragment and the rows' LSE (natural log).
@@ -455,6 +462,12 @@ __device__ __forceinline__ void wait_loaded(const Work& work, u64* full, u32 pha
     }
 }
 
+// Whether a work list's tiles resume from an earlier visit's state (Work::RESUMES).
+template <class W, class = void> struct Resumes { static constexpr bool value = false; };
+template <class W> struct Resumes<W, decltype(void(W::RESUMES))> {
+    static constexpr bool value = W::RESUMES;
+};
+
 // One tile for one consumer warpgroup: every key block, then the normalised output.
 template <class Cfg, class Work, int CONSUMERS>
 __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Work& work, const Tile& tile,
@@ -463,10 +476,14 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
                                              int& stage, u32& phase, u32& q_phase, int& following) {
     const bool warp_leader = who.lane() == 0;
     const u32 q_address = smem_address(pipe.q) + who.warpgroup * 64 * 128;
-    #pragma unroll
-    for (int i = 0; i < Cfg::D / 2; ++i) state.o[i] = 0.f;
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) { state.row_max[h] = neg_inf(); state.row_sum[h] = 0.f; }
+    if constexpr (Resumes<Work>::value) {
+        work.resume(tile, state, who);      // a visit that goes on from an earlier one's state
+    } else {
+        #pragma unroll
+        for (int i = 0; i < Cfg::D / 2; ++i) state.o[i] = 0.f;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) { state.row_max[h] = neg_inf(); state.row_sum[h] = 0.f; }
+    }
     float s[Cfg::BKV / 2];
     u32 p[Cfg::BKV / 4];
     float rescale[2];
@@ -534,6 +551,13 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
         fence_accumulators(state.o);
         if (warp_leader) mbarrier_arrive(&pipe.v_empty[stage]);
         if (++stage == Cfg::STAGES) { stage = 0; phase ^= 1; }
+    }
+    if constexpr (Resumes<Work>::value) {
+        if (!work.finishes(tile)) {         // more visits follow: the state as it stands
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) state.row_sum[h] = quad_sum(state.row_sum[h]);
+            return;
+        }
     }
     // normalise: the rows' sums over the quad of threads that share them
     #pragma unroll

@@ -179,12 +179,12 @@ struct GatherLaunch {
     }
 };
 
-// The compute role's wait for gathered block `block` (ready >= epoch), written inline: a
-// call here, in an engine's producer, makes ptxas spill around it. The same bound,
-// backoff and abort checks as wait_at_least; a timeout is reported as `tile` of the
-// compute role. The caller fences for TMA once its blocks are in.
+// The compute role's wait for flags[word] >= epoch, written inline: a call here, in an
+// engine's producer or consumer, makes ptxas spill around it. The same bound, backoff and
+// abort checks as wait_at_least; a timeout is reported as `tile` of the compute role, with
+// flag `reported` (default: the word). The caller fences for TMA once its blocks are in.
 __device__ __forceinline__ bool wait_gathered_word(const u64* flags, int word, u64 epoch,
-                                                   const Context& ctx, int tile) {
+                                                   const Context& ctx, int tile, int reported = -1) {
     const u64* flag = flags + word;
     u64 seen = ld_acquire_sys(flag);
     if (seen >= epoch) return true;
@@ -194,7 +194,7 @@ __device__ __forceinline__ bool wait_gathered_word(const u64* flags, int word, u
         if ((spin & 63) == 63) {
             if (aborted(ctx)) return false;
             if (global_timer_ns() - start > ctx.timeout_ns) {
-                report_timeout(ctx, ROLE_COMPUTE, tile, word, epoch, seen);
+                report_timeout(ctx, ROLE_COMPUTE, tile, reported == -1 ? word : reported, epoch, seen);
                 return false;
             }
             backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
