@@ -79,7 +79,8 @@ def test_flag_layout_words_do_not_overlap():
                  + [L.pushed()] + [L.forwarded(n) for n in range(N)]
                  + [L.comm_before(), L.finished(), L.finished() + 1, L.finished() + 2]
                  + [L.chunk(b, c) for b in range(N * G) for c in range(GATHER_MAX_CHUNKS)]
-                 + [L.claims()])
+                 + [L.claims()] + [L.credit(n) for n in range(N)]
+                 + [L.forwarded_step(s) for s in range(N * G)])
         assert sorted(words) == list(range(L.words))
     # the device's layout and chunk count are the mirror's
     text = agg.AllGatherGemmSpec().render()
@@ -88,6 +89,8 @@ def test_flag_layout_words_do_not_overlap():
     assert "int pushed() const { return G + N + N * G; }" in text
     assert "int chunk(int b, int c) const { return finished() + 3 + b * GATHER_MAX_CHUNKS + c; }" in text
     assert "int claims() const { return chunk(N * G, 0); }" in text
+    assert "int credit(int n) const { return claims() + 1 + n; }" in text
+    assert "int forwarded_step(int s) const { return credit(N) + s; }" in text
 
 
 _chunk_begin, _gather_chunks = gathering.chunk_begin, gathering.gather_chunks

@@ -376,7 +376,7 @@ def test_the_trace_summary_reads_per_rank_times_from_the_records():
     assert r0["sources"][1]["reached_first"] == 60.0 and r0["sources"][1]["whole_first"] == 69.0
 
 
-def test_slots_option_is_checked_and_needs_one_node():
+def test_slots_option_is_checked():
     import mkrt
     for bad in (0, -1, True, 2.5, "2", RA.MAX_SLOTS + 1):
         with pytest.raises(ValueError, match="slots="):
@@ -385,7 +385,12 @@ def test_slots_option_is_checked_and_needs_one_node():
         RA.RingAttention(object(), slots=2, trace=True)
     world = mkrt.init(emulate="2x2", gpus=0)
     try:
-        with pytest.raises(ValueError, match="one node"):
+        assert mkrt.RingAttention(world, slots=2).slots == 2
+    finally:
+        world.close()
+    world = mkrt.init(emulate="5x16", gpus=0)
+    try:
+        with pytest.raises(ValueError, match="at most 64 ranks"):
             mkrt.RingAttention(world, slots=2)
     finally:
         world.close()
@@ -400,30 +405,82 @@ def test_slots_option_is_checked_and_needs_one_node():
         RA.RingAttentionSpec("bf16", 128, 128, 2, 1, slots=RA.MAX_SLOTS + 1)
 
 
-def test_slot_pushes_follow_the_checked_schedule():
-    """The kernel's push (push_to_slots) and visit arithmetic, mirrored: peer p visits us at
-    step (me - p) mod G (its source order), into slot (step - 1) % k, after its arrival
-    (step <= k) or its step - k; ring_slots_plan's checked schedule does the same on one
-    node, and its checks (no wait cycle, no slot overwritten before its reader) pass."""
+def slot_transfers(nodes, per_node):
+    """The steps move_to_slots uses, in Python: for rank (n, l), {(kind, peer or node,
+    step at the receiver, source)} as the kernel's arithmetic gives them."""
+    G, N = per_node, nodes
+    out = {}
+    for n in range(N):
+        for me in range(G):
+            mine, moves = n * G + me, set()
+            for p in range(G):
+                if p != me:
+                    moves.add(("push", n * G + p, (me - p + G) % G, mine))
+            for i in range(1, N):
+                m = (n + N - i) % N                       # we are node m's source i nodes on
+                moves.add(("put", m * G + me, G * i, mine))
+                source = ((n + i) % N) * G + me           # put here, our step G i
+                for p in range(G):
+                    if p != me:
+                        moves.add(("forward", n * G + p, G * i + (me - p + G) % G, source))
+            out[mine] = moves
+    return out
+
+
+@pytest.mark.parametrize("nodes,per_node", [(1, 2), (1, 4), (2, 1), (2, 2), (3, 1), (2, 3), (3, 2),
+                                            (4, 4)])
+def test_slot_transfers_deliver_every_source_once_at_the_step_it_is_visited(nodes, per_node):
+    """The kernel's transfer arithmetic (mirrored in slot_transfers; its text checked
+    below): every rank receives every other source exactly once, at the step its source
+    order visits it, each source crossing to each other node once."""
+    W = nodes * per_node
+    moves = slot_transfers(nodes, per_node)
+    received = {}
+    for sender, ms in moves.items():
+        for kind, receiver, step, source in ms:
+            assert (receiver, source) not in received, (kind, receiver, source)
+            received[(receiver, source)] = step
+            assert RA.source_order(receiver // per_node, receiver % per_node, per_node, nodes)[step] == source
+            if kind == "forward":      # forwarded by the rank the source was put to
+                assert ("put", sender, step - (sender % per_node - receiver % per_node) % per_node,
+                        source) in moves[source]
+    assert set(received) == {(r, s) for r in range(W) for s in range(W) if r != s}
+    crossings = [(m[3], m[1] // per_node) for ms in moves.values() for m in ms if m[0] == "put"]
+    assert len(crossings) == len(set(crossings)) == W * (nodes - 1)
+
+
+def test_slot_moves_follow_the_checked_schedule():
+    """The kernel's text does what slot_transfers and ring_slots_plan say: slots by step,
+    free after arrival or the step SLOTS before (and its forwards), credits for puts, a
+    visit resuming from the step before; the plan's schedule (credits are how a put learns
+    a slot is free) has no wait cycle and no slot overwritten before its reader."""
     from mkrt.kernels import ring_slots_plan as plan
     from mkrt.kernels.schedule import find_stall, unordered_accesses
     text = dataclasses.replace(RA.spec_for("bf16", 128), slots=2).render()
-    assert "const int step = (a.me - p + a.G) % a.G;     // p visits us at this step" in text
-    assert "const int slot = (step - 1) % SLOTS;" in text
-    assert "step <= SLOTS ? a.flags + L.arrive(p)" in text
-    assert ": (const u64*)a.peer_flags[p] + L.ready(step - SLOTS);" in text
-    assert "const int slot = (block.step - 1) % (SLOTS > 0 ? SLOTS : 1);" in text
-    assert "epoch * world() + step - 1, ctx, tile.index, PARTIAL_FLAG);" in text
-    assert "if (fetch_add_acq_rel_gpu(counter, 1) + 1 == 2 * (u64)T) {" in text
-    for G in (2, 3, 4, 5):
+    for piece in ("if (slot_free(p, (me - p + G) % G, word, seen)) { open_kind = PUSH; open_index = p; }",
+                  "const int m = (node + N - i) % N;       // we are node m's source i nodes on",
+                  "const u64 want = epoch * W + (u64)G * i;",
+                  "if (slot_free(me, G * i, word, seen)) { open_kind = CREDIT; open_index = i; }",
+                  "const int i = t / G + 1, p = t % G, s = G * i, slot = (s - 1) % SLOTS;",
+                  "if (slot_free(p, s + (me - p + G) % G, word, seen)) { open_kind = FORWARD; open_index = t; }",
+                  "const int i = index, source = ((node + i) % N) * G + me;",
+                  "const int step = s + (me - p + G) % G;             // p's step of the same source",
+                  "const int u = s - SLOTS;",
+                  "if (!put_here(u, G, N) || G == 1) return true;",
+                  "return N > 1 && step >= G && step % G == 0;",
+                  "const int slot = (block.step - 1) % (SLOTS > 0 ? SLOTS : 1);",
+                  "epoch * world() + step - 1, ctx, tile.index, PARTIAL_FLAG);",
+                  "count_towards(w.partial_flags + 2 * (u64)T + step, 2 * (u64)T, (u64*)w.flags + w.L.ready(step),",
+                  "count_towards(forward_counters + s, (u64)comm_ctas * (G - 1), a.flags + L.forwarded_step(s),"):
+        assert piece in text, piece
+    for G in (2, 3, 4):
         for me in range(G):
             for p in range(G):
                 if p != me:
-                    step = (me - p) % G
-                    assert RA.source_order(0, p, G, 1)[step] == me
-                    assert plan.slot_of(step, 2) == (step - 1) % 2
+                    assert plan.slot_of((me - p) % G, 2) == ((me - p) % G - 1) % 2
+    for nodes, G in ((1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (2, 3)):
         for k in (1, 2, 3):
-            s = plan.schedule(1, G, slots=k, epochs=2)
+            s = plan.schedule(nodes, G, slots=k, epochs=2)
             assert find_stall(s.workers, s.depends_on) == []
             problems, _ = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes,
                                              epoch_of=lambda t: t[-1])

@@ -146,7 +146,8 @@ def test_the_trace_build_is_correct_and_accounts_for_every_tile_and_block(make_w
     assert all(len(r["sources"]) == world.size and r["end_last"] <= span for r in ranks)
 
 
-@pytest.mark.parametrize("layout,slots", [("1x2", 1), ("1x3", 1), ("1x3", 2), ("1x4", 2), ("1x4", 3)])
+@pytest.mark.parametrize("layout,slots", [("1x2", 1), ("1x3", 1), ("1x3", 2), ("1x4", 2), ("1x4", 3),
+                                          ("2x2", 1), ("2x2", 2), ("3x1", 1), ("2x3", 2)])
 def test_k_v_slots_match_and_repeat_bit_for_bit(make_world, layout, slots):
     """slots=: the bounded ring (a tile visited once per step, its fp32 state carried from
     step to step), causal and not, GQA, odd chunks, D 64 and 128; repeated calls reuse the
@@ -172,11 +173,12 @@ def test_k_v_slots_match_and_repeat_bit_for_bit(make_world, layout, slots):
             assert cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16))
 
 
-def test_k_v_slots_under_graph_replay_and_a_silent_rank(make_world):
+@pytest.mark.parametrize("layout,muted", [("1x3", 2), ("2x2", 3)])
+def test_k_v_slots_under_graph_replay_and_a_silent_rank(make_world, layout, muted):
     import cupy
-    world = make_world("1x3")
+    world = make_world(layout)
     op = mkrt.RingAttention(world, timeout_ms=10000, slots=1)
-    q, k, v = sequence(1, 2 * 3 * 128, 2, 2, 64, "bf16", seed=3)
+    q, k, v = sequence(1, 2 * world.size * 128, 2, 2, 64, "bf16", seed=3)
     qs, ks, vs = (shards(world, x, True) for x in (q, k, v))
     outs = [cupy.empty_like(x) for x in qs]
     lses = [cupy.empty((1, 2, 256), np.float32) for _ in qs]
@@ -188,16 +190,17 @@ def test_k_v_slots_under_graph_replay_and_a_silent_rank(make_world):
         op(qs, ks, vs, causal=True, out=outs, lse=lses)
         graph = stream.end_capture()
     for _ in range(3):
-        for o in outs:
-            o.fill(0)
+        with stream:          # cleared on the replay's stream (no race with it)
+            for o in outs:
+                o.fill(0)
         graph.launch(stream)
         stream.synchronize()
         world.synchronize()
         check(world, q, k, v, outs, lses, True, "bf16")
-    muted = mkrt.RingAttention(world, timeout_ms=300, muted_rank=2, slots=1)
+    muted_op = mkrt.RingAttention(world, timeout_ms=300, muted_rank=muted, slots=1)
     start = time.perf_counter()
     with pytest.raises(mkrt.CommTimeout):
-        muted(qs, ks, vs, causal=True)
+        muted_op(qs, ks, vs, causal=True)
         world.synchronize()
     assert time.perf_counter() - start < 10
 

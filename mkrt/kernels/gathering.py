@@ -35,10 +35,12 @@ class FlagLayout:
     def finished(self): return self.comm_before() + 1
     def chunk(self, b, c): return self.finished() + 3 + b * GATHER_MAX_CHUNKS + c
     def claims(self): return self.chunk(self.N * self.G, 0)
+    def credit(self, n): return self.claims() + 1 + n
+    def forwarded_step(self, s): return self.credit(self.N) + s
 
     @property
     def words(self) -> int:
-        return self.claims() + 1
+        return self.forwarded_step(self.N * self.G)
 
 
 # ---- the device's chunk arithmetic (kernels/device/gather.py), for CPU checks -----------

@@ -25,7 +25,7 @@ One persistent kernel per rank, two roles (the plan: mkrt/kernels/ring_attention
   merges source after source in fp32, so the error does not grow with the world size.
 
 The gathered buffer holds every rank's K and V (W x the local K/V); it is reused by the
-next call once every rank's launch has begun. ``RingAttention(slots=k)`` (one node) holds
+next call once every rank's launch has begun. ``RingAttention(slots=k)`` holds
 k slots instead and visits the sources one step at a time, each tile's state carried from
 step to step in fp32 (the kernel's SLOTS; mkrt/kernels/ring_slots_plan.py checks the
 protocol). Epochs on the device, bounded waits
@@ -77,7 +77,8 @@ struct Args {
     u64* trace;                 // the trace build's per-CTA records [ctas][TRACE_WORDS]
     float* partial;             // SLOTS: a visit's unnormalised O [B, 2c, Hq, D] (fp32)
     float* partial_rows;        // SLOTS: its row maxima, then row sums [2][B, Hq, 2c]
-    u64* partial_flags;         // SLOTS: [tiles per step][2 halves] visit done, then [W] counters
+    u64* partial_flags;         // SLOTS: [tiles per step][2 halves] visit done, then [W] visit
+                                // counters and [W] forward counters per step
 };
 $ARGS_CHECKS
 
@@ -94,11 +95,12 @@ constexpr bool RING_TRACE = $TRACE;
 // without waiting for anything; false: from its copy in the gathered buffer, as until
 // c526389 (on several nodes the whole copy came first: every CTA waited for it at the start).
 constexpr bool DIRECT_OWN = $DIRECT_OWN;
-// $SLOTS > 0 (RingAttention(slots=k), one node): a bounded ring of K/V slots instead of the
-// gathered buffer. A rank visits its sources one step at a time, step s the source
-// source_at(s): step 0 its own K/V (read from the inputs), step s >= 1 from slot
-// (s - 1) % SLOTS, into which that source pushes it once the step that last used the slot
-// is done here (ready(s) >= epoch, raised by the step's last visit). A tile's
+// $SLOTS > 0 (RingAttention(slots=k)): a bounded ring of K/V slots instead of the gathered
+// buffer. A rank visits its sources one step at a time, step s the source source_at(s):
+// step 0 its own K/V (read from the inputs), step s >= 1 from slot (s - 1) % SLOTS, into
+// which the source's K/V come (pushed by a node peer; put by another node's rank with our
+// local index, after our credit; or forwarded by our node's rank that it was put to)
+// once the step that last used the slot is done here (move_to_slots). A tile's
 // online-softmax state goes from one visit to the next in fp32 (partial), never rounded.
 constexpr int SLOTS = $SLOTS;
 constexpr bool OWN_IN_INPUT = DIRECT_OWN || SLOTS > 0;
@@ -438,6 +440,19 @@ struct StoreRows {
     }
 };
 
+// SLOTS: one count towards `target` in a per-launch counter (one thread); the last raises
+// `flag` to the epoch and resets the counter (every count of this launch is in).
+__device__ __forceinline__ void count_towards(u64* counter, u64 target, u64* flag, u64 epoch) {
+    if (fetch_add_acq_rel_gpu(counter, 1) + 1 == target) {
+        st_relaxed_sys(counter, 0);
+        st_release_sys(flag, epoch);
+    }
+}
+// Whether another node's rank puts our step `step`'s source here (we forward it on).
+__device__ __forceinline__ bool put_here(int step, int G, int N) {
+    return N > 1 && step >= G && step % G == 0;
+}
+
 // SLOTS: a visit's rows: the tile's last visit stores O and LSE (StoreRows); an earlier one
 // with keys keeps the state for the next (fp32 O as accumulated, row maxima and sums). Then each
 // consumer half says its rows are kept (partial_flags) and counts itself in the step; the
@@ -476,58 +491,141 @@ struct VisitRows {
         if ((who.thread & 127) == 0) {
             __threadfence();
             st_release_gpu(w.partial_flags + 2 * (u64)t + who.warpgroup, w.epoch * w.world() + step);
-            // a per-launch count of the step's finished halves, reset by the last one
-            u64* const counter = w.partial_flags + 2 * (u64)T + step;
-            if (fetch_add_acq_rel_gpu(counter, 1) + 1 == 2 * (u64)T) {
-                st_relaxed_sys(counter, 0);
-                st_release_sys((u64*)w.flags + w.L.ready(step), w.epoch);
-            }
+            // the step's visits done: ready(step) (with the forwards out of it, if any, its
+            // slot may take the next source)
+            count_towards(w.partial_flags + 2 * (u64)T + step, 2 * (u64)T, (u64*)w.flags + w.L.ready(step),
+                          w.epoch);
         }
     }
 };
 
-// SLOTS, one node: this comm CTA's chunks of the rank's K/V (from its inputs) into each
-// node peer's slot for the step at which that peer visits us, each peer as soon as its
-// slot is free: for the peer's steps 1 .. SLOTS its arrival (its previous launch is over),
-// later ones its step - SLOTS done. Peers are served in whichever order their slots free
-// up, so one that lags holds back no other (one stream per destination). Bounded: a
-// timeout is reported for the first peer still waited for.
-__device__ __noinline__ void push_to_slots(const Args& a, u64 epoch, const Context& ctx, int comm,
-                                           int comm_ctas, bool muted) {
+// SLOTS: what the communication CTAs move, each CTA its chunks chunk_at(comm),
+// chunk_at(comm + comm_ctas), ... of every transfer, in whichever order transfers become
+// possible (one that waits holds back no other: a stream per destination):
+//   push     our K/V (inputs) -> node peer p's slot for the step at which p visits us;
+//   put      our K/V (staged in our buffer's last region, registered for the proxy) ->
+//            rank `me` of node m, once m's credit says that slot is free;
+//   forward  a source another node put here -> node peer p's slot for p's step of it;
+//   credit   (CTA 0) tell the source of each step another node puts here that the slot
+//            for it is free.
+// A slot of rank p for its step s is free for steps 1..SLOTS once p has arrived, later
+// once p's step u = s - SLOTS is done: ready(u), and forwarded(u) if u's source was put
+// there by another node (the forwards out of the slot have read it). A
+// chunk's flag at the receiver says epoch x W + step. Bounded: a timeout names the first
+// transfer still waited for.
+__device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Context& ctx, int comm,
+                                           int comm_ctas, int tiles, bool muted) {
     const Layout L{a.G, a.N};
-    const int W = a.G * a.N;
+    const int G = a.G, N = a.N, W = G * N, me = a.me, node = a.node, mine = node * G + me;
     const u64 half = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);   // K (or V)
     const u64 nbytes = 2 * half;
     const int chunks = gather_chunks(comm_ctas, RING_CHUNKS);
-    __shared__ int open_peer, stop;
-    if (comm == 0 && threadIdx.x < a.G)
-        st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
+    const bool pairs = chunks % 2 == 0;
+    unsigned char* const staged = (unsigned char*)a.gathered + (u64)SLOTS * nbytes;
+    u64* const forward_counters = a.partial_flags + 2 * (u64)tiles + W;   // per step put here
+    __shared__ int open_kind, open_index, stop;
+    enum { NONE = -1, PUSH = 0, PUT = 1, FORWARD = 2, CREDIT = 3 };
+
+    // arrive: node peers may push into our slots for their first SLOTS steps; rank `me` of
+    // every other node may overwrite what it staged (its puts to us last call have landed)
+    if (comm == 0 && threadIdx.x < G)
+        st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(me), epoch);
+    if (N > 1 && comm == 0 && threadIdx.x == blockDim.x - 1) {
+        const Queue q = *a.queue;
+        for (int m = 0; m < N; ++m)
+            if (m != node && post_signal(q, ctx, (unsigned)(m * G + me), (unsigned)a.flags_region,
+                                         (u64)L.node_arrive(node) * 8, epoch, ROLE_INTER, mine) == POST_FAILED)
+                break;
+    }
     if (muted) return;
-    u32 pending = 0;                      // node peers still to serve (bit p)
-    for (int p = 0; p < a.G; ++p)
-        if (p != a.me) pending |= 1u << p;
+    // several nodes: stage our K/V for the proxy once every rank `me` elsewhere has arrived
+    if (N > 1) {
+        if (!cta_wait_words(a.flags, L.node_arrive(0), 1, N, node, epoch, ctx, ROLE_INTER, mine, 0, a.queue))
+            return;
+        for (int k = comm; k < chunks; k += comm_ctas)
+            spread_chunk(&staged, 1, 0, (const unsigned char*)a.k, half, (const unsigned char*)a.v, nbytes,
+                         chunk_at(k, chunks, pairs), chunks);
+        __threadfence_system();
+        __syncthreads();
+    }
+
+    u32 pushes = 0, puts = 0, credits = 0;  // still to do: node peers, other nodes, steps put here
+    u64 forwards = 0;                       // bit (i - 1) * G + p: node i steps on, to peer p
+    for (int p = 0; p < G; ++p)
+        if (p != me) pushes |= 1u << p;
+    for (int i = 1; i < N; ++i) {
+        puts |= 1u << i;
+        if (comm == 0) credits |= 1u << i;
+        for (int p = 0; p < G; ++p)
+            if (p != me) forwards |= 1ull << ((i - 1) * G + p);
+    }
     const u64 start = global_timer_ns();
     u32 backoff = 0;
-    while (pending) {
+    // whether rank p of our node has its slot for its step s free (one thread; p == me:
+    // our own flags)
+    auto slot_free = [&](int p, int s, int& word, u64& seen) {
+        const u64* flags = (const u64*)a.peer_flags[p];
+        if (s <= SLOTS) {
+            word = L.arrive(p);
+            seen = ld_acquire_sys(a.flags + word);
+            return seen >= epoch;
+        }
+        const int u = s - SLOTS;
+        word = L.ready(u);
+        seen = ld_acquire_sys(flags + word);
+        if (seen < epoch) return false;
+        if (!put_here(u, G, N) || G == 1) return true;
+        word = L.forwarded_step(u);
+        seen = ld_acquire_sys(flags + word);
+        return seen >= epoch;
+    };
+    while (pushes | puts | credits | forwards) {
         if (threadIdx.x == 0) {
-            open_peer = -1;
+            open_kind = NONE;
             stop = 0;
-            int first = -1, word = 0;
-            u64 seen = 0;
-            for (int p = 0; p < a.G && open_peer < 0; ++p) {
-                if (!(pending >> p & 1)) continue;
-                const int step = (a.me - p + a.G) % a.G;     // p visits us at this step
-                const u64* flag = step <= SLOTS ? a.flags + L.arrive(p)
-                                                : (const u64*)a.peer_flags[p] + L.ready(step - SLOTS);
-                const u64 now_seen = ld_acquire_sys(flag);
-                if (now_seen >= epoch) open_peer = p;
-                else if (first < 0) { first = p; word = step <= SLOTS ? L.arrive(p) : L.ready(step - SLOTS); seen = now_seen; }
+            int first_word = -1, first_task = -1, word = 0;
+            u64 first_seen = 0, first_expected = 0, seen = 0;
+            auto blocked = [&](int task, int w, u64 got, u64 want) {
+                if (first_word < 0) { first_word = w; first_task = task; first_seen = got; first_expected = want; }
+            };
+            for (int p = 0; p < G && open_kind == NONE; ++p) {
+                if (!(pushes >> p & 1)) continue;
+                if (slot_free(p, (me - p + G) % G, word, seen)) { open_kind = PUSH; open_index = p; }
+                else blocked(p, word, seen, epoch);
             }
-            if (open_peer < 0) {
+            for (int i = 1; i < N && open_kind == NONE; ++i) {
+                if (!(puts >> i & 1)) continue;
+                const int m = (node + N - i) % N;       // we are node m's source i nodes on
+                const u64 want = epoch * W + (u64)G * i;
+                const u64 got = ld_acquire_sys(a.flags + L.credit(m));
+                if (got >= want) { open_kind = PUT; open_index = i; }
+                else blocked(G + i, L.credit(m), got, want);
+            }
+            for (int i = 1; i < N && open_kind == NONE; ++i) {
+                if (!(credits >> i & 1)) continue;
+                // node + i's rank `me` is our step G i: its slot free here?
+                if (slot_free(me, G * i, word, seen)) { open_kind = CREDIT; open_index = i; }
+                else blocked(2 * G + i, word, seen, epoch);
+            }
+            for (int t = 0; t < 64 && open_kind == NONE; ++t) {
+                if (!(forwards >> t & 1)) continue;
+                const int i = t / G + 1, p = t % G, s = G * i, slot = (s - 1) % SLOTS;
+                bool landed = true;
+                for (int k = comm; k < chunks && landed; k += comm_ctas) {
+                    const u64 want = epoch * W + s;
+                    const int w = L.chunk(slot, chunk_at(k, chunks, pairs));
+                    const u64 got = ld_acquire_sys(a.flags + w);
+                    if (got < want) { landed = false; blocked(3 * G + t, w, got, want); }
+                }
+                if (!landed) continue;
+                if (slot_free(p, s + (me - p + G) % G, word, seen)) { open_kind = FORWARD; open_index = t; }
+                else blocked(3 * G + t, word, seen, epoch);
+            }
+            if (open_kind == NONE) {
                 if (aborted(ctx)) {
                     stop = 1;
                 } else if (global_timer_ns() - start > ctx.timeout_ns) {
-                    report_timeout(ctx, ROLE_INTRA, first, word, epoch, seen);
+                    report_timeout(ctx, ROLE_INTRA, first_task, first_word, first_expected, first_seen);
                     stop = 1;
                 } else {
                     backoff = backoff == 0 ? 32 : (backoff < 256 ? backoff << 1 : 256);
@@ -536,25 +634,70 @@ __device__ __noinline__ void push_to_slots(const Args& a, u64 epoch, const Conte
             }
         }
         __syncthreads();
-        const int p = open_peer;
+        const int kind = open_kind, index = open_index;
         const bool stopped = stop;
-        __syncthreads();                  // open_peer and stop are rewritten next round
+        __syncthreads();                  // open_kind, open_index and stop are rewritten next round
         if (stopped) return;
-        if (p < 0) continue;
+        if (kind == NONE) continue;
         backoff = 0;
-        const int step = (a.me - p + a.G) % a.G;
-        const int slot = (step - 1) % SLOTS;
-        unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)slot * nbytes;
-        for (int k = comm; k < chunks; k += comm_ctas) {
-            const int c = chunk_at(k, chunks, chunks % 2 == 0);
-            spread_chunk(&target, 1, 0, (const unsigned char*)a.k, half, (const unsigned char*)a.v, nbytes,
-                         c, chunks);
-            __threadfence_system();
-            __syncthreads();
+        if (kind == PUSH) {
+            const int p = index, step = (me - p + G) % G, slot = (step - 1) % SLOTS;
+            unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)slot * nbytes;
+            for (int k = comm; k < chunks; k += comm_ctas) {
+                const int c = chunk_at(k, chunks, pairs);
+                spread_chunk(&target, 1, 0, (const unsigned char*)a.k, half, (const unsigned char*)a.v,
+                             nbytes, c, chunks);
+                __threadfence_system();
+                __syncthreads();
+                if (threadIdx.x == 0)
+                    st_release_sys((u64*)a.peer_flags[p] + L.chunk(slot, c), epoch * W + step);
+            }
+            pushes &= ~(1u << p);
+        } else if (kind == PUT) {
+            const int i = index, m = (node + N - i) % N, step = G * i, slot = (step - 1) % SLOTS;
+            if (threadIdx.x == 0) {
+                const Queue q = *a.queue;
+                for (int k = comm; k < chunks; k += comm_ctas) {
+                    const int c = chunk_at(k, chunks, pairs);
+                    const u64 x0 = chunk_begin(nbytes, c, chunks), x1 = chunk_begin(nbytes, c + 1, chunks);
+                    if (post_put_signal(q, ctx, (unsigned)(m * G + me), (unsigned)a.gathered_region,
+                                        (u64)slot * nbytes + x0, (unsigned)a.gathered_region,
+                                        (u64)SLOTS * nbytes + x0, x1 - x0, (unsigned)a.flags_region,
+                                        (u64)L.chunk(slot, c) * 8, epoch * W + step, ROLE_INTER,
+                                        mine) == POST_FAILED)
+                        break;
+                }
+            }
+            puts &= ~(1u << i);
+        } else if (kind == CREDIT) {
+            const int i = index, source = ((node + i) % N) * G + me;
+            if (threadIdx.x == 0) {
+                const Queue q = *a.queue;
+                post_signal(q, ctx, (unsigned)source, (unsigned)a.flags_region, (u64)L.credit(node) * 8,
+                            epoch * W + (u64)G * i, ROLE_INTER, mine);
+            }
+            credits &= ~(1u << i);
+        } else {                          // FORWARD
+            const int t = index, i = t / G + 1, p = t % G, s = G * i;
+            const int step = s + (me - p + G) % G;             // p's step of the same source
+            const unsigned char* const from = (const unsigned char*)a.gathered + (u64)((s - 1) % SLOTS) * nbytes;
+            const int slot = (step - 1) % SLOTS;
+            unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)slot * nbytes;
+            fence_proxy_async_global();   // (the proxy's copy landed; read it as ordinary data)
+            for (int k = comm; k < chunks; k += comm_ctas) {
+                const int c = chunk_at(k, chunks, pairs);
+                spread_chunk(&target, 1, 0, from, nbytes, nullptr, nbytes, c, chunks);
+                __threadfence_system();
+                __syncthreads();
+                if (threadIdx.x == 0)
+                    st_release_sys((u64*)a.peer_flags[p] + L.chunk(slot, c), epoch * W + step);
+            }
+            // our slot for step s may take its next source once every forward out of it is done
             if (threadIdx.x == 0)
-                st_release_sys((u64*)a.peer_flags[p] + L.chunk(slot, c), epoch * W + step);
+                count_towards(forward_counters + s, (u64)comm_ctas * (G - 1), a.flags + L.forwarded_step(s),
+                              epoch);
+            forwards &= ~(1ull << t);
         }
-        pending &= ~(1u << p);
     }
 }
 
@@ -592,7 +735,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     const u64 row_bytes = (u64)a.kv_heads * Cfg::D * sizeof(T);
     if ((int)blockIdx.x >= compute_ctas) {
         if constexpr (SLOTS > 0) {
-            push_to_slots(a, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, rank == muted_rank);
+            move_to_slots(a, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas,
+                          2 * ((a.chunk + Cfg::BQ - 1) / Cfg::BQ) * a.batches * a.heads, rank == muted_rank);
         } else {
             const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * row_bytes;
             GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
@@ -629,6 +773,8 @@ RING_CHUNKS = 64
 #: most K/V slots (RingAttention(slots=)): a node's peers but one (more would be the gathered
 #: buffer again); the push keeps the peers still to serve in one 32-bit mask
 MAX_SLOTS = 31
+#: most ranks of a world with slots (a step is a bit of a 64-bit mask)
+MAX_SLOT_WORLD = 64
 
 ARGS_DTYPE = np.dtype([
     ("k", "<u8"), ("v", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("gathered", "<u8"),
@@ -862,14 +1008,16 @@ class RingAttention(GatheringOp):
     them; on one node no copy of them into the rank's own slot); not yet run on a GPU, so
     off by default: False reads them from the rank's copy in the gathered buffer.
 
-    ``slots=k`` (one-node worlds; not yet run on a GPU): instead of gathering every rank's
-    K/V (W x the local K/V per rank), each rank holds k slots of other ranks' K/V (the
-    issue's double buffering is k=2), so memory does not grow with the world: k x the
-    local K/V plus an fp32 state of its queries' output (2 x the size of O, and two floats
-    per query row). The rank then visits its sources one step at a time (own K/V first,
-    read in place), every tile once per step, carrying each tile's online-softmax state
-    from step to step in fp32; a peer pushes its K/V into a slot once the step that last
-    used the slot is done. k >= W - 1 means one slot per peer (no waiting for a slot).
+    ``slots=k`` (worlds of at most 64 ranks; not yet run on a GPU): instead of gathering
+    every rank's K/V (W x the local K/V per rank), each rank holds k slots of other ranks'
+    K/V (the issue's double buffering is k=2), so memory does not grow with the world: k x
+    the local K/V (one more on several nodes: its own, staged for the proxy) plus an fp32
+    state of its queries' output (2 x the size of O, and two floats per query row). The
+    rank then visits its sources one step at a time (own K/V first, read in place), every
+    tile once per step, carrying each tile's online-softmax state from step to step in
+    fp32; a source's K/V go into a slot once the step that last used the slot is done
+    (and, for K/V another node put there, once they were forwarded to the node's other
+    ranks). k >= W - 1 means one slot per source (no waiting for a slot).
     """
 
     name = "ring_attention"
@@ -898,9 +1046,10 @@ class RingAttention(GatheringOp):
                              "use trace=True with slots=None")
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
                          muted_rank=muted_rank, roles=roles)
-        if slots is not None and self.world.nodes > 1:
-            raise ValueError(f"mkrt.ring_attention: slots= runs on one node for now; this world "
-                             f"is {self.world.layout} (leave slots=None: every rank's K/V gathered)")
+        if slots is not None and self.world.size > MAX_SLOT_WORLD:
+            raise ValueError(f"mkrt.ring_attention: slots= runs on worlds of at most "
+                             f"{MAX_SLOT_WORLD} ranks; this one has {self.world.size} (leave "
+                             "slots=None: every rank's K/V gathered)")
         # more slots than peers would stay empty
         self.slots = 0 if slots is None else min(int(slots), max(1, self.world.size - 1))
         self.band = None if band is None else int(band)
@@ -1001,7 +1150,9 @@ class RingAttention(GatheringOp):
         if call.launches is not None and call.generation == self._generation:
             return call.launches
         sources = self.slots or self.world.size      # [sources][K | V]
-        self._ensure_gathered(sources * 2 * call.kv_bytes)
+        # slots on several nodes: one more region, the rank's own K/V staged for the proxy
+        staged = 1 if self.slots and self.world.nodes > 1 else 0
+        self._ensure_gathered((sources + staged) * 2 * call.kv_bytes)
         p = call.problem
         spec = self.spec(p)
         call.block_kv = spec.block_kv
@@ -1050,7 +1201,7 @@ class RingAttention(GatheringOp):
             with self.on_device(device):
                 call.partials.append((cupy.empty((p.batches, p.sq, p.heads, p.head_dim), np.float32),
                                       cupy.empty((2, p.batches, p.heads, p.sq), np.float32),
-                                      cupy.zeros(2 * tiles + self.world.size, np.uint64)))
+                                      cupy.zeros(2 * tiles + 2 * self.world.size, np.uint64)))
 
     def _args(self, call, info) -> np.ndarray:
         p = call.problem

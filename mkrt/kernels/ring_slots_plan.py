@@ -1,11 +1,11 @@
 """A bounded ring of K/V slots for ring attention, as a schedule checked on the CPU.
 
-**Status:** on one node the kernel does this (``RingAttention(slots=k)``,
-`mkrt/kernels/ring_attention.py`: ``push_to_slots``, ``RingWork::resume``, ``VisitRows``);
-with several nodes it is a design (the default ring gathers every rank's K/V, W x the
-local K/V per rank). The bounded version this module models (experiments/notes/
-attention.md, "Plan: a bounded ring of K/V slots") turns the order around so that memory
-does not grow with the world:
+**Status:** the kernel does this (``RingAttention(slots=k)``,
+`mkrt/kernels/ring_attention.py`: ``move_to_slots``, ``RingWork::resume``, ``VisitRows``;
+a put learns that the receiver's slot is free from the receiver's credit, a proxy signal);
+the default ring still gathers every rank's K/V (W x the local K/V per rank). The bounded
+version this module models (experiments/notes/attention.md, "Plan: a bounded ring of K/V
+slots") turns the order around so that memory does not grow with the world:
 
 * **Source-major steps.** Rank r works through its sources in `ring_attention_plan.plan`'s
   order; step 0 is its own K/V, read in place; step s >= 1 reads source order[r][s] from

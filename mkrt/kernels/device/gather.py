@@ -94,6 +94,11 @@ struct GatheredFlags {
     // tiles claimed this launch by a compute role that draws from a queue (AllGather+GEMM);
     // the last CTA out resets it
     __device__ int claims() const { return chunk(N * G, 0); }
+    // ring attention's K/V slots: rank (n, me) has our data's slot free up to step (value
+    // epoch x W + step) (its credit, through the proxy)
+    __device__ int credit(int n) const { return claims() + 1 + n; }
+    // ... and every forward out of the slot of our step s is done (value epoch)
+    __device__ int forwarded_step(int s) const { return credit(N) + s; }
 };
 
 // Blocks are spread chunk by chunk, a CTA copying whole chunks, so the compute role can
