@@ -16,8 +16,9 @@
 # 4. where the ring's time goes (experiments/ring_trace.py): 2x2 with 32 and 28 CTAs per
 #    rank (the proxy's copies run on the SMs the ranks leave free), then 1x2 and 1x4;
 # 5. the attention engine's GPU tests (its loads take their map from the work list);
-# B also times the bounded ring (RingAttention(slots=1, 2), one node) against the gathered
-# one at 4096 rows per rank (its GPU tests are in step 1's test file).
+# B first runs the bounded ring's GPU tests (RingAttention(slots=k), never run; alone, so a
+# fault cannot take the others down) and times it (slots 1, 2) against the gathered ring
+# at 4096 rows per rank on 1x2 and 1x4.
 source experiments/device_prelude.sh log.txt
 trace() {   # layouts, shapes, CTAs per rank
     timeout ${TRACE_S:-90} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 3 \
@@ -25,8 +26,12 @@ trace() {   # layouts, shapes, CTAs per rank
         grep -v Warning | tee -a $LOG
 }
 if [ "$1" = B ]; then
+    # the K/V slots (new, never run): in a process of their own, first
+    timeout ${SLOT_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py -k slots \
+        -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee -a $LOG
+    echo "slot tests done at $SECONDS s" | tee -a $LOG
     timeout ${SLOTS_S:-120} python3 experiments/ring_attention.py --layouts 1x2 1x4 \
-        --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --slots none 1 2 --iterations 4 --repeats 4 \
+        --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --slots none 1 2 --iterations 3 --repeats 3 \
         --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
         grep -v "F.scaled_dot" | tee -a $LOG
     echo "slots done at $SECONDS s" | tee -a $LOG
@@ -38,8 +43,8 @@ if [ "$1" = B ]; then
     exit 0
 fi
 timeout ${TEST_S:-170} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
-    tests/test_ring_attention_gpu.py -k "not across_processes" -p no:cacheprovider 2>&1 | \
-    grep -v Warning | tail -4 | tee -a $LOG
+    tests/test_ring_attention_gpu.py -k "not across_processes and not slots" -p no:cacheprovider \
+    2>&1 | grep -v Warning | tail -4 | tee -a $LOG
 echo "tests done at $SECONDS s" | tee -a $LOG
 timeout ${RING_S:-110} python3 experiments/ring_attention.py --layouts 1x2 1x4 2x2 \
     --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --own gathered direct --iterations 4 --repeats 4 \
