@@ -36,6 +36,7 @@ class FakeDriver:
     def __init__(self, *, fail_batch: int = 0):
         self.lock = threading.Lock()
         self.stream = []                 # ("copy", dst, src, n) | ("write", address, value)
+        self.history = []                # every stream operation ever queued, in order
         self.calls = {"copy": 0, "batch": 0, "launch": 0, "write": 0}
         self.batch_sizes = []           # copies per batch call or launch
         self.grids = []
@@ -88,6 +89,7 @@ class FakeDriver:
 
         def run(stream):
             with self.lock:
+                self.history += self.stream
                 for op in self.stream:
                     if op[0] == "copy":
                         ctypes.memmove(op[1], op[2], op[3])
@@ -179,18 +181,41 @@ def test_batched_puts_land_before_their_flag(method):
     stats = run(world, FakeCopyEngine(driver, copy_method=method), records, flag_value=n)
     assert (world.dst[: n * chunk] == world.src[: n * chunk]).all()
     assert stats["puts"] == n and stats["errors"] == 0
-    # 200 puts, a signal every 50: 4 batches of 50 (MAX_PENDING splits none of them)
+    # 200 puts, a signal every 50, read in one proxy batch: the signals wait with the puts,
+    # which go out when MAX_PENDING (128) are pending, then the rest; 4 flag writes
     expected = {"copy": 0, "batch": 0, "launch": 0, "write": 4}
-    expected["launch" if method == "kernel" else "batch"] = 4
+    expected["launch" if method == "kernel" else "batch"] = 2
     assert driver.calls == expected
-    assert driver.batch_sizes == [50] * 4
+    assert driver.batch_sizes == [CE.MAX_PENDING, n - CE.MAX_PENDING]
     if method == "kernel":
         # the transport's kernel, 512 threads, one CTA per 64 KiB of the batch (at least 1)
-        assert driver.grids == [(FAKE_KERNEL, 1, CE.COPY_THREADS)] * 4
+        assert driver.grids == [(FAKE_KERNEL, 1, CE.COPY_THREADS)] * 2
     else:
         # one attribute for every copy: stream-ordered source, copy-engine hint
         assert driver.attrs_seen[0] == ([CE.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0,
                                          CE.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE], 0, 1)
+
+
+@pytest.mark.parametrize("method", BATCHING)
+def test_put_signal_runs_share_a_launch_and_each_flag_follows_its_data(method):
+    """A block put chunk by chunk, a flag per chunk (the gathering role's puts): one copy
+    launch for the run, each flag written after it, in order; the fake runs a stream in
+    order and a batch backwards, so a flag ahead of its data would be caught by reading
+    the data when the flag is seen."""
+    world, driver = World(), FakeDriver()
+    chunk, n = 512, 48                                # flags 1 .. 48 of the 64-word region
+    records = [put(i * chunk, i * chunk, chunk, signal=(1 + i, 7)) for i in range(n)]
+    records.append(put(60000, 60000, 8, signal=(0, 1)))
+    run(world, FakeCopyEngine(driver, copy_method=method), records)
+    assert (world.dst[: n * chunk] == world.src[: n * chunk]).all()
+    assert (world.flags[1:1 + n] == 7).all()
+    assert driver.batch_sizes == [n + 1]
+    assert driver.calls["write"] == n + 1
+    # on the stream: the launch's copies, then the flags in the order they were posted
+    kinds = [op[0] for op in driver.history]
+    assert kinds == ["copy"] * (n + 1) + ["write"] * (n + 1)
+    flag_base = world.flags.ctypes.data
+    assert [(op[1] - flag_base) // 8 for op in driver.history[n + 1:]] == list(range(1, n + 1)) + [0]
 
 
 def test_copy_kernel_grid_grows_with_the_batch_up_to_the_sms():

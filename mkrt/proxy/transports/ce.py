@@ -12,10 +12,13 @@ On the H200 a device-to-device copy is an SM kernel either way (measured; the dr
 copy-engine hint does not change it), so per-copy launch cost, not bandwidth, is what
 limits 1 MiB messages: the batch kernel pays it once per batch.
 
-A signal first issues the pending copies, then ``cuStreamWriteValue64(stream, flag,
-value)`` on the same stream, so the flag lands after the data. A signal with no copy
-outstanding whose flag lies in mapped host memory is a plain release store (no driver
-call, lowest latency).
+A signal lands after every put before it: ``cuStreamWriteValue64(stream, flag, value)``
+on the same stream, after the launch that copies them. While puts are pending, signals
+wait with them (in order) and go out right after their copies, so a run of put+signal
+commands read in one batch (a kernel putting a block chunk by chunk, a flag per chunk)
+costs one copy launch, not one per put; until 2026-12-07 each signal issued the pending
+puts on its own. A signal with no copy pending or outstanding whose flag lies in mapped
+host memory is a plain release store (no driver call, lowest latency).
 
 Copies of one batch may run in any order, so a put that overlaps a pending one (writes
 what it reads or writes, or reads what it writes) issues the pending ones first: puts
@@ -59,7 +62,10 @@ T_COUNT = 13        # CopyBatch {count; dst[MAX]; src[MAX]; bytes[MAX]} from her
 T_DSTS = T_COUNT + 1
 T_SRCS = T_DSTS + MAX_PENDING
 T_SIZES = T_SRCS + MAX_PENDING
-STATE_WORDS = T_SIZES + MAX_PENDING
+T_SIGNALS = T_SIZES + MAX_PENDING          # signals waiting for the pending puts' launch
+T_SIGNAL_ADDRESSES = T_SIGNALS + 1
+T_SIGNAL_VALUES = T_SIGNAL_ADDRESSES + MAX_PENDING
+STATE_WORDS = T_SIGNAL_VALUES + MAX_PENDING
 #: bytes one CTA of the copy kernel moves per pass over a batch (sizes its grid)
 BYTES_PER_CTA = COPY_THREADS * 16 * 8
 
@@ -138,8 +144,7 @@ def build_ops(lib):
             return 801   # CUDA_ERROR_NOT_SUPPORTED (never called: "batch" becomes "each")
 
     @njit(nogil=True, cache=False)
-    def issue(state):
-        """Hand the pending puts to the driver (0 or a CUDA error)."""
+    def issue_copies(state):
         count = state[T_PENDING]
         if count == np.uint64(0):
             return 0
@@ -156,6 +161,24 @@ def build_ops(lib):
             state[T_COPY_CALLS] += np.uint64(1)
             rc = memcpy_async(state[T_DSTS + i], state[T_SRCS + i], state[T_SIZES + i],
                               state[T_STREAM])
+            if rc != CUDA_SUCCESS:
+                return rc
+        return 0
+
+    @njit(nogil=True, cache=False)
+    def issue(state):
+        """Hand the pending puts to the driver, then the signals that wait for them, in
+        order (0 or a CUDA error)."""
+        rc = issue_copies(state)
+        if rc != CUDA_SUCCESS:
+            state[T_SIGNALS] = np.uint64(0)     # never a flag without its data
+            return rc
+        count = np.int64(state[T_SIGNALS])
+        state[T_SIGNALS] = np.uint64(0)
+        for i in range(count):
+            rc = write_value(state[T_STREAM], state[T_SIGNAL_ADDRESSES + i],
+                             state[T_SIGNAL_VALUES + i], np.uint32(0))
+            state[T_OUTSTANDING] += np.uint64(1)
             if rc != CUDA_SUCCESS:
                 return rc
         return 0
@@ -186,6 +209,16 @@ def build_ops(lib):
 
     @njit(nogil=True, cache=False)
     def signal(state, address, value, kind):
+        if state[T_PENDING] != np.uint64(0):
+            # puts are pending: the signal goes out right after their launch (with any
+            # later puts of this batch in it too: a flag may only land later, never sooner)
+            count = np.int64(state[T_SIGNALS])
+            state[T_SIGNAL_ADDRESSES + count] = address
+            state[T_SIGNAL_VALUES + count] = value
+            state[T_SIGNALS] = np.uint64(count + 1)
+            if state[T_SIGNALS] == np.uint64(MAX_PENDING):
+                return issue(state)
+            return 0
         rc = issue(state)
         if rc != CUDA_SUCCESS:
             return rc
