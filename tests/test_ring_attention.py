@@ -450,48 +450,48 @@ def test_slot_transfers_deliver_every_source_once_at_the_step_it_is_visited(node
 
 
 def test_slot_moves_follow_the_checked_schedule():
-    """The kernel's text does what slot_transfers and ring_slots_plan say: slots by step,
-    free after arrival or the step SLOTS before (and its forwards), credits for puts, a
-    visit resuming from the step before; the plan's schedule (credits are how a put learns
-    a slot is free) has no wait cycle and no slot overwritten before its reader."""
+    """The kernel's text does what slot_transfers and ring_slots_plan.kernel_schedule say:
+    other nodes' sources land apart and are forwarded from there, the rest take the visit
+    slots in turn (slot_region), a visit slot is free after its last visit, the landing
+    region after its visit and forwards, puts wait for credits, a visit resumes from the
+    step before; the model has no wait cycle and no region overwritten before its reader."""
     from mkrt.kernels import ring_slots_plan as plan
     from mkrt.kernels.schedule import find_stall, unordered_accesses
     text = dataclasses.replace(RA.spec_for("bf16", 128), slots=2).render()
     for piece in ("if (slot_free(p, (me - p + G) % G, word, seen)) { open_kind = PUSH; open_index = p; }",
                   "const int m = (node + N - i) % N;       // we are node m's source i nodes on",
                   "const u64 want = epoch * W + (u64)G * i;",
-                  "if (slot_free(me, G * i, word, seen)) { open_kind = CREDIT; open_index = i; }",
-                  "const int i = t / G + 1, p = t % G, s = G * i, slot = (s - 1) % SLOTS;",
+                  "if (landing_free(i, word, seen)) { open_kind = CREDIT; open_index = i; }",
+                  "const int i = t / G + 1, p = t % G, s = G * i;",
+                  "const int w = L.chunk(SLOTS, chunk_at(k, chunks, pairs));",
                   "if (slot_free(p, s + (me - p + G) % G, word, seen)) { open_kind = FORWARD; open_index = t; }",
                   "const int i = index, source = ((node + i) % N) * G + me;",
                   "const int step = s + (me - p + G) % G;             // p's step of the same source",
-                  "const int u = s - SLOTS;",
-                  "if (!put_here(u, G, N) || G == 1) return true;",
+                  "word = L.ready(step_of_local(index - SLOTS, G, N));",
+                  "word = L.ready(G * (i - 1));",
+                  "word = L.forwarded_step(G * (i - 1));",
                   "return N > 1 && step >= G && step % G == 0;",
-                  "const int slot = (block.step - 1) % (SLOTS > 0 ? SLOTS : 1);",
+                  "return N > 1 ? index + (index - 1) / (G - 1) : index;",
+                  "return put_here(step, G, N) ? SLOTS : (local_index(step, G, N) - 1) % (SLOTS > 0 ? SLOTS : 1);",
+                  "const int region = region_of(block.step, G, N);",
+                  "source = SLOTS > 0 ? region_of(block.step, G, N) : block.source;",
+                  "(u64)SLOTS * nbytes + x0, (unsigned)a.gathered_region,",
+                  "(u64)(SLOTS + 1) * nbytes + x0, x1 - x0, (unsigned)a.flags_region,",
                   "epoch * world() + step - 1, ctx, tile.index, PARTIAL_FLAG);",
                   "count_towards(w.partial_flags + 2 * (u64)T + step, 2 * (u64)T, (u64*)w.flags + w.L.ready(step),",
                   "count_towards(forward_counters + s, (u64)comm_ctas * (G - 1), a.flags + L.forwarded_step(s),"):
         assert piece in text, piece
-    for G in (2, 3, 4):
-        for me in range(G):
-            for p in range(G):
-                if p != me:
-                    assert plan.slot_of((me - p) % G, 2) == ((me - p) % G - 1) % 2
-    for nodes, G in ((1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (2, 3)):
+    # slot_region (the kernel's region_of): the visit slots in turn, other nodes' sources apart
+    for nodes, G in ((1, 4), (2, 3), (3, 2)):
+        W = nodes * G
         for k in (1, 2, 3):
-            s = plan.schedule(nodes, G, slots=k, epochs=2)
+            local = [s for s in range(1, W) if not (nodes > 1 and s % G == 0)]
+            assert [RA.slot_region(s, G, nodes, k) for s in local] == [i % k for i in range(len(local))]
+            assert all(RA.slot_region(s, G, nodes, k) == k for s in range(G, W, G)) or nodes == 1
+    for nodes, G in ((1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (2, 3), (3, 2)):
+        for k in (1, 2, 3):
+            s = plan.kernel_schedule(nodes, G, slots=k, epochs=2)
             assert find_stall(s.workers, s.depends_on) == []
             problems, _ = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes,
                                              epoch_of=lambda t: t[-1])
             assert problems == []
-
-
-def test_slot_builds_have_no_trace_version_and_the_plain_build_no_slot_state():
-    with pytest.raises(ValueError, match="trace"):
-        dataclasses.replace(RA.spec_for("bf16", 128, True), slots=2, trace=1)
-    # the plain build does not carry the slots' state pointers
-    plain = RA.spec_for("bf16", 128).render()
-    assert "template <bool ON> struct RingSlots {" in plain
-    assert "const RingWork work{{}, RingSlots<(SLOTS > 0)>::make(a)," in plain
-    assert "constexpr int SLOTS = 0;" in plain

@@ -97,14 +97,30 @@ constexpr bool RING_TRACE = $TRACE;
 constexpr bool DIRECT_OWN = $DIRECT_OWN;
 // $SLOTS > 0 (RingAttention(slots=k)): a bounded ring of K/V slots instead of the gathered
 // buffer. A rank visits its sources one step at a time, step s the source source_at(s):
-// step 0 its own K/V (read from the inputs), step s >= 1 from slot (s - 1) % SLOTS, into
-// which the source's K/V come (pushed by a node peer; put by another node's rank with our
-// local index, after our credit; or forwarded by our node's rank that it was put to)
-// once the step that last used the slot is done here (move_to_slots). A tile's
-// online-softmax state goes from one visit to the next in fp32 (partial), never rounded.
+// step 0 its own K/V (read from the inputs); a source another node puts here (steps G, 2G,
+// .. with several nodes) from the landing region (index SLOTS), into which it is put once
+// the previous one there was visited and forwarded to the node's other ranks; any other
+// from visit slot region_of(s) (the visit slots taken in turn), into which a node peer
+// pushes or forwards it once the step that last used the slot is done here
+// (move_to_slots). A tile's online-softmax state goes from one visit to the next in fp32
+// (partial), never rounded. Regions of the buffer: [SLOTS visit slots][landing][staged:
+// the rank's own K/V for the proxy's puts] (the last two with several nodes).
 constexpr int SLOTS = $SLOTS;
 constexpr bool OWN_IN_INPUT = DIRECT_OWN || SLOTS > 0;
 constexpr int PARTIAL_FLAG = -6;                  // mirror: mkrt.errors.SPECIAL_FLAGS
+// Whether another node's rank puts our step `step`'s source here (we forward it on).
+__device__ __forceinline__ bool put_here(int step, int G, int N) {
+    return N > 1 && step >= G && step % G == 0;
+}
+// Steps 1.. that are not put here, counted (1, 2, ..) up to `step`, and back.
+__device__ __forceinline__ int local_index(int step, int G, int N) { return N > 1 ? step - step / G : step; }
+__device__ __forceinline__ int step_of_local(int index, int G, int N) {
+    return N > 1 ? index + (index - 1) / (G - 1) : index;      // (N > 1 with local steps: G > 1)
+}
+// The buffer region step `step` >= 1 reads (mirror: mkrt.kernels.ring_attention.slot_region).
+__device__ __forceinline__ int region_of(int step, int G, int N) {
+    return put_here(step, G, N) ? SLOTS : (local_index(step, G, N) - 1) % (SLOTS > 0 ? SLOTS : 1);
+}
 constexpr int TRACE_SOURCES = $TRACE_SOURCES;
 constexpr int TRACE_WORDS = $TRACE_WORDS;        // len(TRACE_FIELDS) + 2 TRACE_SOURCES
 
@@ -366,7 +382,7 @@ struct RingWork : RingCounters<RING_TRACE>, RingSlots<(SLOTS > 0)> {
             source = 0;
             return values ? own_v : own_k;
         }
-        source = SLOTS > 0 ? (block.step - 1) % SLOTS : block.source;
+        source = SLOTS > 0 ? region_of(block.step, G, N) : block.source;
         return map;
     }
     // Before loading a block: our own keys are in the inputs (DIRECT_OWN); others' rows of
@@ -383,9 +399,9 @@ struct RingWork : RingCounters<RING_TRACE>, RingSlots<(SLOTS > 0)> {
             const u64 step_bit = 1ull << block.step;
             if (whole_sources & step_bit) return true;
             const long long start = now();
-            const int slot = (block.step - 1) % (SLOTS > 0 ? SLOTS : 1);
+            const int region = region_of(block.step, G, N);
             for (int c = 0; c < chunks; ++c)
-                if (!wait_gathered_word(flags, L.chunk(slot, c), epoch * world() + block.step, ctx, tile.index))
+                if (!wait_gathered_word(flags, L.chunk(region, c), epoch * world() + block.step, ctx, tile.index))
                     return false;
             count_flag_wait(start);
             whole_sources |= step_bit;
@@ -448,15 +464,10 @@ __device__ __forceinline__ void count_towards(u64* counter, u64 target, u64* fla
         st_release_sys(flag, epoch);
     }
 }
-// Whether another node's rank puts our step `step`'s source here (we forward it on).
-__device__ __forceinline__ bool put_here(int step, int G, int N) {
-    return N > 1 && step >= G && step % G == 0;
-}
-
 // SLOTS: a visit's rows: the tile's last visit stores O and LSE (StoreRows); an earlier one
 // with keys keeps the state for the next (fp32 O as accumulated, row maxima and sums). Then each
 // consumer half says its rows are kept (partial_flags) and counts itself in the step; the
-// step's last half raises ready(step), freeing the step's slot for the push of step + SLOTS.
+// step's last half raises ready(step), freeing the step's region for its next use.
 struct VisitRows {
     StoreRows final_rows;
     const RingWork& work;
@@ -502,17 +513,19 @@ struct VisitRows {
 // SLOTS: what the communication CTAs move, each CTA its chunks chunk_at(comm),
 // chunk_at(comm + comm_ctas), ... of every transfer, in whichever order transfers become
 // possible (one that waits holds back no other: a stream per destination):
-//   push     our K/V (inputs) -> node peer p's slot for the step at which p visits us;
-//   put      our K/V (staged in our buffer's last region, registered for the proxy) ->
-//            rank `me` of node m, once m's credit says that slot is free;
-//   forward  a source another node put here -> node peer p's slot for p's step of it;
-//   credit   (CTA 0) tell the source of each step another node puts here that the slot
-//            for it is free.
-// A slot of rank p for its step s is free for steps 1..SLOTS once p has arrived, later
-// once p's step u = s - SLOTS is done: ready(u), and forwarded(u) if u's source was put
-// there by another node (the forwards out of the slot have read it). A
-// chunk's flag at the receiver says epoch x W + step. Bounded: a timeout names the first
-// transfer still waited for.
+//   push     our K/V (inputs) -> node peer p's visit slot for the step at which p visits us;
+//   put      our K/V (staged, registered for the proxy) -> the landing region of rank `me`
+//            of node m, once m's credit says it is free for that step;
+//   forward  what another node put in our landing region -> node peer p's visit slot for
+//            p's step of it;
+//   credit   (CTA 0) tell the source of each step put here that our landing region is free.
+// A visit slot of rank p for its step s is free for its first SLOTS uses once p has
+// arrived, later once p visited the step that used it last (ready); the landing region
+// for step G i once the step put here before (G (i - 1)) was visited and forwarded on
+// (forwarded_step). Visit slots wait for visits only, so no two ranks' forwards wait for
+// each other (with forwards out of visit slots, 2x2 with one slot deadlocked:
+// ring_slots_plan.kernel_schedule). A chunk's flag at the receiver says epoch x W + step.
+// Bounded: a timeout names the first transfer still waited for.
 __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Context& ctx, int comm,
                                            int comm_ctas, int tiles, bool muted) {
     const Layout L{a.G, a.N};
@@ -521,12 +534,13 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
     const u64 nbytes = 2 * half;
     const int chunks = gather_chunks(comm_ctas, RING_CHUNKS);
     const bool pairs = chunks % 2 == 0;
-    unsigned char* const staged = (unsigned char*)a.gathered + (u64)SLOTS * nbytes;
+    unsigned char* const landing = (unsigned char*)a.gathered + (u64)SLOTS * nbytes;
+    unsigned char* const staged = landing + nbytes;
     u64* const forward_counters = a.partial_flags + 2 * (u64)tiles + W;   // per step put here
     __shared__ int open_kind, open_index, stop;
     enum { NONE = -1, PUSH = 0, PUT = 1, FORWARD = 2, CREDIT = 3 };
 
-    // arrive: node peers may push into our slots for their first SLOTS steps; rank `me` of
+    // arrive: node peers may push into our visit slots for their first uses; rank `me` of
     // every other node may overwrite what it staged (its puts to us last call have landed)
     if (comm == 0 && threadIdx.x < G)
         st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(me), epoch);
@@ -561,22 +575,30 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
     }
     const u64 start = global_timer_ns();
     u32 backoff = 0;
-    // whether rank p of our node has its slot for its step s free (one thread; p == me:
-    // our own flags)
+    // whether node rank p's visit slot for its step s (not put there) is free (one thread)
     auto slot_free = [&](int p, int s, int& word, u64& seen) {
-        const u64* flags = (const u64*)a.peer_flags[p];
-        if (s <= SLOTS) {
+        const int index = local_index(s, G, N);
+        if (index <= SLOTS) {
             word = L.arrive(p);
+            seen = ld_acquire_sys(a.flags + word);
+        } else {
+            word = L.ready(step_of_local(index - SLOTS, G, N));
+            seen = ld_acquire_sys((const u64*)a.peer_flags[p] + word);
+        }
+        return seen >= epoch;
+    };
+    // whether our landing region is free for step G i (one thread)
+    auto landing_free = [&](int i, int& word, u64& seen) {
+        if (i == 1) {
+            word = L.arrive(me);
             seen = ld_acquire_sys(a.flags + word);
             return seen >= epoch;
         }
-        const int u = s - SLOTS;
-        word = L.ready(u);
-        seen = ld_acquire_sys(flags + word);
-        if (seen < epoch) return false;
-        if (!put_here(u, G, N) || G == 1) return true;
-        word = L.forwarded_step(u);
-        seen = ld_acquire_sys(flags + word);
+        word = L.ready(G * (i - 1));
+        seen = ld_acquire_sys(a.flags + word);
+        if (seen < epoch || G == 1) return seen >= epoch;
+        word = L.forwarded_step(G * (i - 1));
+        seen = ld_acquire_sys(a.flags + word);
         return seen >= epoch;
     };
     while (pushes | puts | credits | forwards) {
@@ -603,17 +625,17 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
             }
             for (int i = 1; i < N && open_kind == NONE; ++i) {
                 if (!(credits >> i & 1)) continue;
-                // node + i's rank `me` is our step G i: its slot free here?
-                if (slot_free(me, G * i, word, seen)) { open_kind = CREDIT; open_index = i; }
+                // node + i's rank `me` is our step G i
+                if (landing_free(i, word, seen)) { open_kind = CREDIT; open_index = i; }
                 else blocked(2 * G + i, word, seen, epoch);
             }
             for (int t = 0; t < 64 && open_kind == NONE; ++t) {
                 if (!(forwards >> t & 1)) continue;
-                const int i = t / G + 1, p = t % G, s = G * i, slot = (s - 1) % SLOTS;
+                const int i = t / G + 1, p = t % G, s = G * i;
                 bool landed = true;
                 for (int k = comm; k < chunks && landed; k += comm_ctas) {
                     const u64 want = epoch * W + s;
-                    const int w = L.chunk(slot, chunk_at(k, chunks, pairs));
+                    const int w = L.chunk(SLOTS, chunk_at(k, chunks, pairs));
                     const u64 got = ld_acquire_sys(a.flags + w);
                     if (got < want) { landed = false; blocked(3 * G + t, w, got, want); }
                 }
@@ -641,8 +663,8 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
         if (kind == NONE) continue;
         backoff = 0;
         if (kind == PUSH) {
-            const int p = index, step = (me - p + G) % G, slot = (step - 1) % SLOTS;
-            unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)slot * nbytes;
+            const int p = index, step = (me - p + G) % G, region = region_of(step, G, N);
+            unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)region * nbytes;
             for (int k = comm; k < chunks; k += comm_ctas) {
                 const int c = chunk_at(k, chunks, pairs);
                 spread_chunk(&target, 1, 0, (const unsigned char*)a.k, half, (const unsigned char*)a.v,
@@ -650,20 +672,20 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
                 __threadfence_system();
                 __syncthreads();
                 if (threadIdx.x == 0)
-                    st_release_sys((u64*)a.peer_flags[p] + L.chunk(slot, c), epoch * W + step);
+                    st_release_sys((u64*)a.peer_flags[p] + L.chunk(region, c), epoch * W + step);
             }
             pushes &= ~(1u << p);
         } else if (kind == PUT) {
-            const int i = index, m = (node + N - i) % N, step = G * i, slot = (step - 1) % SLOTS;
+            const int i = index, m = (node + N - i) % N, step = G * i;
             if (threadIdx.x == 0) {
                 const Queue q = *a.queue;
                 for (int k = comm; k < chunks; k += comm_ctas) {
                     const int c = chunk_at(k, chunks, pairs);
                     const u64 x0 = chunk_begin(nbytes, c, chunks), x1 = chunk_begin(nbytes, c + 1, chunks);
                     if (post_put_signal(q, ctx, (unsigned)(m * G + me), (unsigned)a.gathered_region,
-                                        (u64)slot * nbytes + x0, (unsigned)a.gathered_region,
-                                        (u64)SLOTS * nbytes + x0, x1 - x0, (unsigned)a.flags_region,
-                                        (u64)L.chunk(slot, c) * 8, epoch * W + step, ROLE_INTER,
+                                        (u64)SLOTS * nbytes + x0, (unsigned)a.gathered_region,
+                                        (u64)(SLOTS + 1) * nbytes + x0, x1 - x0, (unsigned)a.flags_region,
+                                        (u64)L.chunk(SLOTS, c) * 8, epoch * W + step, ROLE_INTER,
                                         mine) == POST_FAILED)
                         break;
                 }
@@ -680,19 +702,17 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
         } else {                          // FORWARD
             const int t = index, i = t / G + 1, p = t % G, s = G * i;
             const int step = s + (me - p + G) % G;             // p's step of the same source
-            const unsigned char* const from = (const unsigned char*)a.gathered + (u64)((s - 1) % SLOTS) * nbytes;
-            const int slot = (step - 1) % SLOTS;
-            unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)slot * nbytes;
-            fence_proxy_async_global();   // (the proxy's copy landed; read it as ordinary data)
+            const int region = region_of(step, G, N);
+            unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)region * nbytes;
             for (int k = comm; k < chunks; k += comm_ctas) {
                 const int c = chunk_at(k, chunks, pairs);
-                spread_chunk(&target, 1, 0, from, nbytes, nullptr, nbytes, c, chunks);
+                spread_chunk(&target, 1, 0, landing, nbytes, nullptr, nbytes, c, chunks);
                 __threadfence_system();
                 __syncthreads();
                 if (threadIdx.x == 0)
-                    st_release_sys((u64*)a.peer_flags[p] + L.chunk(slot, c), epoch * W + step);
+                    st_release_sys((u64*)a.peer_flags[p] + L.chunk(region, c), epoch * W + step);
             }
-            // our slot for step s may take its next source once every forward out of it is done
+            // our landing region may take the next source once every forward out of it is done
             if (threadIdx.x == 0)
                 count_towards(forward_counters + s, (u64)comm_ctas * (G - 1), a.flags + L.forwarded_step(s),
                               epoch);
@@ -702,7 +722,7 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
 }
 
 // q: 4-D map over this rank's Q; k, v: 5-D maps over the gathered [W][K | V] (SLOTS: the
-// slots [SLOTS][K | V]).
+// visit slots and the landing region, [SLOTS + 1][K | V]).
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                const __grid_constant__ TmaDescriptor tma_k,
@@ -948,6 +968,17 @@ def block_chunks(batch: int, row: int, count: int, batches: int, chunk: int, row
     return waited
 
 
+def slot_region(step: int, per_node: int, nodes: int, slots: int) -> int:
+    """The buffer region a rank's step `step` >= 1 reads with K/V slots (the kernel's
+    region_of): a source another node puts here (steps G, 2G, .. with several nodes) is
+    in the landing region (index `slots`); the others take the visit slots in turn."""
+    G, N = per_node, nodes
+    if N > 1 and step >= G and step % G == 0:
+        return slots
+    local = step - step // G if N > 1 else step
+    return (local - 1) % slots
+
+
 def shard(x, rank: int, world: int, *, causal: bool):
     """Rank `rank`'s two chunks of a full-sequence [B, S, H, D] array, back to back (what
     it passes to ring attention); S must be a multiple of 2 x world."""
@@ -1011,13 +1042,15 @@ class RingAttention(GatheringOp):
     ``slots=k`` (worlds of at most 64 ranks; not yet run on a GPU): instead of gathering
     every rank's K/V (W x the local K/V per rank), each rank holds k slots of other ranks'
     K/V (the issue's double buffering is k=2), so memory does not grow with the world: k x
-    the local K/V (one more on several nodes: its own, staged for the proxy) plus an fp32
+    the local K/V (two more on several nodes: where other nodes' K/V land, and its own,
+    staged for the proxy) plus an fp32
     state of its queries' output (2 x the size of O, and two floats per query row). The
     rank then visits its sources one step at a time (own K/V first, read in place), every
     tile once per step, carrying each tile's online-softmax state from step to step in
     fp32; a source's K/V go into a slot once the step that last used the slot is done
-    (and, for K/V another node put there, once they were forwarded to the node's other
-    ranks). k >= W - 1 means one slot per source (no waiting for a slot).
+    (another node's into the landing region once the previous ones there were visited and
+    forwarded to the node's other ranks). k >= W - N means a slot for every source that
+    takes one (all but the rank's own and the N - 1 that land from other nodes).
     """
 
     name = "ring_attention"
@@ -1050,8 +1083,9 @@ class RingAttention(GatheringOp):
             raise ValueError(f"mkrt.ring_attention: slots= runs on worlds of at most "
                              f"{MAX_SLOT_WORLD} ranks; this one has {self.world.size} (leave "
                              "slots=None: every rank's K/V gathered)")
-        # more slots than peers would stay empty
-        self.slots = 0 if slots is None else min(int(slots), max(1, self.world.size - 1))
+        # more visit slots than sources that use them would stay empty (with several nodes
+        # one source per other node lands in a region of its own)
+        self.slots = 0 if slots is None else min(int(slots), max(1, self.world.size - self.world.nodes))
         self.band = None if band is None else int(band)
         self.stages = None if stages is None else int(stages)
         self.tracing = bool(trace)
@@ -1149,10 +1183,11 @@ class RingAttention(GatheringOp):
     def _launches(self, call) -> list:
         if call.launches is not None and call.generation == self._generation:
             return call.launches
-        sources = self.slots or self.world.size      # [sources][K | V]
-        # slots on several nodes: one more region, the rank's own K/V staged for the proxy
-        staged = 1 if self.slots and self.world.nodes > 1 else 0
-        self._ensure_gathered((sources + staged) * 2 * call.kv_bytes)
+        # [sources][K | V] (slots on several nodes: the visit slots and the landing region,
+        # then one more region, the rank's own K/V staged for the proxy)
+        several = self.slots and self.world.nodes > 1
+        sources = self.slots + several if self.slots else self.world.size
+        self._ensure_gathered((sources + several) * 2 * call.kv_bytes)
         p = call.problem
         spec = self.spec(p)
         call.block_kv = spec.block_kv

@@ -151,3 +151,153 @@ def schedule(nodes: int, per_node: int, *, slots: int = 2, ctas: int = 2, tiles:
                      [("cta_done", r, c, s, e) for c in range(ctas)]
                      + (readers.get((r, s, e), []) if free_after_forwards else []))
     return steps
+
+
+def kernel_schedule(nodes: int, per_node: int, *, slots: int = 2, epochs: int = 2,
+                    credits: bool = True, forwards_free: bool = True,
+                    stage_after_arrival: bool = True) -> Schedule:
+    """What the kernel does (``move_to_slots`` and the visits of ring_attention.py with
+    SLOTS), as tasks and waits, over `epochs` back-to-back calls. Unlike :func:`schedule`,
+    a source that another node puts to a rank lands in a region of its own (``landing``)
+    and is forwarded from there; the other sources take the rank's visit slots in turn
+    (ring_attention.slot_region). Forwarding out of visit slots, as :func:`schedule` has
+    it, is right only if a forward could read before the receiver's slot is free; a copy
+    cannot, and then 2x2 with one slot deadlocks (two ranks each waiting for the other to
+    forward out of its only slot): this model found it.
+
+    Every transfer is a worker of its own (the kernel polls them, so none waits behind
+    another); every proxy command is a worker of its own (the proxy never waits inside a
+    queue: a command runs once posted). Per rank r = (n, l) and call:
+
+    * ``arrive`` (its launch began; its previous one is over), ``node_arrive`` signals to
+      rank l of every other node, then ``stage``: r's K/V copied to its staging region once
+      rank l of every other node has arrived (its puts from there last call have landed);
+    * ``push`` to each node peer p, into p's visit slot for p's step of r, once free there;
+    * ``credit_post`` once r's landing region is free for step G i (step G (i - 1) visited
+      and forwarded on), delivered by r's proxy to the source of that step; ``put_post``
+      once staged and credited, then the proxy reads the staging region and writes the
+      receiver's landing region;
+    * ``forward`` of what landed to each node peer, into its visit slot once free there;
+      ``fwd_done`` once every forward out of the landing region is done;
+    * ``visit`` of every step in order, each once its source is in (step 0: the inputs).
+
+    A visit slot is free for its first `slots` uses at its rank's arrival, later once the
+    step that used it last was visited. `credits`, `forwards_free` and
+    `stage_after_arrival` exist to show what the checks catch without them. Task names end
+    with (call, use) of the region they touch; pass ``epoch_of=lambda t: t[-1]`` to
+    `unordered_accesses`."""
+    from mkrt.kernels.ring_attention import slot_region
+    G = checks.integer(per_node, "per_node", "ring_attention", low=1, high=64)
+    N = checks.integer(nodes, "nodes", "ring_attention", low=1, high=32)
+    k = checks.integer(slots, "slots", "ring_attention", low=1, high=64)
+    W = N * G
+    order = ring_plan.plan(N, G, causal=False).order
+    step_of = [{source: s for s, source in enumerate(order[r])} for r in range(W)]
+    steps = Schedule()
+    task = steps.task
+
+    def put_here(s):
+        return N > 1 and s >= G and s % G == 0
+
+    def local(s):
+        return s - s // G if N > 1 else s
+
+    def step_of_local(index):
+        return index + (index - 1) // (G - 1) if N > 1 else index
+
+    def where(r, s, e):
+        """(location, (call, use)) that step s of rank r reads."""
+        if put_here(s):
+            return ("landing", r), (e, s // G)
+        return ("slot", r, slot_region(s, G, N, k)), (e, (local(s) - 1) // k)
+
+    def slot_free(p, s, e):
+        index = local(s)
+        if index <= k:
+            return [("arrive", p, e)]
+        v = step_of_local(index - k)
+        return [("visit", p, v, e, where(p, v, e)[1])]
+
+    def landing_free(r, i, e):
+        if i == 1:
+            return [("arrive", r, e)]
+        s = G * (i - 1)
+        waits = [("visit", r, s, e, where(r, s, e)[1])]
+        if forwards_free and G > 1:
+            waits.append(("fwd_done", r, s, e, where(r, s, e)[1]))
+        return waits
+
+    for e in range(1, epochs + 1):
+        landed, last = {}, {}
+        for r in range(W):
+            n, l = divmod(r, G)
+            start = [("launch_end", r, e - 1)] if e > 1 else []
+            last[("start", r)] = task(("start", r), ("arrive", r, e), start)
+            for m in range(N):
+                if m != n:
+                    task(("proxy", "node_arrive", r, m, e), ("node_arrive", r, m, e), [("arrive", r, e)])
+            if N > 1:
+                waits = [("node_arrive", m * G + l, n, e) for m in range(N) if m != n]
+                last[("stage", r)] = task(("stage", r), ("stage", r, e, (e, 0)),
+                                          start + (waits if stage_after_arrival else []),
+                                          write=[("staged", r)])
+            for p in range(G):
+                if p == l:
+                    continue
+                dest = n * G + p
+                s = step_of[dest][r]
+                location, use = where(dest, s, e)
+                name = task(("push", r, p), ("push", r, p, s, e, use), start + slot_free(dest, s, e),
+                            write=[location])
+                landed[(dest, s)] = last[("push", r, p)] = name
+            for i in range(1, N):
+                s = G * i
+                source = ((n + i) % N) * G + l
+                posted = task(("credit", r, i), ("credit_post", r, i, e),
+                              start + (landing_free(r, i, e) if credits else []))
+                last[("credit", r, i)] = posted
+                task(("proxy", "credit", r, i, e), ("credit", r, source, s, e), [posted])
+                m = (n + N - i) % N                      # r is node m's source i nodes on
+                via = m * G + l
+                posted = task(("put", r, m), ("put_post", r, m, e),
+                              [("stage", r, e, (e, 0)), ("credit", via, r, s, e)])
+                last[("put", r, m)] = posted
+                worker = ("proxy", "put", r, m, e)
+                task(worker, ("put_read", r, m, e, (e, 0)), [posted], read=[("staged", r)])
+                location, use = where(via, s, e)
+                landed[(via, s)] = task(worker, ("put_write", r, m, s, e, use), write=[location])
+        for r in range(W):
+            n, l = divmod(r, G)
+            start = [("launch_end", r, e - 1)] if e > 1 else []
+            for i in range(1, N):
+                s = G * i
+                source = ((n + i) % N) * G + l
+                here, here_use = where(r, s, e)
+                outs = []
+                for p in range(G):
+                    if p == l:
+                        continue
+                    dest = n * G + p
+                    s_p = step_of[dest][source]
+                    location, use = where(dest, s_p, e)
+                    worker = ("forward", r, i, p)
+                    task(worker, ("fwd_read", r, i, p, e, here_use),
+                         start + [landed[(r, s)]] + slot_free(dest, s_p, e), read=[here])
+                    outs.append(task(worker, ("fwd_write", r, i, p, s_p, e, use), write=[location]))
+                    landed[(dest, s_p)] = last[worker] = outs[-1]
+                if outs:
+                    last[("fwd_done", r, i)] = task(("fwd_done", r, i), ("fwd_done", r, s, e, here_use), outs)
+        for r in range(W):
+            start = [("launch_end", r, e - 1)] if e > 1 else []
+            compute = ("compute", r)
+            for s in range(W):
+                if s == 0:
+                    task(compute, ("visit", r, 0, e, (e, 0)), start)
+                else:
+                    location, use = where(r, s, e)
+                    task(compute, ("visit", r, s, e, use), [landed[(r, s)]], read=[location])
+            last[compute] = steps.workers[compute][-1]
+        for r in range(W):
+            task(("stream", r), ("launch_end", r, e),
+                 [name for worker, name in last.items() if worker[1] == r])
+    return steps
