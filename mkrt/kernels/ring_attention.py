@@ -573,7 +573,7 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
         for (int p = 0; p < G; ++p)
             if (p != me) forwards |= 1ull << ((i - 1) * G + p);
     }
-    const u64 start = global_timer_ns();
+    u64 start = global_timer_ns();        // since the last transfer (the bound is per wait)
     u32 backoff = 0;
     // whether node rank p's visit slot for its step s (not put there) is free (one thread)
     auto slot_free = [&](int p, int s, int& word, u64& seen) {
@@ -662,6 +662,7 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
         if (stopped) return;
         if (kind == NONE) continue;
         backoff = 0;
+        start = global_timer_ns();
         if (kind == PUSH) {
             const int p = index, step = (me - p + G) % G, region = region_of(step, G, N);
             unsigned char* const target = (unsigned char*)a.peer_gathered[p] + (u64)region * nbytes;
