@@ -16,7 +16,8 @@
 # 4. where the ring's time goes (experiments/ring_trace.py): 2x2 with 32 and 28 CTAs per
 #    rank (the proxy's copies run on the SMs the ranks leave free), then 1x2 and 1x4;
 # 5. the attention engine's GPU tests (its loads take their map from the work list);
-# B first runs the bounded ring's GPU tests (RingAttention(slots=k), never run; alone, so a
+# B (ends with the proxy's GPU tests: its signals now wait with their puts) first runs the
+# bounded ring's GPU tests (RingAttention(slots=k), never run; alone, so a
 # fault cannot take the others down) and times it (slots 1, 2) against the gathered ring
 # at 4096 rows per rank on 1x2 and 1x4.
 source experiments/device_prelude.sh log.txt
@@ -40,6 +41,12 @@ if [ "$1" = B ]; then
     timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \
         -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
     echo "attention tests done at $SECONDS s" | tee -a $LOG
+    # the ce transport's signals now wait with their puts (61ca72f): its own GPU tests and
+    # the other multi-node kernel that puts and signals
+    timeout ${PROXY_TEST_S:-80} python3 -m pytest -q -m gpu tests/test_proxy_gpu.py \
+        tests/test_gemm_allreduce_gpu.py -k "ce or 2x2 or ping" -p no:cacheprovider 2>&1 | \
+        grep -v Warning | tail -3 | tee -a $LOG
+    echo "proxy tests done at $SECONDS s" | tee -a $LOG
     exit 0
 fi
 timeout ${TEST_S:-170} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
