@@ -381,8 +381,6 @@ def test_slots_option_is_checked():
     for bad in (0, -1, True, 2.5, "2", RA.MAX_SLOTS + 1):
         with pytest.raises(ValueError, match="slots="):
             RA.RingAttention(object(), slots=bad)
-    with pytest.raises(ValueError, match="trace build has no K/V-slots"):
-        RA.RingAttention(object(), slots=2, trace=True)
     world = mkrt.init(emulate="2x2", gpus=0)
     try:
         assert mkrt.RingAttention(world, slots=2).slots == 2
@@ -495,3 +493,12 @@ def test_slot_moves_follow_the_checked_schedule():
             problems, _ = unordered_accesses(s.workers, s.depends_on, s.reads, s.writes,
                                              epoch_of=lambda t: t[-1])
             assert problems == []
+
+
+def test_slot_builds_trace_without_spills_and_the_plain_build_has_no_slot_state():
+    spec = dataclasses.replace(RA.spec_for("bf16", 128, True), slots=2, trace=1)
+    assert spec.build(check_spills=True).resources["ring_attention"].spills == 0
+    plain = RA.spec_for("bf16", 128).render()
+    assert "template <bool ON> struct RingSlots {" in plain
+    assert "const RingWork work{{}, RingSlots<(SLOTS > 0)>::make(a)," in plain
+    assert "constexpr int SLOTS = 0;" in plain

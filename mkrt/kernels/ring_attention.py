@@ -145,15 +145,18 @@ template <bool ON> struct RingCounters {
 __shared__ u64* ring_trace_record;
 template <> struct RingCounters<true> {
     static constexpr bool TRACE = true;
-    mutable long long starved = 0, flag_wait = 0;       // cycles
-    mutable int tiles = 0, blocks = 0;
+    mutable long long starved = 0;      // cycles (the engine adds to it in every consumer thread)
     __device__ __forceinline__ void attach(u64* record) const {
         if (threadIdx.x == 0) ring_trace_record = record;     // the producer reads it
     }
-    __device__ __forceinline__ void count_claim(int position) const { tiles += position >= 0; }
+    // the producer's counts go straight to the record (kept in registers until the end, they
+    // made the K/V-slots build spill)
+    __device__ __forceinline__ void count_claim(int position) const {
+        if (position >= 0) ++ring_trace_record[5];
+    }
     // the producer asks for a block of `source`: the first time, stamp it
     __device__ __forceinline__ void count_block(int source) const {
-        ++blocks;
+        ++ring_trace_record[6];
         // (the word itself says whether it was stamped: no state in registers)
         u64* const stamp = ring_trace_record + TRACE_WORDS - 2 * TRACE_SOURCES + source;
         if (source < TRACE_SOURCES && *stamp == 0) *stamp = global_timer_ns();
@@ -164,14 +167,13 @@ template <> struct RingCounters<true> {
             ring_trace_record[TRACE_WORDS - TRACE_SOURCES + source] = global_timer_ns();
     }
     __device__ __forceinline__ long long now() const { return clock64(); }
-    __device__ __forceinline__ void count_flag_wait(long long start) const { flag_wait += clock64() - start; }
+    __device__ __forceinline__ void count_flag_wait(long long start) const {
+        ring_trace_record[4] += clock64() - start;
+    }
     // at the end: the producer's words (thread 0) or the first consumer warpgroup's (128)
     __device__ __forceinline__ void record(u64* words) const {
         if (threadIdx.x == 0) {
             words[2] = global_timer_ns();
-            words[4] = flag_wait;
-            words[5] = tiles;
-            words[6] = blocks;
             words[9] = clock64();
         } else if (threadIdx.x == 128) {
             words[3] = global_timer_ns();
@@ -404,6 +406,7 @@ struct RingWork : RingCounters<RING_TRACE>, RingSlots<(SLOTS > 0)> {
                 if (!wait_gathered_word(flags, L.chunk(region, c), epoch * world() + block.step, ctx, tile.index))
                     return false;
             count_flag_wait(start);
+            count_whole(block.source);
             whole_sources |= step_bit;
             fence_proxy_async_global();
             return true;
@@ -740,6 +743,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
         record[0] = global_timer_ns();
         record[8] = clock64();
         record[1] = 0;                                  // (the producer, thread 0, writes the rest)
+        record[4] = record[5] = record[6] = 0;          // the producer's counts
         for (int i = TRACE_WORDS - 2 * TRACE_SOURCES; i < TRACE_WORDS; ++i) record[i] = 0;
     }
     const Layout L{a.G, a.N};
@@ -862,9 +866,6 @@ class RingAttentionSpec(attention_module.AttentionSpec):
         if not 0 <= self.slots <= MAX_SLOTS:
             raise ValueError(f"mkrt.ring_attention: slots={self.slots}; expected 0 (the gathered "
                              f"buffer) to {MAX_SLOTS}")
-        if self.slots and self.trace:     # its producer spilled 60 bytes (not worked on yet)
-            raise ValueError("mkrt.ring_attention: the trace build has no K/V-slots version; "
-                             "use trace=True with slots=None")
 
     def template(self):
         return RING_ATTENTION
@@ -1075,9 +1076,6 @@ class RingAttention(GatheringOp):
                                   or not 1 <= slots <= MAX_SLOTS):
             raise ValueError(f"mkrt.ring_attention: slots={slots!r}; expected an integer in "
                              f"[1, {MAX_SLOTS}] (K/V slots per rank) or None (gather every rank's K/V)")
-        if slots is not None and trace:
-            raise ValueError("mkrt.ring_attention: the trace build has no K/V-slots version; "
-                             "use trace=True with slots=None")
         super().__init__(world, ctas=ctas, comm_ctas=comm_ctas, timeout_ms=timeout_ms,
                          muted_rank=muted_rank, roles=roles)
         if slots is not None and self.world.size > MAX_SLOT_WORLD:
