@@ -1,65 +1,69 @@
 #!/bin/bash
-# The next two device calls (about 8 min each with the start, at most 8 files under $OUT),
+# The next two device calls (about 9 min each with the start, at most 8 files under $OUT),
 # most important first:   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh A
-# (steps 1-3 and 2x2 of step 4), then the same with B (the rest).
-# Nothing here has run on a GPU yet (no machine could be had in the twentieth session,
-# nor at the start of the twenty-first).
+# then the same with B. Nothing here has run on a GPU yet (no machine could be had in the
+# twentieth and twenty-first sessions).
+# A:
 # 1. GPU tests of the gathering role's new inter-node path (4317030: one put per chunk as
 #    soon as it is copied, forwards per landed chunk) through AllGather+GEMM (1x2 .. 2x3,
 #    3x1, muted ranks) and ring attention (own K/V in place, direct_own=True, and from the
-#    gathered copy; the trace build);
+#    gathered copy; the trace build), the K/V-slot tests left to B;
 # 2. the ring at 4096 rows per rank on 1x2, 1x4, 2x2, causal or not, own K/V gathered and
 #    direct: of floor against b7b6849 (2x2 0.751 / 0.582, 1x4 0.901 / 0.855, 1x2 0.865 /
 #    0.735), where the inter-node block went as one put after the whole own copy;
 # 3. AllGather+GEMM on 2x2 against unfused (tp_pair --quick): it lost on every projection
 #    shape at ceaa97b (0.93-0.98), the cost in the blocks from the other node;
-# 4. where the ring's time goes (experiments/ring_trace.py): 2x2 with 32 and 28 CTAs per
-#    rank (the proxy's copies run on the SMs the ranks leave free), then 1x2 and 1x4;
-# 5. the attention engine's GPU tests (its loads take their map from the work list);
-# B (ends with the proxy's GPU tests: its signals now wait with their puts) first runs the
-# bounded ring's GPU tests (RingAttention(slots=k), never run; alone, so a
-# fault cannot take the others down) and times it (slots 1, 2) against the gathered ring
-# at 4096 rows per rank on 1x2 and 1x4.
+# 4. where the ring's time goes on 2x2 (experiments/ring_trace.py) with 32 and 28 CTAs
+#    per rank (the proxy's copies run on the SMs the ranks leave free);
+# 5. the attention engine's GPU tests (its loads take their map from the work list; its
+#    work lists may resume tiles now, compiled out of its own builds).
+# B:
+# 1. the bounded ring's GPU tests (RingAttention(slots=k), never run; in a process of
+#    their own, so a fault cannot take the others down);
+# 2. its time (slots 1, 2) against the gathered ring at 4096 rows per rank, 1x2 and 1x4;
+# 3. its trace beside the gathered ring's (1x4, causal);
+# 4. the proxy's and gemm_allreduce's 2x2 GPU tests (the ce transport's signals now wait
+#    with their puts, 61ca72f);
+# 5. where the gathered ring's time goes on 1x2 and 1x4.
 source experiments/device_prelude.sh log.txt
-trace() {   # layouts, shapes, CTAs per rank
-    timeout ${TRACE_S:-90} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 --repeats 3 \
-        --own direct gathered --ctas $3 --out $OUT/ring_trace.jsonl --raw $OUT/ring_trace_raw.jsonl 2>&1 | \
+trace() {   # layouts, shapes, CTAs per rank, own K/V variants, raw file
+    timeout ${TRACE_S:-90} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 \
+        --repeats 3 --own $4 --ctas $3 --out $OUT/ring_trace.jsonl --raw $OUT/$5 2>&1 | \
         grep -v Warning | tee -a $LOG
 }
+ring() {    # layouts, extra options
+    timeout ${RING_S:-120} python3 experiments/ring_attention.py --layouts $1 \
+        --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 $2 --iterations 3 --repeats 3 \
+        --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
+        grep -v "F.scaled_dot" | tee -a $LOG
+}
 if [ "$1" = B ]; then
-    # the K/V slots (new, never run): in a process of their own, first
     timeout ${SLOT_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py -k slots \
         -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee -a $LOG
     echo "slot tests done at $SECONDS s" | tee -a $LOG
-    timeout ${SLOTS_S:-120} python3 experiments/ring_attention.py --layouts 1x2 1x4 \
-        --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --slots none 1 2 --iterations 3 --repeats 3 \
-        --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
-        grep -v "F.scaled_dot" | tee -a $LOG
+    ring "1x2 1x4" "--slots none 1 2"
     echo "slots done at $SECONDS s" | tee -a $LOG
-    trace "1x2 1x4" 4:4096:16:16:128:1,4:4096:16:16:128:0 default
-    echo "trace 1x2 1x4 done at $SECONDS s" | tee -a $LOG
-    timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \
-        -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
-    echo "attention tests done at $SECONDS s" | tee -a $LOG
-    # the ce transport's signals now wait with their puts (61ca72f): its own GPU tests and
-    # the other multi-node kernel that puts and signals
+    trace 1x4 4:4096:16:16:128:1 default "slots2 direct" ring_trace_raw_slots.jsonl
+    echo "slots trace done at $SECONDS s" | tee -a $LOG
     timeout ${PROXY_TEST_S:-80} python3 -m pytest -q -m gpu tests/test_proxy_gpu.py \
         tests/test_gemm_allreduce_gpu.py -k "ce or 2x2 or ping" -p no:cacheprovider 2>&1 | \
         grep -v Warning | tail -3 | tee -a $LOG
     echo "proxy tests done at $SECONDS s" | tee -a $LOG
+    trace "1x2 1x4" 4:4096:16:16:128:1,4:4096:16:16:128:0 default "direct gathered" ring_trace_raw.jsonl
+    echo "trace 1x2 1x4 done at $SECONDS s" | tee -a $LOG
     exit 0
 fi
 timeout ${TEST_S:-170} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
     tests/test_ring_attention_gpu.py -k "not across_processes and not slots" -p no:cacheprovider \
     2>&1 | grep -v Warning | tail -4 | tee -a $LOG
 echo "tests done at $SECONDS s" | tee -a $LOG
-timeout ${RING_S:-110} python3 experiments/ring_attention.py --layouts 1x2 1x4 2x2 \
-    --shapes 4:4096:16:16:128:1,4:4096:16:16:128:0 --own gathered direct --iterations 4 --repeats 4 \
-    --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
-    grep -v "F.scaled_dot" | tee -a $LOG
+ring "1x2 1x4 2x2" "--own gathered direct"
 echo "ring done at $SECONDS s" | tee -a $LOG
 timeout ${TP_S:-100} python3 experiments/tp_pair.py --ops allgather_gemm --layouts 2x2 --quick \
     --rounds 3 --out $OUT/tp_pair.jsonl 2>&1 | grep -v Warning | tee -a $LOG
 echo "tp_pair done at $SECONDS s" | tee -a $LOG
-trace 2x2 4:4096:16:16:128:1,4:4096:16:16:128:0 "default 28"
+trace 2x2 4:4096:16:16:128:1,4:4096:16:16:128:0 "default 28" "direct gathered" ring_trace_raw.jsonl
 echo "trace 2x2 done at $SECONDS s" | tee -a $LOG
+timeout ${ATT_TEST_S:-75} python3 -m pytest -q -m gpu tests/test_attention.py \
+    -p no:cacheprovider 2>&1 | grep -v Warning | tail -3 | tee -a $LOG
+echo "attention tests done at $SECONDS s" | tee -a $LOG

@@ -48,7 +48,8 @@ def parse():
     parser.add_argument("--calls", type=int, default=5, help="traced calls per case")
     parser.add_argument("--own", nargs="+", default=["direct"],
                         help="where the compute reads the rank's own K/V: 'direct' (inputs) "
-                             "or 'gathered' (its copy); each traced and timed in the same rounds")
+                             "or 'gathered' (its copy); or 'slotsK': K/V slots (slots=K, the "
+                             "own K/V in place); each traced and timed in the same rounds")
     parser.add_argument("--ctas", nargs="+", default=["default"],
                         help="CTAs per rank ('default': the rank's SM share); fewer leave SMs "
                              "to the proxy's copy kernels on a world of several nodes")
@@ -73,6 +74,7 @@ def main():
         W = world.size
         variants = [(own, ctas) for own in args.own for ctas in args.ctas]
         options = {variant: dict(timeout_ms=20000, direct_own=variant[0] == "direct",
+                                 slots=int(variant[0][5:]) if variant[0].startswith("slots") else None,
                                  ctas=None if variant[1] == "default" else int(variant[1]))
                    for variant in variants}
         plain = {variant: mkrt.RingAttention(world, **options[variant]) for variant in variants}
