@@ -395,6 +395,9 @@ def test_slots_option_is_checked():
     world = mkrt.init(emulate="1x4", gpus=0)
     try:
         assert mkrt.RingAttention(world, slots=2).slots == 2
+        # the copying CTAs work beside the whole launch: a few, not a quarter
+        assert mkrt.RingAttention(world, slots=2).split() == (132, 4)
+        assert mkrt.RingAttention(world).split() == (132, 33)
         assert mkrt.RingAttention(world, slots=9).slots == 3      # one per peer at most
         assert mkrt.RingAttention(world).slots == 0               # the gathered buffer
     finally:

@@ -1113,8 +1113,14 @@ class RingAttention(GatheringOp):
         """(CTAs per rank, communication CTAs among them)."""
         info = self.world.local[0]
         ctas = self.ctas or (self.world.sm_count(info.rank) if info.device is not None else 132)
-        comm = self.comm_ctas if self.comm_ctas is not None else \
-            ring_comm_ctas(ctas, self.world.nodes, self.world.ranks_per_node)
+        if self.comm_ctas is not None:
+            comm = self.comm_ctas
+        elif self.slots:
+            # slots: the copies run beside the whole launch (a step's K/V at a time), so the
+            # copying CTAs rarely join the compute: the gathering default (2-6), not a quarter
+            comm = default_comm_ctas(ctas, self.world.nodes, self.world.ranks_per_node)
+        else:
+            comm = ring_comm_ctas(ctas, self.world.nodes, self.world.ranks_per_node)
         if not 1 <= comm < ctas:
             raise ValueError(f"mkrt.ring_attention: comm_ctas={comm} must be in [1, {ctas - 1}]")
         return ctas, comm
