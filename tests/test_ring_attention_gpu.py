@@ -31,6 +31,19 @@ def shards(world, x, causal):
     return [RA.shard(x, info.rank, world.size, causal=causal) for info in world.local]
 
 
+def captured(world, call):
+    """(stream, graph) of `call` captured after one eager call of it."""
+    import cupy
+    call()
+    world.synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+    return stream, graph
+
+
 def check(world, q, k, v, outs, lses, causal, dtype):
     import cupy
 
@@ -182,13 +195,7 @@ def test_k_v_slots_under_graph_replay_and_a_silent_rank(make_world, layout, mute
     qs, ks, vs = (shards(world, x, True) for x in (q, k, v))
     outs = [cupy.empty_like(x) for x in qs]
     lses = [cupy.empty((1, 2, 256), np.float32) for _ in qs]
-    op(qs, ks, vs, causal=True, out=outs, lse=lses)
-    world.synchronize()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        op(qs, ks, vs, causal=True, out=outs, lse=lses)
-        graph = stream.end_capture()
+    stream, graph = captured(world, lambda: op(qs, ks, vs, causal=True, out=outs, lse=lses))
     for _ in range(3):
         with stream:          # cleared on the replay's stream (no race with it)
             for o in outs:
@@ -213,13 +220,7 @@ def test_graph_capture_and_replay(make_world):
     qs, ks, vs = (shards(world, x, True) for x in (q, k, v))
     outs = [cupy.empty_like(x) for x in qs]
     lses = [cupy.empty((1, 2, 256), np.float32) for _ in qs]
-    op(qs, ks, vs, causal=True, out=outs, lse=lses)
-    world.synchronize()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        op(qs, ks, vs, causal=True, out=outs, lse=lses)
-        graph = stream.end_capture()
+    stream, graph = captured(world, lambda: op(qs, ks, vs, causal=True, out=outs, lse=lses))
     for replay in range(3):
         with stream:      # new inputs made and copied on the replay's stream (no race)
             q2, k2, v2 = sequence(1, 2 * 4 * 128, 2, 2, 64, "bf16", seed=20 + replay)

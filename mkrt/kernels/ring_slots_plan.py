@@ -52,6 +52,16 @@ def generation(step: int, slots: int, epoch: int, world: int) -> int:
     return first - 1 if step == 0 else first + (step - 1) // slots
 
 
+def _world(nodes, per_node, slots):
+    """(G, N, k, W, step_of): step_of[r][source] is the step at which rank r visits source."""
+    G = checks.integer(per_node, "per_node", "ring_attention", low=1, high=64)
+    N = checks.integer(nodes, "nodes", "ring_attention", low=1, high=32)
+    k = checks.integer(slots, "slots", "ring_attention", low=1, high=64)
+    W = N * G
+    order = ring_plan.plan(N, G, causal=False).order
+    return G, N, k, W, [{source: s for s, source in enumerate(order[r])} for r in range(W)]
+
+
 def schedule(nodes: int, per_node: int, *, slots: int = 2, ctas: int = 2, tiles: int = 3,
              epochs: int = 2, wait_for_free_slots: bool = True, wait_for_landed: bool = True,
              stream_per_destination: bool = True, free_after_forwards: bool = True) -> Schedule:
@@ -66,12 +76,7 @@ def schedule(nodes: int, per_node: int, *, slots: int = 2, ctas: int = 2, tiles:
     `unordered_accesses`, so each use is checked as a call). `wait_for_free_slots`,
     `wait_for_landed`, `stream_per_destination` and `free_after_forwards` exist to show what
     the checks catch without them."""
-    G = checks.integer(per_node, "per_node", "ring_attention", low=1, high=64)
-    N = checks.integer(nodes, "nodes", "ring_attention", low=1, high=32)
-    k = checks.integer(slots, "slots", "ring_attention", low=1, high=64)
-    W = N * G
-    order = ring_plan.plan(N, G, causal=False).order
-    step_of = [{source: s for s, source in enumerate(order[r])} for r in range(W)]
+    G, N, k, W, step_of = _world(nodes, per_node, slots)
     steps = Schedule()
     task = steps.task
 
@@ -187,12 +192,7 @@ def kernel_schedule(nodes: int, per_node: int, *, slots: int = 2, epochs: int = 
     with (call, use) of the region they touch; pass ``epoch_of=lambda t: t[-1]`` to
     `unordered_accesses`."""
     from mkrt.kernels.ring_attention import slot_region
-    G = checks.integer(per_node, "per_node", "ring_attention", low=1, high=64)
-    N = checks.integer(nodes, "nodes", "ring_attention", low=1, high=32)
-    k = checks.integer(slots, "slots", "ring_attention", low=1, high=64)
-    W = N * G
-    order = ring_plan.plan(N, G, causal=False).order
-    step_of = [{source: s for s, source in enumerate(order[r])} for r in range(W)]
+    G, N, k, W, step_of = _world(nodes, per_node, slots)
     steps = Schedule()
     task = steps.task
 
