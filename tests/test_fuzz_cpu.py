@@ -762,12 +762,18 @@ def test_moe_options_build_an_op_or_a_clean_error(layout, experts_per_rank, conf
 @FAST
 @given(layout=st.sampled_from(["1x2", "1x4", "2x2", "3x1"]),
        ctas=st.one_of(st.none(), st.integers(-1, 200)),
-       comm_ctas=st.one_of(st.none(), st.integers(-1, 40)))
-def test_ring_attention_options_build_an_op_or_a_clean_error(layout, ctas, comm_ctas):
+       comm_ctas=st.one_of(st.none(), st.integers(-1, 40)),
+       slots=st.one_of(st.none(), st.integers(-1, 40), st.booleans()),
+       trace=st.sampled_from([False, True, 1, None]))
+def test_ring_attention_options_build_an_op_or_a_clean_error(layout, ctas, comm_ctas, slots, trace):
     with emulated(layout) as world:
-        op = outcome(lambda: mkrt.RingAttention(world, ctas=ctas, comm_ctas=comm_ctas))
+        op = outcome(lambda: mkrt.RingAttention(world, ctas=ctas, comm_ctas=comm_ctas, slots=slots,
+                                                trace=trace))
         if op is None:
             return
+        assert isinstance(trace, bool) and (slots is None or not isinstance(slots, bool))
+        # slots: at least one, at most one per source that takes one
+        assert op.slots == 0 if slots is None else 1 <= op.slots <= max(1, world.size - world.nodes)
         split = outcome(op.split)
         if split is None:
             return
