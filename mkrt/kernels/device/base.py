@@ -43,10 +43,6 @@ __device__ __forceinline__ u64 fetch_add_acq_rel_gpu(u64* address, u64 value) {
                  : "=l"(old) : "l"(address), "l"(value) : "memory");
     return old;
 }
-// adds value, ordered after this thread's earlier accesses, visible to other GPUs
-__device__ __forceinline__ void add_release_sys(u64* address, u64 value) {
-    asm volatile("red.release.sys.global.add.u64 [%0], %1;" :: "l"(address), "l"(value) : "memory");
-}
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Nanoseconds; ticks coarsely (about 1 us) but never stops, unlike clock64 across SMs.
