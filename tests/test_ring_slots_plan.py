@@ -68,8 +68,8 @@ def test_generations_count_slot_uses_across_calls():
     assert [B.generation(s, 2, 2, 5) for s in range(5)] == [1, 2, 2, 3, 3]
 
 
-@pytest.mark.parametrize("world", [(1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2), (4, 2),
-                                   (2, 4), (3, 3)])
+@pytest.mark.parametrize("world", [(1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (2, 3), (3, 1), (3, 2),
+                                   (4, 2), (2, 4), (3, 3), (4, 4)])
 @pytest.mark.parametrize("slots", [1, 2, 3])
 def test_the_kernels_moves_never_stall_and_never_race(world, slots):
     steps = B.kernel_schedule(*world, slots=slots, epochs=3)
