@@ -203,3 +203,15 @@ def test_gather_split_picks_near_the_best_measured_split():
         assert times[nearest] <= 1.05 * min(times.values()), (layout, m, n, k, pick, times)
     worst_fixed = max(times[2] / min(times.values()) for times in shapes.values())
     assert worst_fixed > 2
+
+
+def test_every_rank_cuts_blocks_by_the_host_split():
+    """The chunk count comes from the host's split (Args.compute_ctas), the same on every
+    rank, not from a launch's split, which roles="search" sets per rank: a rank waits for
+    chunks of other ranks' blocks by its own count."""
+    text = agg.AllGatherGemmSpec().render()
+    assert "const int chunks = gather_chunks((int)gridDim.x - a.compute_ctas);" in text
+    assert "gather_args(a, a.input, (u64)a.rows * a.k * sizeof(T), nullptr, 0, chunks);" in text
+    assert "const int chunks = a.chunks;" in text
+    code = "\n".join(line.split("//")[0] for line in text.splitlines())
+    assert "gather_chunks(comm_ctas" not in code

@@ -196,7 +196,10 @@ def test_the_kernels_wait_is_the_mirrored_one():
     assert "const int row0 = tile.batch * 2 * chunk + block.row, row1 = row0 + block.count - 1;" in text
     assert "wait_gathered_rows(flags, L, block.source, row0, row1, row_bytes, 2 * rows, chunks," in text
     assert "wait_gathered_rows(flags, L, block.source, rows + row0, rows + row1, row_bytes," in text
-    assert "gather_chunks(comm_ctas, RING_CHUNKS), row_bytes, &tma_k_own, &tma_v_own};" in text
+    # chunks from the host's split (the same on every rank), as block_chunks takes them
+    assert "const int chunks = gather_chunks((int)gridDim.x - a.compute_ctas, RING_CHUNKS);" in text
+    assert "chunks, row_bytes, &tma_k_own, &tma_v_own};" in text
+    assert "GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, chunks);" in text
     # the rank's own keys come from its inputs: no wait, and on one node no copy of them
     assert "if (OWN_IN_INPUT && is_own(block.source)) return true;" in text
     assert "constexpr bool OWN_IN_INPUT = DIRECT_OWN || SLOTS > 0;" in text

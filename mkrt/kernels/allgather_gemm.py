@@ -101,7 +101,7 @@ struct GatheredWork {
     Context ctx;
 
     int own_first;              // this rank's block: rows own_first .. own_first + rows - 1
-    int chunks;                 // chunks per block this launch (gather_chunks of its comm CTAs)
+    int chunks;                 // chunks per block (gather_chunks of the host's split)
     u64 row_bytes;
 
     __device__ __forceinline__ gemm::Tile tile_at(int t) const {
@@ -145,6 +145,8 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     // The split: the host's, or (roles="search") what the board's search measures next.
     const int compute_ctas = roles::split_for_launch(a.board, a.compute_ctas);
     const int comm_ctas = gridDim.x - compute_ctas;
+    // chunks per block of A: from the host's split, the same on every rank (gather_chunks)
+    const int chunks = gather_chunks((int)gridDim.x - a.compute_ctas);
 
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
     const u64 epoch = launch.epoch;
@@ -153,7 +155,7 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     // this one place (a second entry would cost ptxas's register split between warpgroups),
     // and no SM idles once the copies are done.
     if ((int)blockIdx.x >= compute_ctas) {
-        const GatherArgs gather = gather_args(a, a.input, (u64)a.rows * a.k * sizeof(T), nullptr, 0);
+        const GatherArgs gather = gather_args(a, a.input, (u64)a.rows * a.k * sizeof(T), nullptr, 0, chunks);
         gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                     rank == muted_rank);
         __syncthreads();                 // the role's shared memory is the ring's and the engine's now
@@ -163,7 +165,7 @@ allgather_gemm(const __grid_constant__ TmaDescriptor tma_a,
     const int mine = a.node * a.G + a.me;
     const GatheredWork tiles{{tiles_m, tiles_n, a.group_m, 0, 1}, (mine * a.rows) / BM,
                              a.rows % BM == 0 ? a.rows / BM : 0, a.node, a.me, a.G, a.N, a.rows, a.m,
-                             a.flags, L, epoch, ctx, mine * a.rows, gather_chunks(comm_ctas),
+                             a.flags, L, epoch, ctx, mine * a.rows, chunks,
                              (u64)a.k * sizeof(T)};
     const roles::ClaimedWork<GatheredWork, roles::CountedQueue> work{
         {a.flags + L.claims(), tiles_m * tiles_n}, tiles, &ring};

@@ -211,7 +211,7 @@ struct RingWork : RingCounters<RING_TRACE>, RingSlots<(SLOTS > 0)> {
     u64 epoch;
     Context ctx;
     roles::CountedQueue queue;  // tile positions claimed this launch (the engine hands each to the consumers)
-    int chunks;                 // chunk flags per gathered block this launch
+    int chunks;                 // chunk flags per gathered block (of the host's split)
     u64 row_bytes;              // one row of K (or V): Hkv x D elements
     const TmaDescriptor* own_k; // DIRECT_OWN: maps over this rank's inputs ([1][B, 2c, Hkv, D])
     const TmaDescriptor* own_v;
@@ -535,7 +535,7 @@ __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Conte
     const int G = a.G, N = a.N, W = G * N, me = a.me, node = a.node, mine = node * G + me;
     const u64 half = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);   // K (or V)
     const u64 nbytes = 2 * half;
-    const int chunks = gather_chunks(comm_ctas, RING_CHUNKS);
+    const int chunks = gather_chunks((int)gridDim.x - a.compute_ctas, RING_CHUNKS);   // (host split)
     const bool pairs = chunks % 2 == 0;
     unsigned char* const landing = (unsigned char*)a.gathered + (u64)SLOTS * nbytes;
     unsigned char* const staged = landing + nbytes;
@@ -750,6 +750,8 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     // The split: the host's, or (roles="search") what the board's search measures next.
     const int compute_ctas = roles::split_for_launch(a.board, a.compute_ctas);
     const int comm_ctas = gridDim.x - compute_ctas;
+    // chunks per K/V block: from the host's split, the same on every rank (gather_chunks)
+    const int chunks = gather_chunks((int)gridDim.x - a.compute_ctas, RING_CHUNKS);
 
     const GatherLaunch launch = GatherLaunch::begin(a.flags, L, comm_ctas);
     const u64 epoch = launch.epoch;
@@ -764,7 +766,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                           2 * ((a.chunk + Cfg::BQ - 1) / Cfg::BQ) * a.batches * a.heads, rank == muted_rank);
         } else {
             const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * row_bytes;
-            GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, RING_CHUNKS);
+            GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, chunks);
             gather.own_in_input = DIRECT_OWN;
             gather_role(gather, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, launch.comm_all,
                         rank == muted_rank);
@@ -777,7 +779,7 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
                         (a.chunk + Cfg::BKV - 1) / Cfg::BKV, a.G, a.N, a.node, a.me, a.causal,
                         a.band, a.flags, L, epoch, ctx,
                         {a.flags + L.claims(), (SLOTS > 0 ? a.G * a.N : 1) * 2 * q_blocks * a.batches * a.heads},
-                        gather_chunks(comm_ctas, RING_CHUNKS), row_bytes, &tma_k_own, &tma_v_own};
+                        chunks, row_bytes, &tma_k_own, &tma_v_own};
     work.attach(record);
     const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
     if constexpr (SLOTS > 0) {

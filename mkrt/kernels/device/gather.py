@@ -102,11 +102,15 @@ struct GatheredFlags {
 };
 
 // Blocks are spread chunk by chunk, a CTA copying whole chunks, so the compute role can
-// start on a block's first rows before its last have arrived. A launch with comm_ctas
-// communication CTAs cuts each block in gather_chunks(comm_ctas, want) chunks (a multiple
-// of comm_ctas, so every CTA copies as many; at least `want` where that fits). Chunk c of
-// an nbytes block is bytes [chunk_begin(nbytes, c, chunks), chunk_begin(.., c + 1, ..)),
-// 16-byte aligned.
+// start on a block's first rows before its last have arrived. A kernel whose host split
+// has comm_ctas communication CTAs cuts each block in gather_chunks(comm_ctas, want)
+// chunks (a multiple of comm_ctas, so every CTA copies as many; at least `want` where
+// that fits). Every rank must cut alike (a rank waits for chunks of other ranks' blocks
+// by its own count), so the count comes from the host's split, the same on every rank,
+// not from a launch's (roles="search" may give ranks different splits: a CTA then copies
+// chunks comm, comm + comm_ctas, .. of the same chunks, some one more than others).
+// Chunk c of an nbytes block is bytes [chunk_begin(nbytes, c, chunks),
+// chunk_begin(.., c + 1, ..)), 16-byte aligned.
 __device__ __forceinline__ int gather_chunks(int comm_ctas, int want = 16) {
     return min(comm_ctas * ((want + comm_ctas - 1) / comm_ctas), GATHER_MAX_CHUNKS);
 }
@@ -140,7 +144,7 @@ struct GatherArgs {
     const Queue* queue;         // the proxy queue (several nodes)
     int me, node, G, N;
     int gathered_region, flags_region;
-    int want_chunks;            // gather_chunks(comm_ctas, want_chunks) chunks per block
+    int chunks;                 // chunks per block (gather_chunks of the host's split)
     bool own_in_input;          // the compute reads our block from the inputs: no copy of it
                                 // into our own buffer on one node (several: the puts read it)
 };
@@ -152,10 +156,10 @@ constexpr int GATHER_MAX_NODE_RANKS = 32;
 // flags_region), with the rank's block as the spans input0 and input1.
 template <class A>
 __device__ __forceinline__ GatherArgs gather_args(const A& a, const void* input0, u64 bytes0,
-                                                  const void* input1, u64 bytes1, int want_chunks = 16) {
+                                                  const void* input1, u64 bytes1, int chunks) {
     return GatherArgs{(const unsigned char*)input0, bytes0, (const unsigned char*)input1, bytes1,
                       (unsigned char*)a.gathered, a.flags, a.peer_flags, a.peer_gathered, a.queue,
-                      a.me, a.node, a.G, a.N, a.gathered_region, a.flags_region, want_chunks};
+                      a.me, a.node, a.G, a.N, a.gathered_region, a.flags_region, chunks};
 }
 
 // A gathering kernel's launch bookkeeping: this launch's epoch and CTA counts, from the
@@ -250,7 +254,7 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
     __shared__ unsigned char* targets[GATHER_MAX_NODE_RANKS];
     const u64 nbytes = a.bytes0 + a.bytes1;
     const int mine = a.node * a.G + a.me;
-    const int chunks = gather_chunks(comm_ctas, a.want_chunks);
+    const int chunks = a.chunks;
     const bool pairs = a.bytes1 == a.bytes0 && chunks % 2 == 0;
     const int poster = blockDim.x - 1;
 
