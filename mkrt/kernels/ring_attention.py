@@ -265,11 +265,10 @@ struct RingWork : RingCounters<RING_TRACE>, RingSlots<(SLOTS > 0)> {
             wait_gathered_word(partial_flags, 2 * (tile.index - step * T) + who.warpgroup,
                                epoch * world() + step - 1, ctx, tile.index, PARTIAL_FLAG);
         const bool load = step > 0 && (tile.blocks > 0 || step == world() - 1);
-        const int rows = 2 * chunk;
-        const float* o = partial + ((long long)tile.batch * rows * heads + tile.head) * Cfg::D;
+        const float* o = kept_output(tile);
         const long long row_stride = (long long)heads * Cfg::D;
-        const float* row_max = partial_rows + ((long long)tile.batch * heads + tile.head) * rows + tile.q_row;
-        const float* row_sum = row_max + (long long)batches * heads * rows;
+        const float* row_max = kept_row_max(tile);
+        const float* row_sum = row_max + kept_sums_offset();
         const int row = who.row(), col = 2 * (who.lane() & 3);
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -286,6 +285,15 @@ struct RingWork : RingCounters<RING_TRACE>, RingSlots<(SLOTS > 0)> {
             }
         }
     }
+    // Where a tile's kept state is: its fp32 O rows (row stride Hq x D), its row maxima, and
+    // its row sums kept_sums_offset() further on.
+    __device__ __forceinline__ float* kept_output(const Tile& tile) const {
+        return partial + ((long long)tile.batch * 2 * chunk * heads + tile.head) * Cfg::D;
+    }
+    __device__ __forceinline__ float* kept_row_max(const Tile& tile) const {
+        return partial_rows + ((long long)tile.batch * heads + tile.head) * 2 * chunk + tile.q_row;
+    }
+    __device__ __forceinline__ long long kept_sums_offset() const { return (long long)batches * heads * 2 * chunk; }
     // The last step's visit finishes the tile.
     __device__ __forceinline__ bool finishes(const Tile& tile) const {
         return tile.index / tiles_per_step() == world() - 1;
@@ -483,17 +491,15 @@ struct VisitRows {
         if (w.finishes(tile)) {
             final_rows(tile, state, who);
         } else if (tile.blocks > 0) {           // (no keys: the stored state stands)
-            const int rows = 2 * w.chunk;
-            float* const o = w.partial + ((long long)tile.batch * rows * w.heads + tile.head) * Cfg::D;
+            float* const o = w.kept_output(tile);
             const long long row_stride = (long long)w.heads * Cfg::D;
             state.for_each_pair(who, [&](int r, int c, float v0, float v1) {
                 if (r < tile.q_rows)
                     *reinterpret_cast<float2*>(o + (tile.q_row + r) * row_stride + c) = make_float2(v0, v1);
             });
             if ((who.lane() & 3) == 0) {
-                float* const row_max = w.partial_rows + ((long long)tile.batch * w.heads + tile.head) * rows
-                                       + tile.q_row;
-                float* const row_sum = row_max + (long long)w.batches * w.heads * rows;
+                float* const row_max = w.kept_row_max(tile);
+                float* const row_sum = row_max + w.kept_sums_offset();
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = who.row() + 8 * h;
@@ -530,12 +536,11 @@ struct VisitRows {
 // ring_slots_plan.kernel_schedule). A chunk's flag at the receiver says epoch x W + step.
 // Bounded: a timeout names the first transfer still waited for.
 __device__ __noinline__ void move_to_slots(const Args& a, u64 epoch, const Context& ctx, int comm,
-                                           int comm_ctas, int tiles, bool muted) {
+                                           int comm_ctas, int chunks, int tiles, bool muted) {
     const Layout L{a.G, a.N};
     const int G = a.G, N = a.N, W = G * N, me = a.me, node = a.node, mine = node * G + me;
     const u64 half = (u64)a.batches * 2 * a.chunk * a.kv_heads * Cfg::D * sizeof(T);   // K (or V)
     const u64 nbytes = 2 * half;
-    const int chunks = gather_chunks((int)gridDim.x - a.compute_ctas, RING_CHUNKS);   // (host split)
     const bool pairs = chunks % 2 == 0;
     unsigned char* const landing = (unsigned char*)a.gathered + (u64)SLOTS * nbytes;
     unsigned char* const staged = landing + nbytes;
@@ -760,10 +765,12 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
     // this one place (a second entry would cost ptxas's register split between warpgroups),
     // and no SM idles once the copies are done.
     const u64 row_bytes = (u64)a.kv_heads * Cfg::D * sizeof(T);
+    const int q_blocks = (a.chunk + Cfg::BQ - 1) / Cfg::BQ;
+    const int tiles = 2 * q_blocks * a.batches * a.heads;      // per source (SLOTS: per step)
     if ((int)blockIdx.x >= compute_ctas) {
         if constexpr (SLOTS > 0) {
-            move_to_slots(a, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas,
-                          2 * ((a.chunk + Cfg::BQ - 1) / Cfg::BQ) * a.batches * a.heads, rank == muted_rank);
+            move_to_slots(a, epoch, ctx, blockIdx.x - compute_ctas, comm_ctas, chunks, tiles,
+                          rank == muted_rank);
         } else {
             const u64 kv_bytes = (u64)a.batches * 2 * a.chunk * row_bytes;
             GatherArgs gather = gather_args(a, a.k, kv_bytes, a.v, kv_bytes, chunks);
@@ -774,11 +781,10 @@ ring_attention(const __grid_constant__ TmaDescriptor tma_q,
         __syncthreads();                 // the role's shared memory is the engine's now
         if (RING_TRACE && threadIdx.x == 0) record[1] = global_timer_ns();
     }
-    const int q_blocks = (a.chunk + Cfg::BQ - 1) / Cfg::BQ;
     const RingWork work{{}, RingSlots<(SLOTS > 0)>::make(a), a.batches, a.heads, a.heads / a.kv_heads, a.chunk, q_blocks,
                         (a.chunk + Cfg::BKV - 1) / Cfg::BKV, a.G, a.N, a.node, a.me, a.causal,
                         a.band, a.flags, L, epoch, ctx,
-                        {a.flags + L.claims(), (SLOTS > 0 ? a.G * a.N : 1) * 2 * q_blocks * a.batches * a.heads},
+                        {a.flags + L.claims(), (SLOTS > 0 ? a.G * a.N : 1) * tiles},
                         chunks, row_bytes, &tma_k_own, &tma_v_own};
     work.attach(record);
     const StoreRows store{a.out, a.lse, 2 * a.chunk, a.heads};
@@ -1047,9 +1053,8 @@ class RingAttention(GatheringOp):
     every rank's K/V (W x the local K/V per rank), each rank holds k slots of other ranks'
     K/V (the issue's double buffering is k=2), so memory does not grow with the world: k x
     the local K/V (two more on several nodes: where other nodes' K/V land, and its own,
-    staged for the proxy) plus an fp32
-    state of its queries' output (2 x the size of O, and two floats per query row). The
-    rank then visits its sources one step at a time (own K/V first, read in place), every
+    staged for the proxy) plus an fp32 state of its queries' output (2 x the size of O,
+    and two floats per query row). The rank then visits its sources one step at a time (own K/V first, read in place), every
     tile once per step, carrying each tile's online-softmax state from step to step in
     fp32; a source's K/V go into a slot once the step that last used the slot is done
     (another node's into the landing region once the previous ones there were visited and

@@ -349,4 +349,4 @@ __device__ __noinline__ void gather_role(const GatherArgs& a, u64 epoch, const C
     }
 }
 }  // namespace mkrt
-""", requires=("gather", "copy", "sync", "queue"))
+""", requires=("gather", "sync", "queue"))
