@@ -4,6 +4,7 @@
 # then the same with B. Nothing here has run on a GPU yet (no machine could be had in the
 # twentieth and twenty-first sessions).
 # A:
+# 0. GPU tests of mkrt.grouped_mlp (the experts' two GEMMs and SwiGLU in one launch, never run);
 # 1. GPU tests of the gathering role's new inter-node path (4317030: one put per chunk as
 #    soon as it is copied, forwards per landed chunk) through AllGather+GEMM (1x2 .. 2x3,
 #    3x1, muted ranks) and ring attention (own K/V in place, direct_own=True, and from the
@@ -53,6 +54,9 @@ if [ "$1" = B ]; then
     echo "trace 1x2 1x4 done at $SECONDS s" | tee -a $LOG
     exit 0
 fi
+timeout ${EXPERTS_TEST_S:-90} python3 -m pytest -q -m gpu tests/test_moe_experts.py \
+    -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee -a $LOG
+echo "grouped_mlp tests done at $SECONDS s" | tee -a $LOG
 timeout ${TEST_S:-170} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
     tests/test_ring_attention_gpu.py -k "not across_processes and not slots" -p no:cacheprovider \
     2>&1 | grep -v Warning | tail -4 | tee -a $LOG

@@ -25,6 +25,7 @@ from mkrt.kernels.attention import attention
 from mkrt.kernels.ring_attention import RingAttention, ring_attention
 from mkrt.kernels.gemm import gemm
 from mkrt.kernels.grouped_gemm import grouped_gemm
+from mkrt.kernels.moe_experts import grouped_mlp
 from mkrt.kernels.moe import MoE, moe, moe_combine, moe_dispatch
 from mkrt.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce
 from mkrt.kernels.gemm_reducescatter import GemmReduceScatter, gemm_reducescatter
@@ -34,7 +35,7 @@ from mkrt.world import World, current_world, init
 __version__ = "0.1.0"
 
 __all__ = ["init", "current_world", "World", "SymmetricBuffer", "AllGather", "allgather", "gemm",
-           "AllGatherGemm", "allgather_gemm", "attention", "RingAttention", "ring_attention", "grouped_gemm", "MoE", "moe", "moe_dispatch", "moe_combine",
+           "AllGatherGemm", "allgather_gemm", "attention", "RingAttention", "ring_attention", "grouped_gemm", "grouped_mlp", "MoE", "moe", "moe_dispatch", "moe_combine",
            "GemmAllReduce", "gemm_allreduce", "GemmReduceScatter", "gemm_reducescatter",
            "CommTimeout", "CompileError", "MkrtError", "WaitRecord"]
 

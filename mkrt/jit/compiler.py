@@ -81,7 +81,8 @@ def include_dirs() -> list[str]:
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, \d+ bytes cumulative stack size)?"
+                   r"(?:, (\d+) bytes smem)?")
 _PROPERTIES = re.compile(r"Function properties for (\w+)")
 
 

@@ -53,57 +53,8 @@ typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, TMA_STORE ? $BLOCK_M 
                      $CLUSTER_M> Cfg;
 constexpr int MAX_GROUPS = $MAX_GROUPS;
 
-__device__ __forceinline__ int clamp_row(int v, int rows) { return min(max(v, 0), rows); }
-
-// Every group's tiles, group after group; inside a group in raster order by bands of
-// group_m m-tiles, column by column inside a band (gemm::RasterWork). group_m = 1 is
-// m-tile-major order (n-tiles fastest: each row block of x is read once); a wider band
-// makes the CTAs running at once share each weight tile, for weights too large to stay in
-// L2 between m-tiles (see band_m_tiles). CTA c takes c, c + ctas, ...
-// With clusters of two (Cfg::CLUSTER_M == 2) the units are pairs of m-tiles of one group
-// (sharing each weight load, gemm::PairedRasterWork's way): cluster c of ctas clusters
-// takes units c, c + ctas, ..., its CTA of rank r m-tile 2p + r of the pair p. A group
-// with an odd m-tile count gives its last pair a tile past the group's rows: it loads
-// rows of the next group (or zeros), and its stores are all clipped.
-// tile_prefix[g]: units (m-tiles or pairs) before group g, so group g's units are
-// [tile_prefix[g] * tiles_n, tile_prefix[g + 1] * tiles_n).
-struct GroupedWork {
-    const int* offsets;
-    const int* tile_prefix;             // shared memory
-    int groups, rows, n, tiles_n, cta, ctas, group_m, rank;
-
-    __device__ __forceinline__ int tiles() const { return tile_prefix[groups] * tiles_n; }
-    __device__ __forceinline__ gemm::Tile tile_at(int t) const { return tile_at(t, tiles_n); }
-    // tile_at with tiles_n passed in as `columns` (GroupedStreamKWork reads it from shared
-    // memory)
-    __device__ __forceinline__ gemm::Tile tile_at(int t, int columns) const {
-        // the group holding tile t: tile_prefix[g] <= t / columns < tile_prefix[g + 1]
-        const int virtual_m = t / columns;
-        int lo = 0, hi = groups;
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (tile_prefix[mid] <= virtual_m) lo = mid; else hi = mid;
-        }
-        const gemm::RasterWork raster{tile_prefix[lo + 1] - tile_prefix[lo], columns, group_m, 0, 1};
-        const gemm::Tile local = raster.tile_at(t - tile_prefix[lo] * columns);
-        const int m_tile = local.m * Cfg::CLUSTER_M + rank;          // within the group
-        gemm::Tile tile;
-        tile.m = tile_prefix[lo] * Cfg::CLUSTER_M + m_tile;
-        tile.n = local.n;
-        tile.index = t * Cfg::CLUSTER_M + rank;
-        tile.group = lo;
-        tile.a_row = clamp_row(offsets[lo], rows) + m_tile * Cfg::BM;
-        tile.b_row = lo * n + local.n * Cfg::BN;
-        return tile;
-    }
-    __device__ __forceinline__ bool get(int i, gemm::Tile& tile) const {
-        const int t = cta + i * ctas;
-        if (t >= tiles()) return false;
-        tile = tile_at(t);
-        return true;
-    }
-    __device__ __forceinline__ bool wait(const gemm::Tile&) const { return true; }
-};
+using grouped::clamp_row;
+typedef grouped::GroupedWork<Cfg> GroupedWork;
 
 // Stream-K on the last, partial wave (STREAM_K, one CTA per tile): the full waves of the
 // work list run whole, CTA c taking c, c + ctas, ...; the k-block iterations of the tiles
@@ -209,28 +160,7 @@ grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
              float* partials, int* arrivals, int max_parts) {       // STREAM_K only
     extern __shared__ char dynamic_smem[];
     __shared__ int tile_prefix[MAX_GROUPS + 1];
-    // m-tiles per group, scanned by one warp: lane l sums a run of groups, the runs are
-    // scanned across the warp, then each lane writes its run's prefixes.
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x, per = (groups + 31) / 32;
-        const int g0 = min(groups, lane * per), g1 = min(groups, g0 + per);
-        auto m_tiles = [&](int g) {        // units: m-tiles, or pairs of them
-            const int count = clamp_row(offsets[g + 1], rows) - clamp_row(offsets[g], rows);
-            const int tiles = count > 0 ? (count + Cfg::BM - 1) / Cfg::BM : 0;
-            return (tiles + Cfg::CLUSTER_M - 1) / Cfg::CLUSTER_M;
-        };
-        int local = 0;
-        for (int g = g0; g < g1; ++g) local += m_tiles(g);
-        int inclusive = local;
-        #pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-            if (lane >= d) inclusive += v;
-        }
-        int running = inclusive - local;
-        for (int g = g0; g < g1; ++g) { tile_prefix[g] = running; running += m_tiles(g); }
-        if (lane == 31) tile_prefix[groups] = inclusive;
-    }
+    if (threadIdx.x < 32) grouped::scan_units<Cfg::BM, Cfg::CLUSTER_M>(offsets, groups, rows, tile_prefix);
     __syncthreads();
     const int rank = Cfg::CLUSTER_M == 2 ? (int)cluster_rank() : 0;
     const GroupedWork work{offsets, tile_prefix, groups, rows, n, (n + Cfg::BN - 1) / Cfg::BN,
@@ -250,7 +180,7 @@ grouped_gemm(const __grid_constant__ TmaDescriptor tma_a,
         gemm::run_tiles<Cfg>(&tma_a, &tma_b, k, work, store, dynamic_smem);
     }
 }
-""", requires=("gemm_tile", "partial_sums"), register=False)
+""", requires=("gemm_tile", "grouped_tiles", "partial_sums"), register=False)
 
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 

@@ -16,6 +16,7 @@ KERNEL_MODULES = [
     "mkrt.kernels.allgather_gemm",
     "mkrt.kernels.attention",
     "mkrt.kernels.grouped_gemm",
+    "mkrt.kernels.moe_experts",
     "mkrt.kernels.moe",
     "mkrt.kernels.ring_attention",
 ]

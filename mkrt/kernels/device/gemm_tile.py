@@ -107,6 +107,8 @@ struct Tile {
     int a_row = -1, b_row = -1;
     int group = -1;                                  // a grouped GEMM's group
     int a_map = 0;                                   // 1: A from run_tiles' second map (tma_a2)
+    int b_map = 0;                                   // 1: B from run_tiles' second map (tma_b2)
+    int b_row2 = -1;                                 // >= 0: B [N, K] in two halves, the second from here
     int slot = -1;                                   // split-K: the tile's partial-sum slot
     int parts = 0;                                   // stream-K: this tile's parts (0: the launch's)
     __device__ __forceinline__ int k_first() const { return kb_begin; }
@@ -238,6 +240,28 @@ struct Accumulator {
     template <int CONSUMERS, class F>
     __device__ __forceinline__ void for_each_pair(const ConsumerThread<CONSUMERS>& who, F&& f) const {
         each_pair_slot(who, [&](int row, int col, int i) { f(row, col, d[i], d[i + 1]); });
+    }
+
+    // f(row, col, a0, a1, b0, b1) for each pair of adjacent outputs this thread holds in the
+    // left half of the tile (col < BN / 2), a, with the pair BN / 2 columns to its right, b:
+    // wgmma's layout repeats every 8 columns, so both are this thread's (b is d[i + BN / 4]).
+    // A tile whose B rows are a gated MLP's gate rows, then its up rows (moe_experts).
+    template <int CONSUMERS, class F>
+    __device__ __forceinline__ void for_each_gated_pair(const ConsumerThread<CONSUMERS>& who, F&& f) const {
+        static_assert(BN % 16 == 0, "halves of whole 8-column groups");
+        const int lane = who.thread & 31;
+        const int first = who.warpgroup * SUB * 64 + ((who.thread >> 5) & 3) * 16 + (lane >> 2);
+        const int col = 2 * (lane & 3);
+        #pragma unroll
+        for (int s = 0; s < SUB; ++s) {
+            const int row = first + s * 64;
+            #pragma unroll
+            for (int j = 0; j < BN / 16; ++j) {
+                const int i = s * PART + 4 * j, h = BN / 4;
+                f(row, 8 * j + col, d[i], d[i + 1], d[i + h], d[i + h + 1]);
+                f(row + 8, 8 * j + col, d[i + 2], d[i + 3], d[i + h + 2], d[i + h + 3]);
+            }
+        }
     }
 };
 
@@ -450,7 +474,8 @@ struct Pipeline {
 template <class Cfg, class Work>
 __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDescriptor* tma_a,
                                         const TmaDescriptor* tma_b, int k_blocks,
-                                        const Work& work, const TmaDescriptor* tma_a2) {
+                                        const Work& work, const TmaDescriptor* tma_a2,
+                                        const TmaDescriptor* tma_b2) {
     int stage = 0;
     u32 phase = 0;
     Tile tile;
@@ -483,7 +508,13 @@ __device__ __forceinline__ void produce(const Pipeline<Cfg>& pipe, const TmaDesc
                                                   tile.n * Cfg::BN + chunk * 64, k, &pipe.full[stage], 0x3);
                     }
                 } else if (Cfg::B_K_MAJOR) {
-                    tma_load_2d(pipe.b_stage(stage), tma_b, k, tile.b_first(Cfg::BN), &pipe.full[stage]);
+                    const TmaDescriptor* map_b = tile.b_map ? tma_b2 : tma_b;
+                    tma_load_2d(pipe.b_stage(stage), map_b, k, tile.b_first(Cfg::BN), &pipe.full[stage]);
+                    // a tile in two halves of BN / 2 rows (the map's box): a gated MLP's gate
+                    // and up rows side by side in one tile (moe_experts)
+                    if (tile.b_row2 >= 0)
+                        tma_load_2d(pipe.b_stage(stage) + (Cfg::BN / 2) * Cfg::BK * 2, map_b, k,
+                                    tile.b_row2, &pipe.full[stage]);
                 } else {
                     // [K, N] storage: boxes of 64 n x 64 k, one per 64-column chunk.
                     #pragma unroll
@@ -561,11 +592,15 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, int grou
 // tma_a: A [M, K] as a 2-D map (inner K, box 64 x BM); tma_b: B [N, K] (inner K, box
 // 64 x BN) or B [K, N] (inner N, box 64 x 64); both 128B-swizzled, zero fill. tma_a2: a
 // second map of A like tma_a, for tiles whose work item sets a_map (AllGather+GEMM reads
-// a rank's own rows from its input there, not from the gathered buffer).
+// a rank's own rows from its input there, not from the gathered buffer); tma_b2 the same
+// for B and b_map ([N, K] storage, one CTA per tile: two GEMMs in one work list, as in
+// moe_experts). A tile with b_row2 >= 0 loads B in two boxes of BN / 2 rows, from b_row
+// and b_row2 (the map's box is then BN / 2 rows).
 template <class Cfg, class Work, class Epilogue>
 __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaDescriptor* tma_b,
                                           int k, const Work& work, const Epilogue& epilogue,
-                                          char* dynamic_smem, const TmaDescriptor* tma_a2 = nullptr) {
+                                          char* dynamic_smem, const TmaDescriptor* tma_a2 = nullptr,
+                                          const TmaDescriptor* tma_b2 = nullptr) {
     const Pipeline<Cfg> pipe(dynamic_smem);
     const int warpgroup = threadIdx.x / 128;
     const int k_blocks = (k + Cfg::BK - 1) / Cfg::BK;
@@ -578,6 +613,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
         tma_prefetch_descriptor(tma_a);
         tma_prefetch_descriptor(tma_b);
         if (tma_a2 != nullptr) tma_prefetch_descriptor(tma_a2);
+        if (tma_b2 != nullptr) tma_prefetch_descriptor(tma_b2);
     }
     // With clusters, the partner's barriers must be initialised before this CTA's first
     // multicast or remote arrival reaches them.
@@ -589,7 +625,7 @@ __device__ __forceinline__ void run_tiles(const TmaDescriptor* tma_a, const TmaD
 
     if (warpgroup == 0) {
         warpgroup_registers_decrease<Cfg::PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) produce<Cfg>(pipe, tma_a, tma_b, k_blocks, work, tma_a2);
+        if (threadIdx.x == 0) produce<Cfg>(pipe, tma_a, tma_b, k_blocks, work, tma_a2, tma_b2);
     } else {
         warpgroup_registers_increase<Cfg::CONSUMER_REGISTERS>();
         ConsumerThread<Cfg::CONSUMERS> who;
