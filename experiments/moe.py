@@ -39,6 +39,10 @@ def parse():
     parser.add_argument("--tokens", nargs="+", type=int, default=[128, 1024, 4096])
     parser.add_argument("--experts-cap", type=int, default=64,
                         help="use at most this many experts (memory on one GPU); k shrinks to fit")
+    parser.add_argument("--experts-kernels", nargs="+", default=["separate"],
+                        choices=["separate", "fused"],
+                        help="the experts' stage: three launches (separate) or one (fused: "
+                             "MoE(fused_experts=True)); a row each, timed in the same rounds")
     parser.add_argument("--out", default="")
     parser.add_argument("--plot", default="", help="PNG of the rows in --out (after the run)")
     parser.add_argument("--plot-only", action="store_true",
@@ -110,8 +114,9 @@ def main():
                 ids = [torch.tensor(np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]),
                                     device="cuda", dtype=torch.int32) for _ in range(W)]
                 weights = [torch.rand(tokens, k, device="cuda") for _ in range(W)]
-                op = mkrt.MoE(world, experts=experts, capacity=tokens, timeout_ms=30000)
-                ys = op(x, ids, weights, w1, w2)
+                ops = {kind: mkrt.MoE(world, experts=experts, capacity=tokens, timeout_ms=30000,
+                                      fused_experts=kind == "fused") for kind in args.experts_kernels}
+                outputs = {kind: op(x, ids, weights, w1, w2) for kind, op in ops.items()}
                 world.synchronize()
 
                 def baseline():
@@ -155,24 +160,29 @@ def main():
                     traffic = {f"internode_bytes_per_rank_{name}": value / W
                                for name, value in plan.traffic(H).items()}
                 expected = baseline()
-                error = max(((torch.from_dlpack(y).float() - e.float()).abs().max()
-                             / e.float().abs().max()).item() for y, e in zip(ys, expected))
                 # rotating rounds (interleaved_ms): clocks drift under load, and until
                 # 6885d2f-era commits mkrt was always timed first
-                ms_of = interleaved_ms({"mkrt": lambda: op(x, ids, weights, w1, w2), "baseline": baseline},
-                                       iterations=3, rounds=6)
-                ours, theirs = ms_of["mkrt"], ms_of["baseline"]
+                calls = {kind: (lambda op=op: op(x, ids, weights, w1, w2)) for kind, op in ops.items()}
+                ms_of = interleaved_ms({**calls, "baseline": baseline}, iterations=3, rounds=6)
+                theirs = ms_of["baseline"]
                 flops = 6.0 * H * I * tokens * k * W         # per (token, choice): w1 4HI, w2 2HI
-                row = record("moe", case, "tflops", flops / ours / 1e9, flops / theirs / 1e9, "TFLOP/s",
-                             ms=ours, baseline_ms=theirs, max_rel_error=error, correct=error < 3e-2,
-                             layout=layout, baseline_name="host splits + copies + torch._grouped_mm",
-                             note="emulated ranks share one GPU: aggregate throughput",
-                             timing="interleaved_ms medians", **traffic)
-                print(f"{case}: mkrt {ours:.3f} ms, baseline {theirs:.3f} ms, x {row['ratio']:.3f}, "
-                      f"err {error:.4f}", flush=True)
-                if args.out:
-                    append_jsonl(args.out, [row])
-                op.close()
+                for kind, ys in outputs.items():
+                    error = max(((torch.from_dlpack(y).float() - e.float()).abs().max()
+                                 / e.float().abs().max()).item() for y, e in zip(ys, expected))
+                    ours = ms_of[kind]
+                    name = case + ("_fused" if kind == "fused" else "")
+                    row = record("moe", name, "tflops", flops / ours / 1e9, flops / theirs / 1e9,
+                                 "TFLOP/s", ms=ours, baseline_ms=theirs, max_rel_error=error,
+                                 correct=error < 3e-2, layout=layout, experts_kernel=kind,
+                                 baseline_name="host splits + copies + torch._grouped_mm",
+                                 note="emulated ranks share one GPU: aggregate throughput",
+                                 timing="interleaved_ms medians", **traffic)
+                    print(f"{name}: mkrt {ours:.3f} ms, baseline {theirs:.3f} ms, x {row['ratio']:.3f}, "
+                          f"err {error:.4f}", flush=True)
+                    if args.out:
+                        append_jsonl(args.out, [row])
+                for op in ops.values():
+                    op.close()
         world.close()
     if args.plot and args.out:
         import json

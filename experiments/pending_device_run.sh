@@ -1,7 +1,7 @@
 #!/bin/bash
 # The next two device calls (about 9 min each with the start, at most 8 files under $OUT),
 # most important first:   MKRT_BENCH_COMMIT=<commit> bash experiments/pending_device_run.sh A
-# then the same with B. Nothing here has run on a GPU yet (no machine could be had in the
+# then the same with B (and C). Nothing here has run on a GPU yet (no machine could be had in the
 # twentieth and twenty-first sessions).
 # A:
 # 0. GPU tests of mkrt.grouped_mlp (the experts' two GEMMs and SwiGLU in one launch, never run);
@@ -26,6 +26,10 @@
 # 4. the proxy's and gemm_allreduce's 2x2 GPU tests (the ce transport's signals now wait
 #    with their puts, 61ca72f);
 # 5. where the gathered ring's time goes on 1x2 and 1x4.
+# C:
+# 1. MoE's GPU tests, fused_experts among them, and mkrt.grouped_mlp's;
+# 2. grouped_mlp against the three-launch path and torch._grouped_mm (experiments/grouped_mlp.py);
+# 3. MoE on 1x4 with the experts fused or not, against the unfused pipeline (experiments/moe.py).
 source experiments/device_prelude.sh log.txt
 trace() {   # layouts, shapes, CTAs per rank, own K/V variants, raw file
     timeout ${TRACE_S:-90} python3 experiments/ring_trace.py --layouts $1 --shapes $2 --calls 3 \
@@ -38,6 +42,20 @@ ring() {    # layouts, extra options
         --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
         grep -v "F.scaled_dot" | tee -a $LOG
 }
+if [ "$1" = C ]; then
+    # the experts in one launch: MoE's GPU tests with it, its time alone and inside MoE
+    timeout ${MOE_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_moe.py tests/test_moe_experts.py \
+        -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee -a $LOG
+    echo "moe tests done at $SECONDS s" | tee -a $LOG
+    timeout ${MLP_S:-150} python3 experiments/grouped_mlp.py --out $OUT/grouped_mlp.jsonl 2>&1 | \
+        grep -v Warning | tee -a $LOG
+    echo "grouped_mlp done at $SECONDS s" | tee -a $LOG
+    timeout ${MOE_S:-200} python3 experiments/moe.py --layouts 1x4 --models qwen3_30b_a3b mixtral_8x7b \
+        --tokens 1024 4096 --experts-kernels separate fused --out $OUT/moe.jsonl 2>&1 | \
+        grep -v Warning | tee -a $LOG
+    echo "moe done at $SECONDS s" | tee -a $LOG
+    exit 0
+fi
 if [ "$1" = B ]; then
     timeout ${SLOT_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py -k slots \
         -p no:cacheprovider 2>&1 | grep -v Warning | tail -6 | tee -a $LOG

@@ -109,6 +109,10 @@ def test_parse_resources_reads_ptxas_verbose():
     (res,) = parse_resources(log).values()
     assert (res.registers, res.spill_stores, res.spill_loads, res.stack_frame,
             res.static_shared, res.barriers) == (168, 8, 4, 16, 1024, 1)
+    # a kernel calling a non-inlined function reports its cumulative stack before smem
+    log = log.replace("1 barriers, ", "1 barriers, 128 bytes cumulative stack size, ")
+    (res,) = parse_resources(log).values()
+    assert (res.registers, res.static_shared, res.barriers) == (168, 1024, 1)
 
 
 @pytest.mark.parametrize("module,spec", all_specs(), ids=lambda v: getattr(v, "uri", v))

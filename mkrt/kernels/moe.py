@@ -21,7 +21,8 @@ Each call runs five launches per rank on the rank's stream, none waiting for the
    that need it. The launch ends once every node peer's rows (its own and those it
    forwarded) are in.
 2. ``mkrt.grouped_gemm`` of the received rows with w1 (group offsets from step 1, on the
-   device), 3. SwiGLU, 4. ``mkrt.grouped_gemm`` with w2,
+   device), 3. SwiGLU, 4. ``mkrt.grouped_gemm`` with w2 (or, with ``fused_experts=True``,
+   steps 2-4 as one launch of mkrt/kernels/moe_experts.py),
 5. ``moe_combine``: each result row of a source on the node goes back to its slot
    (token, choice). For the rows that crossed, the forwarding rank reads the node's
    results where they were computed and sums each token's rows weighted, in fp32 and
@@ -52,6 +53,7 @@ from mkrt.arrays import bfloat16, dtype_name, like_input
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
 from mkrt.kernels import grouped_gemm as grouped_module
+from mkrt.kernels import moe_experts as experts_module
 from mkrt.kernels.device import gather  # noqa: F401  (register the pieces)
 from mkrt.kernels.launcher import KernelLaunch, Parameters, struct_size_assert
 from mkrt.kernels.op import CONTEXT_PARAMETERS, Op, shared_op
@@ -813,13 +815,16 @@ class MoE(Op):
     (default 2 x capacity x k_max with k_max = 8, or as given). ``ctas``: CTAs of the
     dispatch and combine kernels (default 16). ``muted_rank``: a world rank that never
     sends its counts (tests of the bounded waits: every rank's call ends in CommTimeout);
-    leave it None."""
+    leave it None. ``fused_experts``: the experts' two GEMMs and SwiGLU in one launch
+    (:func:`mkrt.grouped_mlp`: SwiGLU in the w1 GEMM's epilogue, the w2 GEMM's tiles
+    starting as their rows' SwiGLU lands; never writes the [rows, 2I] product) instead of
+    three; off until measured against the three launches."""
 
     name = "moe"
 
     def __init__(self, world=None, *, experts: int, capacity: int, receive_rows: int | None = None,
                  ctas: int = 16, timeout_ms: float | None = None, validate: bool = True,
-                 muted_rank: int | None = None):
+                 muted_rank: int | None = None, fused_experts: bool = False):
         super().__init__(world, timeout_ms=timeout_ms)
         area = self.name
         W = self.world.size
@@ -838,6 +843,7 @@ class MoE(Op):
                                            "receive_rows", area, low=1, high=1 << 26)
         self.ctas = checks.integer(ctas, "ctas", area, low=1, high=64)
         self.validate = checks.flag(validate, "validate", area)
+        self.fused_experts = checks.flag(fused_experts, "fused_experts", area)
         muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=W - 1, optional=True)
         self.muted_rank = -1 if muted is None else muted
         self.experts_per_rank = self.experts // W
@@ -894,9 +900,18 @@ class MoE(Op):
         return self._buffers["results"].view(rank, bfloat16, (self.receive_rows, hidden))
 
     def _expert_buffers(self, shape: MoeShape) -> list:
-        """Per rank: the w1 GEMM's rows and SwiGLU's."""
-        return [self.kept_buffers(name, shp, bfloat16) for name, shp in (
-            ("h", (self.receive_rows, 2 * shape.inter)), ("act", (self.receive_rows, shape.inter)))]
+        """Per rank: the w1 GEMM's rows (not with fused experts: never written) and
+        SwiGLU's."""
+        act = self.kept_buffers("act", (self.receive_rows, shape.inter), bfloat16)
+        if self.fused_experts:
+            return [None] * len(act), act
+        return self.kept_buffers("h", (self.receive_rows, 2 * shape.inter), bfloat16), act
+
+    def _experts_launch(self, info, shape: MoeShape):
+        """The fused experts' launch of a rank (mkrt/kernels/moe_experts.py; built once)."""
+        return experts_module.prepared(info.device, self.receive_rows, self.experts_per_rank,
+                                       shape.hidden, shape.inter, self.world.sm_count(info.rank),
+                                       self._tile)
 
     # -- checks shared by the call, dispatch and combine --
     def _routing(self, x, topk_ids):
@@ -1099,6 +1114,9 @@ class MoE(Op):
                     for i, info in enumerate(self.world.local)]
         if "experts" in stages:
             for info in self.world.local:
+                if self.fused_experts:
+                    self._experts_launch(info, shape)
+                    continue
                 for columns in (2 * shape.inter, shape.hidden):          # w1's, w2's
                     grouped_module.build(self.receive_rows, self.experts_per_rank, columns, "bf16",
                                          info.device, self.world.sm_count(info.rank), *self._tile,
@@ -1127,26 +1145,41 @@ class MoE(Op):
                 if "dispatch" in stages:
                     launches[0](stream_ptr)
                 if "experts" in stages:
-                    stream = self._stream(stream_ptr)
-                    sms = self.world.sm_count(info.rank)
                     received = self._buffers["received"].view(info.rank, bfloat16,
                                                                (self.receive_rows, shape.hidden))
                     w1s, w2s = experts
                     h, act = (s[i] for s in expert_scratch)
-                    block_m, block_n = self._tile
-                    grouped_module.grouped_gemm(received, w1s[i], offsets, out=h, sms=sms, stream=stream,
-                                                block_m=block_m, block_n=block_n, epilogue="direct",
-                                                cluster="", stream_k=False)
-                    with stream:
-                        swiglu((sms,), (256,), (h, act, offsets, np.int32(self.experts_per_rank),
-                                                np.int32(shape.inter), np.int32(self.receive_rows)))
-                    grouped_module.grouped_gemm(act, w2s[i], offsets, out=own_results, sms=sms,
-                                                stream=stream, block_m=block_m, block_n=block_n,
-                                                epilogue="direct", cluster="", stream_k=False)
+                    if self.fused_experts:
+                        # one launch: w1 with SwiGLU in its epilogue, then w2 on each m-tile
+                        # as soon as its SwiGLU rows are in
+                        launch = self._experts_launch(info, shape)
+                        launch.patch(received.data.ptr, w1s[i].data.ptr, w2s[i].data.ptr, act.data.ptr,
+                                     own_results.data.ptr, offsets.data.ptr,
+                                     self.context_params(info.rank))
+                        launch.run(stream_ptr)
+                    else:
+                        self._separate_experts(info, stream_ptr, received, w1s[i], w2s[i], h, act,
+                                               offsets, own_results, shape, swiglu)
                 if "combine" in stages:
                     launches[1](stream_ptr)
         if self._local_count != 1:
             self.release_to_caller_stream()
+
+    def _separate_experts(self, info, stream_ptr, received, w1, w2, h, act, offsets, results,
+                          shape: MoeShape, swiglu) -> None:
+        """The experts in three launches: the w1 grouped GEMM into h, SwiGLU, the w2 one."""
+        stream = self._stream(stream_ptr)
+        sms = self.world.sm_count(info.rank)
+        block_m, block_n = self._tile
+        grouped_module.grouped_gemm(received, w1, offsets, out=h, sms=sms, stream=stream,
+                                    block_m=block_m, block_n=block_n, epilogue="direct",
+                                    cluster="", stream_k=False)
+        with stream:
+            swiglu((sms,), (256,), (h, act, offsets, np.int32(self.experts_per_rank),
+                                    np.int32(shape.inter), np.int32(self.receive_rows)))
+        grouped_module.grouped_gemm(act, w2, offsets, out=results, sms=sms, stream=stream,
+                                    block_m=block_m, block_n=block_n, epilogue="direct",
+                                    cluster="", stream_k=False)
 
     def _stream(self, stream_ptr: int):
         """A CuPy stream object for a rank's stream (made once per stream)."""
