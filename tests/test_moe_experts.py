@@ -50,6 +50,13 @@ def test_spec_checks_and_words():
     assert ME.counter_words(1000, 4, 128) == ME.COUNTERS + 8 + 4
 
 
+def test_word_layout_matches_the_device_code():
+    text = ME.EXPERTS_TILES.text
+    assert f"COUNT_BITS = {ME.COUNT_BITS};" in text
+    assert (f"FINISHED = {ME.FINISHED}, CTAS_BEFORE = {ME.CTAS_BEFORE}, LAUNCHES = {ME.LAUNCHES}, "
+            f"EXPERTS_DONE = {ME.EXPERTS_DONE}, COUNTERS = {ME.COUNTERS};") in text
+
+
 def _order_cases():
     return [([128, 128], 256, 128, 128, 256), ([0, 1, 0, 300, 17], 136, 72, 64, 256),
             ([5] * 16, 128, 256, 64, 128), ([1000, 0, 3, 64], 512, 1000, 128, 256),

@@ -48,24 +48,39 @@ from mkrt.status import kernel_id
 
 MAX_GROUPS = grouped_module.MAX_GROUPS
 COUNT_BITS = 20
-#: words of a launch's bookkeeping before the counters (finished, ctas_before, launches)
-FINISHED, CTAS_BEFORE, LAUNCHES, COUNTERS = 0, 1, 2, 4
+#: a launch's words (experts_tiles): the standalone kernel's bookkeeping (finished,
+#: ctas_before, launches), the fused MoE launch's experts-done counter, the m-tile counters
+FINISHED, CTAS_BEFORE, LAUNCHES, EXPERTS_DONE, COUNTERS = 0, 1, 2, 3, 4
 #: static shared memory beside the engine's: the group prefix and the launch's two words
 STATIC_SMEM_BYTES = grouped_module.STATIC_SMEM_BYTES + 16
 
-MOE_EXPERTS = cuda_source("moe_experts", r"""
-using namespace mkrt;
-typedef __nv_bfloat16 T;
-typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, 0, 1> Cfg;
-constexpr int MAX_GROUPS = $MAX_GROUPS;
-constexpr int COUNT_BITS = $COUNT_BITS;
-constexpr int FINISHED = $FINISHED, CTAS_BEFORE = $CTAS_BEFORE, LAUNCHES = $LAUNCHES,
-              COUNTERS = $COUNTERS;
-static_assert(Cfg::BN % 16 == 0, "the first GEMM's tiles are two halves of whole 8-column groups");
+EXPERTS_TILES = cuda_source("experts_tiles", r"""
+namespace mkrt {
+namespace experts {
 using grouped::clamp_row;
+
+// A launch's words: the standalone kernel's launch bookkeeping, the experts' done counter
+// (MoE's fused launch), then one counter per m-tile. Mirror: the Python constants of
+// mkrt/kernels/moe_experts.py (a CPU test compares them).
+constexpr int COUNT_BITS = 20;
+constexpr int FINISHED = 0, CTAS_BEFORE = 1, LAUNCHES = 2, EXPERTS_DONE = 3, COUNTERS = 4;
+
+// One more arrival at a tagged counter in this launch (epoch): a word from an earlier
+// launch starts again at epoch << COUNT_BITS. Readers wait for epoch << COUNT_BITS | n.
+__device__ __forceinline__ void count_tagged(u64* word, u64 epoch) {
+    const u64 base = epoch << COUNT_BITS;
+    u64 seen = *reinterpret_cast<volatile u64*>(word);
+    for (;;) {
+        const u64 next = seen >= base ? seen + 1 : base + 1;
+        const u64 got = atomicCAS(reinterpret_cast<unsigned long long*>(word), seen, next);
+        if (got == seen) return;
+        seen = got;
+    }
+}
 
 // The two GEMMs' tiles in one list: units x tiles_n1 first-GEMM tiles, then units x tiles_n2
 // second-GEMM tiles (units: m-tiles of all groups); CTA c takes c, c + ctas, ...
+template <class Cfg>
 struct ExpertsWork {
     grouped::GroupedWork<Cfg> groups;   // raster bands of the first GEMM (group_m)
     int group_m2, tiles_n1, tiles_n2, inter, hidden, k2_blocks;
@@ -104,20 +119,9 @@ struct ExpertsWork {
     }
 };
 
-// One more first-GEMM tile of an m-tile in this launch (epoch): a word from an earlier
-// launch starts again at epoch << COUNT_BITS.
-__device__ __forceinline__ void count_tile(u64* word, u64 epoch) {
-    const u64 base = epoch << COUNT_BITS;
-    u64 seen = *reinterpret_cast<volatile u64*>(word);
-    for (;;) {
-        const u64 next = seen >= base ? seen + 1 : base + 1;
-        const u64 got = atomicCAS(reinterpret_cast<unsigned long long*>(word), seen, next);
-        if (got == seen) return;
-        seen = got;
-    }
-}
-
+template <class Cfg>
 struct ExpertsEpilogue {
+    typedef __nv_bfloat16 T;
     T* act;
     T* out;
     const int* offsets;
@@ -154,44 +158,68 @@ struct ExpertsEpilogue {
         });
         __threadfence();
         who.sync();
-        if (who.leader()) count_tile(counters + tile.m, epoch);
+        if (who.leader()) count_tagged(counters + tile.m, epoch);
     }
 };
+
+// The experts' part of a launch, every thread of the CTA (cta of ctas): the group scan, both
+// GEMMs. words: COUNTERS + m-tile counters of this launch's epoch. dynamic_smem: the
+// engine's; tile_prefix: MAX_GROUPS + 1 ints of shared memory.
+template <class Cfg>
+__device__ __forceinline__ void run_experts(
+        const TmaDescriptor* tma_x, const TmaDescriptor* tma_w1, const TmaDescriptor* tma_act,
+        const TmaDescriptor* tma_w2, __nv_bfloat16* act, __nv_bfloat16* out, const int* offsets,
+        u64* words, int groups, int rows, int inter, int hidden, int group_m1, int group_m2,
+        u64 epoch, int cta, int ctas, const Context& ctx, int* tile_prefix, char* dynamic_smem) {
+    if (threadIdx.x < 32) grouped::scan_units<Cfg::BM, 1>(offsets, groups, rows, tile_prefix);
+    __syncthreads();
+    const int tiles_n1 = (inter + Cfg::BN / 2 - 1) / (Cfg::BN / 2);
+    const ExpertsWork<Cfg> work{{offsets, tile_prefix, groups, rows, 0, 0, cta, ctas, group_m1, 0},
+                                group_m2, tiles_n1, (hidden + Cfg::BN - 1) / Cfg::BN, inter, hidden,
+                                (inter + Cfg::BK - 1) / Cfg::BK, words + COUNTERS,
+                                (epoch << COUNT_BITS) + (u64)tiles_n1, ctx};
+    const ExpertsEpilogue<Cfg> epilogue{act, out, offsets, words + COUNTERS, epoch, rows, inter, hidden};
+    gemm::run_tiles<Cfg>(tma_x, tma_w1, hidden, work, epilogue, dynamic_smem, tma_act, tma_w2);
+}
+
+}  // namespace experts
+}  // namespace mkrt
+""", requires=("gemm_tile", "grouped_tiles", "sync"), headers=("cuda_bf16.h",))
+
+MOE_EXPERTS = cuda_source("moe_experts", r"""
+using namespace mkrt;
+typedef gemm::Config<__nv_bfloat16, $BLOCK_M, $BLOCK_N, $STAGES, true, 0, 1> Cfg;
+constexpr int MAX_GROUPS = $MAX_GROUPS;
+static_assert(Cfg::BN % 16 == 0, "the first GEMM's tiles are two halves of whole 8-column groups");
 
 extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
 moe_experts(const __grid_constant__ TmaDescriptor tma_x,      // x [rows, H], box 64 x BM
             const __grid_constant__ TmaDescriptor tma_w1,     // w1 [G * 2I, H], box 64 x BN/2
             const __grid_constant__ TmaDescriptor tma_act,    // act [rows, I], box 64 x BM
             const __grid_constant__ TmaDescriptor tma_w2,     // w2 [G * H, I], box 64 x BN
-            T* act, T* out, const int* offsets, u64* words, int groups, int rows, int inter,
-            int hidden, int group_m1, int group_m2,
+            __nv_bfloat16* act, __nv_bfloat16* out, const int* offsets, u64* words, int groups,
+            int rows, int inter, int hidden, int group_m1, int group_m2,
             u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
+    using namespace experts;
     extern __shared__ char dynamic_smem[];
     __shared__ int tile_prefix[MAX_GROUPS + 1];
     __shared__ u64 launch[2];           // this launch's epoch; CTAs of the launches before
-    if (threadIdx.x < 32) {
-        grouped::scan_units<Cfg::BM, 1>(offsets, groups, rows, tile_prefix);
-    } else if (threadIdx.x == 32) {
+    if (threadIdx.x == 32) {
         launch[0] = ld_acquire_gpu(words + LAUNCHES) + 1;
         launch[1] = ld_acquire_gpu(words + CTAS_BEFORE);
     }
     __syncthreads();
     const u64 epoch = launch[0];
-    const int tiles_n1 = (inter + Cfg::BN / 2 - 1) / (Cfg::BN / 2);
     const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
-    const ExpertsWork work{{offsets, tile_prefix, groups, rows, 0, 0, (int)blockIdx.x, (int)gridDim.x,
-                            group_m1, 0},
-                           group_m2, tiles_n1, (hidden + Cfg::BN - 1) / Cfg::BN, inter, hidden,
-                           (inter + Cfg::BK - 1) / Cfg::BK, words + COUNTERS,
-                           (epoch << COUNT_BITS) + (u64)tiles_n1, ctx};
-    const ExpertsEpilogue epilogue{act, out, offsets, words + COUNTERS, epoch, rows, inter, hidden};
-    gemm::run_tiles<Cfg>(&tma_x, &tma_w1, hidden, work, epilogue, dynamic_smem, &tma_act, &tma_w2);
+    run_experts<Cfg>(&tma_x, &tma_w1, &tma_act, &tma_w2, act, out, offsets, words, groups, rows,
+                     inter, hidden, group_m1, group_m2, epoch, (int)blockIdx.x, (int)gridDim.x, ctx,
+                     tile_prefix, dynamic_smem);
     __syncthreads();
     if (threadIdx.x == 0)
         finish_launch(words + FINISHED, words + CTAS_BEFORE, words + LAUNCHES, epoch,
                       launch[1] + gridDim.x);
 }
-""", requires=("gemm_tile", "grouped_tiles", "sync"), headers=("cuda_bf16.h",), register=False)
+""", requires=("experts_tiles",), headers=("cuda_bf16.h",), register=False)
 
 KERNEL_ID = kernel_id("moe_experts")
 BLOCK_NS = (128, 256)
@@ -229,9 +257,7 @@ class MoeExpertsSpec(gemm_module.OnEngine, KernelSpec):
 
     def params(self):
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "STAGES": self.stages,
-                "MAX_GROUPS": MAX_GROUPS, "COUNT_BITS": COUNT_BITS, "FINISHED": FINISHED,
-                "CTAS_BEFORE": CTAS_BEFORE, "LAUNCHES": LAUNCHES, "COUNTERS": COUNTERS,
-                "KERNEL_ID": f"{KERNEL_ID}ull"}
+                "MAX_GROUPS": MAX_GROUPS, "KERNEL_ID": f"{KERNEL_ID}ull"}
 
 
 def spec_for(block_m: int, block_n: int = 256) -> MoeExpertsSpec:
