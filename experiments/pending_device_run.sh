@@ -26,6 +26,8 @@
 # 4. the proxy's and gemm_allreduce's 2x2 GPU tests (the ce transport's signals now wait
 #    with their puts, 61ca72f);
 # 5. where the gathered ring's time goes on 1x2 and 1x4.
+# D (one call, when the budget allows only one): MoE's and grouped_mlp's GPU tests, the
+# AllGather+GEMM and ring tests, grouped_mlp --quick, MoE 1x4 fused or not, the ring on 2x2.
 # C:
 # 1. MoE's GPU tests, fused_experts among them, and mkrt.grouped_mlp's;
 # 2. grouped_mlp against the three-launch path and torch._grouped_mm (experiments/grouped_mlp.py);
@@ -42,6 +44,26 @@ ring() {    # layouts, extra options
         --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
         grep -v "F.scaled_dot" | tee -a $LOG
 }
+if [ "$1" = D ]; then
+    # one call for a short budget: the newest code's GPU tests first, then one number each
+    timeout ${MOE_TEST_S:-170} python3 -m pytest -q -m gpu tests/test_moe_experts.py tests/test_moe.py \
+        -p no:cacheprovider 2>&1 | grep -v Warning | tail -8 | tee -a $LOG
+    echo "moe tests done at $SECONDS s" | tee -a $LOG
+    timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
+        tests/test_ring_attention_gpu.py -k "not across_processes and not slots" -p no:cacheprovider \
+        2>&1 | grep -v Warning | tail -6 | tee -a $LOG
+    echo "ag/ring tests done at $SECONDS s" | tee -a $LOG
+    timeout ${MLP_S:-70} python3 experiments/grouped_mlp.py --quick --out $OUT/grouped_mlp.jsonl 2>&1 | \
+        grep -v Warning | tee -a $LOG
+    echo "grouped_mlp done at $SECONDS s" | tee -a $LOG
+    timeout ${MOE_S:-60} python3 experiments/moe.py --layouts 1x4 --models mixtral_8x7b qwen3_30b_a3b \
+        --tokens 1024 --experts-kernels separate fused --out $OUT/moe.jsonl 2>&1 | \
+        grep -v Warning | tee -a $LOG
+    echo "moe done at $SECONDS s" | tee -a $LOG
+    RING_S=${RING_S:-90} ring "2x2" "--own gathered"
+    echo "ring done at $SECONDS s" | tee -a $LOG
+    exit 0
+fi
 if [ "$1" = C ]; then
     # the experts in one launch: MoE's GPU tests with it, its time alone and inside MoE
     timeout ${MOE_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_moe.py tests/test_moe_experts.py \

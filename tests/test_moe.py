@@ -26,6 +26,37 @@ def test_kernel_compiles_without_spills():
         assert build.resources[name].spills == 0, build.resources
 
 
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_fused_kernel_spills_only_at_its_calls(block_m):
+    """moe_fused passes with its stated allowance, and the same source with its two
+    out-of-line calls made straight-line code has no spills at all: what spills is kept
+    across those calls, not in the tile loops."""
+    from mkrt.jit.compiler import compile_cuda
+    spec = M.fused_spec_for(block_m)
+    build = spec.build(check_spills=True)
+    assert 0 < build.resources["moe_fused"].spills <= spec.spill_allowance["moe_fused"]
+    for name in ("moe_dispatch", "moe_combine", "moe_swiglu"):
+        assert build.resources[name].spills == 0
+    source = spec.render()
+    calls = [source.index("        route(a, Context{"), source.index("    if (!rows_are_in(")]
+    ends = [source.index("route_ctas);\n", calls[0]) + len("route_ctas);\n"),
+            source.index("\n", calls[1]) + 1]
+    straight = (source[:calls[0]] + "        if (threadIdx.x == 0) expert_words[5] = 1;\n"
+                + source[ends[0]:calls[1]] + source[ends[1]:])
+    resources = compile_cuda(spec.uri + "_no_calls", straight, options=spec.options()).resources
+    assert resources["moe_fused"].spills == 0, resources["moe_fused"]
+
+
+def test_fused_spec_and_route_ctas():
+    assert M.fused_route_ctas(132, 16) == 16 and M.fused_route_ctas(33, 16) == 4
+    assert M.fused_route_ctas(2, 16) == 1
+    with pytest.raises(ValueError, match="tile"):
+        M.MoeFusedSpec("bf16", "nk", 128, 192, 4)
+    with pytest.raises(ValueError, match="fused kernel's own shared memory"):
+        M.MoeFusedSpec("bf16", "nk", 64, 128, 9)
+    assert M.fused_spec_for(128).uri.startswith("moe_fused_bf16_nk_bm128_bn256_s")
+
+
 @pytest.mark.parametrize("W,experts,k,kind", [(2, 4, 2, "uniform"), (4, 16, 4, "zipf"),
                                               (3, 12, 8, "uniform"), (4, 8, 2, "hot")])
 def test_landing_order_is_the_plans(W, experts, k, kind):
@@ -233,8 +264,9 @@ def test_over_capacity_and_bad_ids_raise(make_world):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout", ["1x2", "2x2"])
-def test_a_muted_rank_ends_in_comm_timeout(make_world, layout):
+def test_a_muted_rank_ends_in_comm_timeout(make_world, layout, fused):
     """A rank that never sends its counts: the call ends in CommTimeout within its bound
     (no hang), naming a rank that waited; a new op on the world then runs right."""
     import time
@@ -247,17 +279,48 @@ def test_a_muted_rank_ends_in_comm_timeout(make_world, layout):
     tokens = [32] * world.size
     dev, expected = _problem(cupy, world, tokens, 2, 128, 64, 2 * world.size, "uniform", seed=9)
     muted = mkrt.MoE(world, experts=2 * world.size, capacity=32, timeout_ms=500,
-                     muted_rank=world.size - 1)
+                     muted_rank=world.size - 1, fused_experts=fused)
     start = time.perf_counter()
     with pytest.raises(mkrt.CommTimeout):
         muted(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
         world.synchronize()
     assert time.perf_counter() - start < 20
-    op = mkrt.MoE(world, experts=2 * world.size, capacity=32, timeout_ms=10000)
+    op = mkrt.MoE(world, experts=2 * world.size, capacity=32, timeout_ms=10000, fused_experts=fused)
     ys = op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
     world.synchronize()
     for y, want in zip(ys, expected):
         assert np.abs(to_float32(y).get() - want).max() / np.abs(want).max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["1x4", "2x2"])
+def test_fused_calls_and_dispatch_combine_alone_keep_one_epoch(make_world, layout):
+    """An op with the whole call in one launch, then dispatch() and combine() alone (their
+    own launches), then the one launch again: each right (the launches share epochs)."""
+    import cupy
+
+    import mkrt
+    from mkrt.kernels.gemm import to_float32
+    world = make_world(layout)
+    tokens, k, H, I, experts = [40, 0, 77, 13], 2, 128, 64, 8
+    dev, expected = _problem(cupy, world, tokens, k, H, I, experts, "zipf", seed=6)
+    op = mkrt.MoE(world, experts=experts, capacity=80, timeout_ms=10000, fused_experts=True)
+
+    def check(ys):
+        for y, want in zip(ys, expected):
+            if want.size:
+                assert np.abs(to_float32(y).get() - want).max() / np.abs(want).max() < 2e-2
+    check(op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"]))
+    world.synchronize()
+    dispatched = op.dispatch(dev["x"], dev["ids"])
+    world.synchronize()
+    results = [cupy.zeros((op.receive_rows, H), dtype=BF) for _ in dispatched]
+    op.combine(results, dev["weights"])            # zeros: only the epochs matter here
+    world.synchronize()
+    for _ in range(3):
+        ys = op(dev["x"], dev["ids"], dev["weights"], dev["w1"], dev["w2"])
+    world.synchronize()
+    check(ys)
 
 
 @pytest.mark.gpu

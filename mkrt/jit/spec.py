@@ -23,6 +23,9 @@ class KernelSpec:
     family: ClassVar[str] = ""
     #: entry functions the module defines (checked for spills, loaded by name)
     entry_points: ClassVar[tuple[str, ...]] = ()
+    #: bytes of spills (stores + loads) an entry may have and still pass the spill check;
+    #: only where the spec says why (none by default)
+    spill_allowance: ClassVar[dict[str, int]] = {}
 
     def __post_init__(self):
         """Fields declared int must be ints (a 128.0 would render as 128.0 into the source
@@ -65,7 +68,7 @@ class KernelSpec:
         if memo_key in _BUILDS:
             return _BUILDS[memo_key]
         build = compile_cuda(self.uri, self.render(), options=self.options(),
-                             check_spills=check_spills)
+                             check_spills=check_spills, spill_allowance=self.spill_allowance)
         missing = [name for name in self.entry_points if name not in build.resources]
         if missing and build.resources:      # no report at all: see compiler._build_entry
             raise KeyError(f"mkrt.jit: {self.uri} does not define entry points {missing}; "

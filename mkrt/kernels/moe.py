@@ -7,7 +7,8 @@ w*E/W .. (w+1)*E/W - 1), topk_weights [T, k] float32, w1 [E/W, 2I, H] (gate rows
 rows) and w2 [E/W, H, I]. Every rank gets y [T, H] = sum over its k experts of
 weight * w2_e (SiLU(gate) * up), [gate; up] = w1_e x. T may differ between ranks (0 too).
 
-Each call runs five launches per rank on the rank's stream, none waiting for the host:
+Each call runs five launches per rank on the rank's stream, none waiting for the host
+(with ``fused_experts=True``, one: ``moe_fused``, below):
 
 1. ``moe_dispatch`` (a few CTAs): one warp ranks the rank's (token, choice) entries per
    expert in token order and counts them; the counts go to every rank (peer stores inside
@@ -30,6 +31,14 @@ Each call runs five launches per rank on the rank's stream, none waiting for the
    back. The source then adds, node by node in order, its own node's rows weighted and
    each other node's sum, in fp32, rounded once: bit-identical between calls.
 
+``moe_fused`` is the same call in one launch: its first CTAs (``fused_route_ctas``) run
+the dispatch's code, wait until this rank's experts are done, then run the combine's;
+the other CTAs wait until every node peer's rows are in, then run both expert GEMMs on the
+engine (mkrt/kernels/moe_experts.py: SwiGLU in the w1 GEMM's epilogue; each w2 tile starts
+once its rows' SwiGLU is in) and count themselves done. The launch keeps the dispatch's and
+the combine's epochs as if they had run alone, so ``dispatch()`` / ``combine()`` mix with
+it on one op.
+
 Buffers live in symmetric memory sized by ``capacity`` (tokens per rank) and
 ``receive_rows`` (rows a rank may receive; default 2 x capacity x 8, the average load of
 top-8 routing twice over): a call whose routing sends a rank more rows fails on the device
@@ -44,6 +53,7 @@ no wait cycle, no buffer reused before its reader is done); ``landing`` and
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import numpy as np
@@ -52,6 +62,7 @@ from mkrt import checks
 from mkrt.arrays import bfloat16, dtype_name, like_input
 from mkrt.jit import cuda_source
 from mkrt.jit.spec import KernelSpec
+from mkrt.kernels import gemm as gemm_module
 from mkrt.kernels import grouped_gemm as grouped_module
 from mkrt.kernels import moe_experts as experts_module
 from mkrt.kernels.device import gather  # noqa: F401  (register the pieces)
@@ -149,19 +160,19 @@ __device__ u64 begin_launch(const Args& a, const Flags& L, int kernel) {
     __syncthreads();
     return epoch;
 }
-__device__ void end_launch(const Args& a, const Flags& L, int kernel, u64 epoch) {
+__device__ void end_launch(const Args& a, const Flags& L, int kernel, u64 epoch, int ctas) {
     __shared__ u64 before;
     if (threadIdx.x == 0) before = ld_acquire_gpu(a.flags + L.launch_words(kernel) + 1);
     __syncthreads();
-    const u64 all = before + gridDim.x;
+    const u64 all = before + ctas;
     __syncthreads();
     if (threadIdx.x == 0) {
         u64* words = a.flags + L.launch_words(kernel);
         finish_launch(words, words + 1, words + 2, epoch, all);
     }
 }
-__device__ __forceinline__ u64 launch_ctas(const Args& a, const Flags& L, int kernel) {
-    return ld_acquire_gpu(a.flags + L.launch_words(kernel) + 1) + gridDim.x;
+__device__ __forceinline__ u64 launch_ctas(const Args& a, const Flags& L, int kernel, int ctas) {
+    return ld_acquire_gpu(a.flags + L.launch_words(kernel) + 1) + ctas;
 }
 
 // Copy `bytes` (a multiple of 16) with the 32 lanes of a warp.
@@ -267,18 +278,16 @@ __device__ __noinline__ void post_sums(const Args& a, const Context& ctx, const 
                     (u64)L.partial_landed(a.node) * 8, epoch, ROLE_INTER, dst);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int slot, int rank,
-             u64 timeout_ns) {
-    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
-    const Flags L{a.W, a.N};
+// The dispatch, run by CTAs cta = 0 .. ctas - 1 of a launch (the moe_dispatch kernel, or the
+// routing CTAs of moe_fused) up to its rows sent and forwarded; false: a wait gave up.
+__device__ __forceinline__ bool dispatch_body(const Args& a, const Context& ctx, const Flags& L,
+                                           u64 epoch, int cta, int ctas) {
     __shared__ int place[MAX_EXPERTS];       // CTA 0: this rank's counts; then: where rows land
     __shared__ int sent[MAX_NODES];          // CTA 0: tokens sent to each node
-    const u64 epoch = begin_launch(a, L, 0);
     const int entries = a.tokens * a.k;
     const int first_rank = a.node * a.G;     // world rank of the node's local rank 0
 
-    if (blockIdx.x == 0) {
+    if (cta == 0) {
         // 1. our call began: ranks may write into our buffers (our last combine is done)
         if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.arrive(a.me), epoch);
         if (a.N > 1 && threadIdx.x == blockDim.x - 1) post_arrivals(a, ctx, L, epoch);
@@ -348,7 +357,7 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
         if (a.N > 1 && threadIdx.x == 0) st_release_gpu(a.flags + L.slots_ready(), epoch);
         // 3. the counts to every rank once it has begun this call: node peers by stores,
         // other nodes' ranks by puts from our own row
-        if (!wait_words(a, L.arrive(0), a.W, epoch, ctx, ROLE_INTRA)) return;
+        if (!wait_words(a, L.arrive(0), a.W, epoch, ctx, ROLE_INTRA)) return false;
         for (int p = 0; p < a.G; ++p) {
             int* target = (int*)a.peer_counts[p] + a.me * a.experts;
             for (int e = threadIdx.x; e < a.experts; e += blockDim.x) target[e] = place[e];
@@ -362,8 +371,8 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
         // CTA counters and the ranks' flags in step, so only this rank's record fails)
     }
 
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int warps = (gridDim.x * blockDim.x) >> 5;
+    const int warp = (cta * blockDim.x + threadIdx.x) >> 5;
+    const int warps = (ctas * blockDim.x) >> 5;
     const int row_bytes = a.hidden * (int)sizeof(T);
 
     // 4. (several nodes) each token's row, once per other node that holds one of its
@@ -371,7 +380,7 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
     // the rank with our local index there
     if (a.N > 1) {
         if (!cta_wait_words(a.flags, L.slots_ready(), 1, 1, -1, epoch, ctx, ROLE_INTER, 0, 1, nullptr))
-            return;
+            return false;
         for (int t = warp; t < a.tokens; t += warps) {
             for (int m = 0; m < a.N; ++m) {
                 if (m == a.node) continue;
@@ -381,17 +390,17 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
                               a.x + (long long)t * a.hidden, row_bytes);
             }
         }
-        if (last_cta_done(a.flags + L.packed(), launch_ctas(a, L, 0))) post_rows(a, ctx, L, epoch);
+        if (last_cta_done(a.flags + L.packed(), launch_ctas(a, L, 0, ctas))) post_rows(a, ctx, L, epoch);
     }
 
     // 5. every rank's counts in: where each expert's rows from us land (expert-major, then
     // source rank, then token), and this rank's group offsets
-    if (!wait_words(a, L.counts_ready(0), a.W, epoch, ctx, ROLE_INTRA)) return;
+    if (!wait_words(a, L.counts_ready(0), a.W, epoch, ctx, ROLE_INTRA)) return false;
     __syncthreads();
     const int node_experts = a.G * a.per_rank;
     const int node_first = a.node * node_experts;
     landing_bases(a, a.me, node_first, node_first + node_experts, place);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (cta == 0 && threadIdx.x == 0) {
         int total = 0;
         a.offsets[0] = 0;
         for (int j = 0; j < a.per_rank; ++j) {
@@ -423,7 +432,7 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
     for (int step = 1; step < a.N; ++step) {
         const int m = (a.node + a.N - step) % a.N;
         const int s = m * a.G + a.local;
-        if (!wait_words(a, L.landed(m), 1, epoch, ctx, ROLE_INTER)) return;
+        if (!wait_words(a, L.landed(m), 1, epoch, ctx, ROLE_INTER)) return false;
         __syncthreads();                       // place[] is rewritten below
         landing_bases(a, s, node_first, node_first + node_experts, place);
         __syncthreads();
@@ -447,12 +456,23 @@ moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int sl
             }
         }
     }
-    if (last_cta_done(a.flags + L.dispatched(), launch_ctas(a, L, 0))) {
+    if (last_cta_done(a.flags + L.dispatched(), launch_ctas(a, L, 0, ctas))) {
         for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.rows_ready(a.me), epoch);
     }
+    return true;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+moe_dispatch(const __grid_constant__ Args a, u64* status, u64* host_flag, int slot, int rank,
+             u64 timeout_ns) {
+    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
+    const Flags L{a.W, a.N};
+    const u64 epoch = begin_launch(a, L, 0);
+    if (!dispatch_body(a, ctx, L, epoch, (int)blockIdx.x, (int)gridDim.x)) return;
     // 8. every node peer's rows for us (its own and those it forwarded) are in before the
     // GEMMs read them
-    if (wait_words(a, L.rows_ready(first_rank), a.G, epoch, ctx, ROLE_INTRA)) end_launch(a, L, 0, epoch);
+    if (wait_words(a, L.rows_ready(a.node * a.G), a.G, epoch, ctx, ROLE_INTRA))
+        end_launch(a, L, 0, epoch, (int)gridDim.x);
 }
 
 // SwiGLU of the rows the w1 GEMM wrote: act[r, c] = silu(h[r, c]) * h[r, inter + c], for
@@ -471,20 +491,18 @@ extern "C" __global__ void moe_swiglu(const T* h, T* act, const int* offsets, in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slot, int rank,
-            u64 timeout_ns) {
-    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
-    const Flags L{a.W, a.N};
+// The combine, run by CTAs cta = 0 .. ctas - 1 of a launch (the moe_combine kernel, or the
+// routing CTAs of moe_fused once the experts are done); false: a wait gave up.
+__device__ __forceinline__ bool combine_body(const Args& a, const Context& ctx, const Flags& L,
+                                          u64 epoch, int cta, int ctas) {
     __shared__ int place[MAX_EXPERTS];
-    const u64 epoch = begin_launch(a, L, 1);
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int warps = (gridDim.x * blockDim.x) >> 5;
+    const int warp = (cta * blockDim.x + threadIdx.x) >> 5;
+    const int warps = (ctas * blockDim.x) >> 5;
     const int row_bytes = a.hidden * (int)sizeof(T);
     const int first_rank = a.node * a.G;
     const int pairs = a.hidden / 2;
     const int entries = a.tokens * a.k;
-    if (blockIdx.x == 0) {
+    if (cta == 0) {
         // 1. our expert results are in (the GEMM ran before us on our stream): the node's
         // forwarding ranks may read them
         if (threadIdx.x < a.G) st_release_sys((u64*)a.peer_flags[threadIdx.x] + L.results_ready(a.me), epoch);
@@ -508,7 +526,7 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
         warp_copy((T*)a.peer_back[source[0] - first_rank] + (long long)source[1] * a.hidden,
                   a.results + (long long)r * a.hidden, row_bytes);
     }
-    if (last_cta_done(a.flags + L.combined(), launch_ctas(a, L, 1))) {
+    if (last_cta_done(a.flags + L.combined(), launch_ctas(a, L, 1, ctas))) {
         for (int p = 0; p < a.G; ++p) st_release_sys((u64*)a.peer_flags[p] + L.back_ready(a.me), epoch);
     }
 
@@ -520,8 +538,8 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
     for (int step = 1; step < a.N; ++step) {
         const int m = (a.node + step) % a.N;
         const int s = m * a.G + a.local;
-        if (!wait_words(a, L.results_ready(first_rank), a.G, epoch, ctx, ROLE_REDUCE)) return;
-        if (!wait_words(a, L.weights_landed(m), 1, epoch, ctx, ROLE_INTER)) return;
+        if (!wait_words(a, L.results_ready(first_rank), a.G, epoch, ctx, ROLE_REDUCE)) return false;
+        if (!wait_words(a, L.weights_landed(m), 1, epoch, ctx, ROLE_INTER)) return false;
         __syncthreads();
         landing_bases(a, s, node_first, node_first + node_experts, place);
         __syncthreads();
@@ -529,8 +547,8 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
         const float* w = a.weights_in + (long long)m * a.capacity * a.k;
         const int sums = min(max(section[0], 0), a.capacity);
         float* out = a.partial_out + (long long)m * a.capacity * a.hidden;
-        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)sums * pairs;
-             i += (long long)gridDim.x * blockDim.x) {
+        for (long long i = (long long)cta * blockDim.x + threadIdx.x; i < (long long)sums * pairs;
+             i += (long long)ctas * blockDim.x) {
             const int r = (int)(i / pairs), c = 2 * (int)(i - (long long)r * pairs);
             const int t = section[route_tokens_at() + r];
             float s0 = 0.f, s1 = 0.f;
@@ -547,21 +565,21 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
             }
             *reinterpret_cast<float2*>(out + (long long)r * a.hidden + c) = make_float2(s0, s1);
         }
-        if (last_cta_done(a.flags + L.summed(m), launch_ctas(a, L, 1))) post_sums(a, ctx, L, epoch, m, sums);
+        if (last_cta_done(a.flags + L.summed(m), launch_ctas(a, L, 1, ctas))) post_sums(a, ctx, L, epoch, m, sums);
     }
 
     // 4. every node peer sent its rows back, every other node its sums: y[t] = over nodes
     // in order, our node's rows weighted in choice order, another node's fp32 sum; in
     // fp32, rounded once (bit-identical between calls)
-    if (!wait_words(a, L.back_ready(first_rank), a.G, epoch, ctx, ROLE_REDUCE)) return;
+    if (!wait_words(a, L.back_ready(first_rank), a.G, epoch, ctx, ROLE_REDUCE)) return false;
     if (a.N > 1 && !cta_wait_words(a.flags, L.partial_landed(0), 1, a.N, a.node, epoch, ctx,
                                    ROLE_INTER, 0, 1, a.queue))       // every node but ours
-        return;
+        return false;
     // (several nodes) our own routes: section (node + 1) of what the dispatch sent
     const int* routes = a.N > 1 ? a.routes_out + (long long)((a.node + 1) % a.N) * a.route_ints + routes_at(a)
                                 : nullptr;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)a.tokens * pairs;
-         i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = (long long)cta * blockDim.x + threadIdx.x; i < (long long)a.tokens * pairs;
+         i += (long long)ctas * blockDim.x) {
         const int t = (int)(i / pairs), c = 2 * (int)(i - (long long)t * pairs);
         float s0 = 0.f, s1 = 0.f;
         for (int m = 0; m < a.N; ++m) {
@@ -588,9 +606,92 @@ moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slo
         }
         *reinterpret_cast<__nv_bfloat162*>(a.y + (long long)t * a.hidden + c) = __floats2bfloat162_rn(s0, s1);
     }
-    end_launch(a, L, 1, epoch);
+    return true;
 }
-""", requires=("gather",), headers=("cuda_bf16.h",), register=False)
+
+extern "C" __global__ void __launch_bounds__(256)
+moe_combine(const __grid_constant__ Args a, u64* status, u64* host_flag, int slot, int rank,
+            u64 timeout_ns) {
+    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
+    const Flags L{a.W, a.N};
+    const u64 epoch = begin_launch(a, L, 1);
+    if (combine_body(a, ctx, L, epoch, (int)blockIdx.x, (int)gridDim.x))
+        end_launch(a, L, 1, epoch, (int)gridDim.x);
+}
+
+#if $FUSED
+// ---- the whole call in one launch (MoE(fused_experts=True)) ----------------------------
+// CTAs 0 .. route_ctas - 1 route: the dispatch (as moe_dispatch runs it), then, once this
+// rank's experts are done, the combine. The others run the experts (experts_tiles: w1 with
+// SwiGLU in its epilogue, w2 on each m-tile once its SwiGLU rows are in) as soon as every
+// node peer's rows for this rank are in. The launch keeps the dispatch's and the combine's
+// launch words as if they had run alone with route_ctas CTAs, so calls of either form and
+// dispatch()/combine() keep one epoch.
+typedef gemm::Config<T, $BLOCK_M, $BLOCK_N, $STAGES, true, 0, 1> Cfg;
+constexpr int MAX_GROUPS = $MAX_GROUPS;
+
+// The routing CTAs' part, out of line: the experts' registers stay free of it.
+__device__ __noinline__ void route(const Args& a, const Context& ctx, const Flags& L,
+                                   const u64* expert_words, int experts_ctas, int route_ctas) {
+    const u64 epoch = begin_launch(a, L, 0);
+    if (!dispatch_body(a, ctx, L, epoch, (int)blockIdx.x, route_ctas)) return;
+    end_launch(a, L, 0, epoch, route_ctas);
+    // every experts CTA of this rank is done: the results may be sent back and read
+    if (!cta_wait_at_least(expert_words + experts::EXPERTS_DONE,
+                           (epoch << experts::COUNT_BITS) + (u64)experts_ctas, ctx, ROLE_REDUCE, -1,
+                           experts::EXPERTS_DONE))
+        return;
+    const u64 epoch1 = begin_launch(a, L, 1);
+    if (combine_body(a, ctx, L, epoch1, (int)blockIdx.x, route_ctas))
+        end_launch(a, L, 1, epoch1, route_ctas);
+}
+
+// An experts CTA waits until every node peer's rows for this rank are in (its own and those
+// it forwarded), and with them this rank's offsets (written before the dispatch's last CTA
+// released its flag). Out of line, like route(): nothing of the experts' is live across it.
+__device__ __noinline__ bool rows_are_in(const Args& a, const Context& ctx, u64 epoch) {
+    const Flags L{a.W, a.N};
+    if (!wait_words(a, L.rows_ready(a.node * a.G), a.G, epoch, ctx, ROLE_COMPUTE)) return false;
+    fence_proxy_async_global();         // peers wrote the rows with generic stores; TMA reads them
+    return true;
+}
+
+extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1)
+moe_fused(const __grid_constant__ Args a,
+          const __grid_constant__ TmaDescriptor tma_x,      // received [receive_rows, H], box 64 x BM
+          const __grid_constant__ TmaDescriptor tma_w1,     // w1 [E_local * 2I, H], box 64 x BN/2
+          const __grid_constant__ TmaDescriptor tma_act,    // act [receive_rows, I], box 64 x BM
+          const __grid_constant__ TmaDescriptor tma_w2,     // w2 [E_local * H, I], box 64 x BN
+          T* act, u64* expert_words, int group_m1, int group_m2, int inter, int route_ctas,
+          u64* status, u64* host_flag, int slot, int rank, u64 timeout_ns) {
+    if ((int)blockIdx.x < route_ctas) {
+        route(a, Context{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID}, Flags{a.W, a.N},
+              expert_words, (int)gridDim.x - route_ctas, route_ctas);
+        return;
+    }
+    extern __shared__ char dynamic_smem[];
+    __shared__ int tile_prefix[MAX_GROUPS + 1];
+    __shared__ u64 call_epoch;
+    // This call's epoch: the combine's launch count + 1 (its words move only after the
+    // experts of this call are done, so no experts CTA can see them moved).
+    if (threadIdx.x == 0) call_epoch = ld_acquire_gpu(a.flags + Flags{a.W, a.N}.launch_words(1) + 2) + 1;
+    __syncthreads();
+    if (!rows_are_in(a, Context{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID}, call_epoch)) return;
+    const Context ctx{status, host_flag, slot, rank, timeout_ns, $KERNEL_ID};
+    const u64 epoch = *reinterpret_cast<volatile u64*>(&call_epoch);
+    const int experts_ctas = (int)gridDim.x - route_ctas;
+    experts::run_experts<Cfg>(&tma_x, &tma_w1, &tma_act, &tma_w2, act, const_cast<T*>(a.results),
+                              a.offsets, expert_words, a.per_rank, a.receive_rows, inter, a.hidden,
+                              group_m1, group_m2, epoch, (int)blockIdx.x - route_ctas, experts_ctas,
+                              ctx, tile_prefix, dynamic_smem);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();         // the results: node peers read them in the combine
+        experts::count_tagged(expert_words + experts::EXPERTS_DONE, epoch);
+    }
+}
+#endif
+""", requires=("gather", "experts_tiles"), headers=("cuda_bf16.h",), register=False)
 
 KERNEL_ID = kernel_id("moe")
 
@@ -609,6 +710,17 @@ ARGS_DTYPE = np.dtype([(f, "<u8") for f in POINTER_FIELDS] + [(f, "<i4") for f i
                       + [(f"{r}_region", "<i4") for r in REGIONS], align=True)
 
 LAUNCH_PARAMETERS = [("args", ARGS_DTYPE, 8), *CONTEXT_PARAMETERS]
+#: moe_fused's parameters: the same Args, the experts' four TMA maps and their own values
+FUSED_PARAMETERS = [("args", ARGS_DTYPE, 8), ("tma_x", 128, 64), ("tma_w1", 128, 64),
+                    ("tma_act", 128, 64), ("tma_w2", 128, 64), ("act", np.uint64, 8),
+                    ("expert_words", np.uint64, 8), ("group_m1", np.int32, 4), ("group_m2", np.int32, 4),
+                    ("inter", np.int32, 4), ("route_ctas", np.int32, 4), *CONTEXT_PARAMETERS]
+
+
+def fused_route_ctas(sms: int, ctas: int) -> int:
+    """Routing CTAs of moe_fused on `sms` SMs (the rest run the experts): the op's ``ctas``,
+    at most an eighth of the SMs, at least one."""
+    return max(1, min(ctas, sms // 8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,11 +765,54 @@ class MoeSpec(KernelSpec):
 
     def params(self):
         return {"MAX_EXPERTS": MAX_EXPERTS, "MAX_NODES": MAX_NODES, "KERNEL_ID": f"{KERNEL_ID}ull",
-                "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE)}
+                "ARGS_CHECKS": struct_size_assert("Args", ARGS_DTYPE), "FUSED": 0, "BLOCK_M": 0,
+                "BLOCK_N": 0, "STAGES": 0, "MAX_GROUPS": experts_module.MAX_GROUPS}
+
+
+#: static shared memory of moe_fused beside the engine's stages: the dispatch's and the
+#: combine's expert places, the dispatch's node counts, the experts' group prefix, a few words
+FUSED_STATIC_SMEM_BYTES = 2 * MAX_EXPERTS * 4 + MAX_NODES * 4 + (experts_module.MAX_GROUPS + 1) * 4 + 128
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeFusedSpec(gemm_module.OnEngine, MoeSpec):
+    """The same kernels plus ``moe_fused``, the whole call in one launch, its experts on the
+    engine with tiles block_m x block_n (URI e.g. ``moe_fused_bf16_nk_bm128_bn256_s4_sm90a``)."""
+
+    family = "moe_fused"
+    entry_points = ("moe_dispatch", "moe_swiglu", "moe_combine", "moe_fused")
+    # ptxas keeps a few words across the entry's two out-of-line calls (route(), rows_are_in()):
+    # 24 to 72 bytes whatever the tile's width, none with the calls made straight-line code
+    # (a CPU test compiles that variant), so none in the tile loops
+    spill_allowance = {"moe_fused": 96}
+
+    dtype: str = "bf16"
+    b_layout: str = "nk"
+    block_m: int = dataclasses.field(default=128, metadata={"short": "bm"})
+    block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
+    stages: int = dataclasses.field(default=4, metadata={"short": "s"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_n not in experts_module.BLOCK_NS or self.block_m not in (64, 128):
+            raise ValueError(f"mkrt.moe: fused experts' tile {self.block_m}x{self.block_n}; "
+                             f"expected block_m 64 or 128, block_n one of {experts_module.BLOCK_NS}")
+        if self.smem_bytes + FUSED_STATIC_SMEM_BYTES > gemm_module.SMEM_LIMIT:
+            raise ValueError(f"mkrt.moe: {self.stages} stages of {self.block_m}x{self.block_n} tiles "
+                             "do not fit beside the fused kernel's own shared memory (use fused_spec_for)")
+
+    def params(self):
+        return {**super().params(), "FUSED": 1, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "STAGES": self.stages}
+
+
+def fused_spec_for(block_m: int, block_n: int = 256) -> MoeFusedSpec:
+    return MoeFusedSpec("bf16", "nk", block_m, block_n,
+                        gemm_module.max_stages(block_m, block_n, "direct", FUSED_STATIC_SMEM_BYTES))
 
 
 def default_specs() -> list[MoeSpec]:
-    return [MoeSpec()]
+    return [MoeSpec()] + [fused_spec_for(block_m) for block_m in (64, 128)]
 
 
 # ---- checks (pure Python) ------------------------------------------------------------------
@@ -815,10 +970,11 @@ class MoE(Op):
     (default 2 x capacity x k_max with k_max = 8, or as given). ``ctas``: CTAs of the
     dispatch and combine kernels (default 16). ``muted_rank``: a world rank that never
     sends its counts (tests of the bounded waits: every rank's call ends in CommTimeout);
-    leave it None. ``fused_experts``: the experts' two GEMMs and SwiGLU in one launch
-    (:func:`mkrt.grouped_mlp`: SwiGLU in the w1 GEMM's epilogue, the w2 GEMM's tiles
-    starting as their rows' SwiGLU lands; never writes the [rows, 2I] product) instead of
-    three; off until measured against the three launches."""
+    leave it None. ``fused_experts``: the whole call in one launch per rank (``moe_fused``:
+    a few routing CTAs dispatch, then combine; the others run the experts as
+    :func:`mkrt.grouped_mlp` does, SwiGLU in the w1 GEMM's epilogue and the w2 GEMM's tiles
+    starting as their rows' SwiGLU lands, never writing the [rows, 2I] product) instead of
+    five; off until measured against them."""
 
     name = "moe"
 
@@ -857,6 +1013,7 @@ class MoE(Op):
         self._buffers: dict = {}
         self._prepared: dict = {}
         self._streams: dict = {}
+        self._expert_words: dict = {}  # rank -> the fused launch's experts words (zeroed once)
         self._dispatched = None        # tokens per rank of a dispatch() awaiting its combine()
 
     # -- buffers --
@@ -906,12 +1063,6 @@ class MoE(Op):
         if self.fused_experts:
             return [None] * len(act), act
         return self.kept_buffers("h", (self.receive_rows, 2 * shape.inter), bfloat16), act
-
-    def _experts_launch(self, info, shape: MoeShape):
-        """The fused experts' launch of a rank (mkrt/kernels/moe_experts.py; built once)."""
-        return experts_module.prepared(info.device, self.receive_rows, self.experts_per_rank,
-                                       shape.hidden, shape.inter, self.world.sm_count(info.rank),
-                                       self._tile)
 
     # -- checks shared by the call, dispatch and combine --
     def _routing(self, x, topk_ids):
@@ -1101,22 +1252,70 @@ class MoE(Op):
             prepared = self._prepared[key] = (launches, words, spec.function("moe_swiglu", info.device))
         return prepared
 
+    def _fused_launch(self, info, shape: MoeShape, scratch):
+        """Rank's one-launch call (moe_fused; fused_experts=True): built once per (rank, k,
+        H, I); (launch, the Args fields patched per call, the maps' pointers)."""
+        key = ("fused", info.rank, shape.k, shape.hidden, shape.inter)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            import cupy
+            spec = fused_spec_for(*self._tile)
+            sms = self.world.sm_count(info.rank)
+            if sms < 2:
+                raise ValueError(f"mkrt.moe: fused_experts needs 2 SMs per rank (one routing CTA, "
+                                 f"one for the experts); rank {info.rank} has {sms}")
+            route_ctas = fused_route_ctas(sms, self.ctas)
+            words = self._expert_words.get(info.rank)
+            size = experts_module.counter_words(self.receive_rows, self.experts_per_rank, spec.block_m)
+            if words is None or words.size < size:
+                with self.on_device(info.device):
+                    words = self._expert_words[info.rank] = cupy.zeros(size, np.uint64)
+            params = Parameters(FUSED_PARAMETERS)
+            params.set(args=self._args(info, shape, scratch), expert_words=words.data.ptr,
+                       group_m1=grouped_module.band_m_tiles(2 * shape.inter, shape.hidden),
+                       group_m2=grouped_module.band_m_tiles(shape.hidden, shape.inter),
+                       inter=shape.inter, route_ctas=route_ctas, **self.context_params(info.rank))
+            launch = KernelLaunch(spec.function("moe_fused", info.device, spec.smem_bytes), sms,
+                                  spec.threads, spec.smem_bytes, params)
+            fields = ("x", "ids", "weights", "y", "tokens", "results")
+            prepared = self._prepared[key] = [launch, tuple(params.field_view("args", f) for f in fields),
+                                              None]
+        return prepared
+
+    def _patch_fused_maps(self, prepared, received, w1, w2, act, shape: MoeShape) -> None:
+        """The fused launch's four TMA maps, rebuilt when a pointer moved."""
+        launch, _, pointers = prepared
+        now = (received.data.ptr, w1.data.ptr, w2.data.ptr, act.data.ptr)
+        if pointers == now:
+            return
+        block_m, block_n = self._tile
+        R, G, H, I = self.receive_rows, self.experts_per_rank, shape.hidden, shape.inter
+        maps = {"tma_x": (now[0], H, R, block_m), "tma_w1": (now[1], H, G * 2 * I, block_n // 2),
+                "tma_act": (now[3], I, R, block_m), "tma_w2": (now[2], I, G * H, block_n)}
+        for name, (pointer, inner, outer, box) in maps.items():
+            descriptor = gemm_module.tma_descriptor_2d(pointer, "bf16", inner, outer, inner * 2, 64, box)
+            ctypes.memmove(launch.params.address(name), descriptor.address, 128)
+        launch.params.set(act=now[3])
+        prepared[2] = now
+
     def _run(self, shape, dims, xs, ids, weights, outs, *, experts=None,
              stages=("dispatch", "experts", "combine"), results=None) -> None:
         """Launch `stages` on every local rank's stream ("experts": both grouped GEMMs and
         SwiGLU on the op's own buffers; combine then reads them, unless `results` is given)."""
         scratch = self._routing_buffers(shape)
         expert_scratch = self._expert_buffers(shape) if "experts" in stages else None
+        # the whole call in one launch per rank (moe_fused): dispatch and combine stay
+        # launches of their own only when called alone
+        fused = self.fused_experts and len(stages) == 3
         # Build every kernel of every rank before the first launch: a rank's dispatch waits
         # for the other ranks' dispatches, and a compile between two ranks' launches (the
         # grouped GEMM's, on a first call) could outlast its bounded wait.
         prepared = [self._prepared_launches(i, info, shape, scratch)
                     for i, info in enumerate(self.world.local)]
-        if "experts" in stages:
+        fused_launches = [self._fused_launch(info, shape, scratch) for info in self.world.local] \
+            if fused else None
+        if "experts" in stages and not fused:
             for info in self.world.local:
-                if self.fused_experts:
-                    self._experts_launch(info, shape)
-                    continue
                 for columns in (2 * shape.inter, shape.hidden):          # w1's, w2's
                     grouped_module.build(self.receive_rows, self.experts_per_rank, columns, "bf16",
                                          info.device, self.world.sm_count(info.rank), *self._tile,
@@ -1138,10 +1337,17 @@ class MoE(Op):
                         weights[i].data.ptr if weights is not None else 0,
                         outs[i].data.ptr if outs is not None else 0, dims[i][0],
                         results_i.data.ptr)
-            for word in words:
+            for word in words if not fused else (fused_launches[i][1],):
                 for field, value in zip(word, pointers):
                     field[()] = value
             with self.on_device(info.device):
+                if fused:
+                    received = self._buffers["received"].view(info.rank, bfloat16,
+                                                               (self.receive_rows, shape.hidden))
+                    self._patch_fused_maps(fused_launches[i], received, experts[0][i], experts[1][i],
+                                           expert_scratch[1][i], shape)
+                    fused_launches[i][0](stream_ptr)
+                    continue
                 if "dispatch" in stages:
                     launches[0](stream_ptr)
                 if "experts" in stages:
@@ -1149,17 +1355,8 @@ class MoE(Op):
                                                                (self.receive_rows, shape.hidden))
                     w1s, w2s = experts
                     h, act = (s[i] for s in expert_scratch)
-                    if self.fused_experts:
-                        # one launch: w1 with SwiGLU in its epilogue, then w2 on each m-tile
-                        # as soon as its SwiGLU rows are in
-                        launch = self._experts_launch(info, shape)
-                        launch.patch(received.data.ptr, w1s[i].data.ptr, w2s[i].data.ptr, act.data.ptr,
-                                     own_results.data.ptr, offsets.data.ptr,
-                                     self.context_params(info.rank))
-                        launch.run(stream_ptr)
-                    else:
-                        self._separate_experts(info, stream_ptr, received, w1s[i], w2s[i], h, act,
-                                               offsets, own_results, shape, swiglu)
+                    self._separate_experts(info, stream_ptr, received, w1s[i], w2s[i], h, act,
+                                           offsets, own_results, shape, swiglu)
                 if "combine" in stages:
                     launches[1](stream_ptr)
         if self._local_count != 1:
@@ -1195,6 +1392,7 @@ class MoE(Op):
                 buffer.close()
         self._buffers = {}
         self._prepared = {}
+        self._expert_words = {}
 
 
 def moe(x, topk_ids, topk_weights, w1, w2, *, experts: int, capacity: int, world=None, out=None,
