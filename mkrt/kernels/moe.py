@@ -684,11 +684,9 @@ moe_fused(const __grid_constant__ Args a,
                               a.offsets, expert_words, a.per_rank, a.receive_rows, inter, a.hidden,
                               group_m1, group_m2, epoch, (int)blockIdx.x - route_ctas, experts_ctas,
                               ctx, tile_prefix, dynamic_smem);
+    __threadfence_system();             // our results: node peers read them in the combine
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();         // the results: node peers read them in the combine
-        experts::count_tagged(expert_words + experts::EXPERTS_DONE, epoch);
-    }
+    if (threadIdx.x == 0) experts::count_tagged(expert_words + experts::EXPERTS_DONE, epoch);
 }
 #endif
 """, requires=("gather", "experts_tiles"), headers=("cuda_bf16.h",), register=False)
