@@ -46,21 +46,21 @@ ring() {    # layouts, extra options
 }
 if [ "$1" = D ]; then
     # one call for a short budget: the newest code's GPU tests first, then one number each
-    timeout ${MOE_TEST_S:-170} python3 -m pytest -q -m gpu tests/test_moe_experts.py tests/test_moe.py \
+    timeout ${MOE_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_moe_experts.py tests/test_moe.py \
         -p no:cacheprovider 2>&1 | grep -v Warning | tail -8 | tee -a $LOG
     echo "moe tests done at $SECONDS s" | tee -a $LOG
-    timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
+    timeout ${TEST_S:-120} python3 -m pytest -q -m gpu tests/test_allgather_gemm_gpu.py \
         tests/test_ring_attention_gpu.py -k "not across_processes and not slots" -p no:cacheprovider \
         2>&1 | grep -v Warning | tail -6 | tee -a $LOG
     echo "ag/ring tests done at $SECONDS s" | tee -a $LOG
-    timeout ${MLP_S:-70} python3 experiments/grouped_mlp.py --quick --out $OUT/grouped_mlp.jsonl 2>&1 | \
+    timeout ${MLP_S:-60} python3 experiments/grouped_mlp.py --quick --out $OUT/grouped_mlp.jsonl 2>&1 | \
         grep -v Warning | tee -a $LOG
     echo "grouped_mlp done at $SECONDS s" | tee -a $LOG
     timeout ${MOE_S:-60} python3 experiments/moe.py --layouts 1x4 --models mixtral_8x7b qwen3_30b_a3b \
         --tokens 1024 --experts-kernels separate fused --out $OUT/moe.jsonl 2>&1 | \
         grep -v Warning | tee -a $LOG
     echo "moe done at $SECONDS s" | tee -a $LOG
-    RING_S=${RING_S:-90} ring "2x2" "--own gathered"
+    RING_S=${RING_S:-70} ring "2x2" "--own gathered"
     echo "ring done at $SECONDS s" | tee -a $LOG
     exit 0
 fi
