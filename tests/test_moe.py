@@ -50,7 +50,7 @@ def test_fused_kernel_spills_only_at_its_calls(block_m):
 def test_fused_spec_and_route_ctas():
     assert M.fused_route_ctas(132, 16) == 16 and M.fused_route_ctas(33, 16) == 4
     assert M.fused_route_ctas(2, 16) == 1
-    with pytest.raises(ValueError, match="tile"):
+    with pytest.raises(ValueError, match="block_n"):
         M.MoeFusedSpec("bf16", "nk", 128, 192, 4)
     with pytest.raises(ValueError, match="fused kernel's own shared memory"):
         M.MoeFusedSpec("bf16", "nk", 64, 128, 9)

@@ -773,8 +773,8 @@ FUSED_STATIC_SMEM_BYTES = 2 * MAX_EXPERTS * 4 + MAX_NODES * 4 + (experts_module.
 
 
 @dataclasses.dataclass(frozen=True)
-class MoeFusedSpec(gemm_module.OnEngine, MoeSpec):
-    """The same kernels plus ``moe_fused``, the whole call in one launch, its experts on the
+class MoeFusedSpec(experts_module.MoeExpertsSpec):
+    """MoE's kernels plus ``moe_fused``, the whole call in one launch, its experts on the
     engine with tiles block_m x block_n (URI e.g. ``moe_fused_bf16_nk_bm128_bn256_s4_sm90a``)."""
 
     family = "moe_fused"
@@ -784,23 +784,17 @@ class MoeFusedSpec(gemm_module.OnEngine, MoeSpec):
     # (a CPU test compiles that variant), so none in the tile loops
     spill_allowance = {"moe_fused": 96}
 
-    dtype: str = "bf16"
-    b_layout: str = "nk"
-    block_m: int = dataclasses.field(default=128, metadata={"short": "bm"})
-    block_n: int = dataclasses.field(default=256, metadata={"short": "bn"})
-    stages: int = dataclasses.field(default=4, metadata={"short": "s"})
-
     def __post_init__(self):
-        super().__post_init__()
-        if self.block_n not in experts_module.BLOCK_NS or self.block_m not in (64, 128):
-            raise ValueError(f"mkrt.moe: fused experts' tile {self.block_m}x{self.block_n}; "
-                             f"expected block_m 64 or 128, block_n one of {experts_module.BLOCK_NS}")
+        super().__post_init__()        # the experts' checks (dtype, layout, tile)
         if self.smem_bytes + FUSED_STATIC_SMEM_BYTES > gemm_module.SMEM_LIMIT:
             raise ValueError(f"mkrt.moe: {self.stages} stages of {self.block_m}x{self.block_n} tiles "
                              "do not fit beside the fused kernel's own shared memory (use fused_spec_for)")
 
+    def template(self):
+        return MOE
+
     def params(self):
-        return {**super().params(), "FUSED": 1, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+        return {**MoeSpec().params(), "FUSED": 1, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
                 "STAGES": self.stages}
 
 
