@@ -122,6 +122,8 @@ def ops(world, args):
     gather_gemm = mkrt.AllGatherGemm(world, fuse=True, b_layout="nk", timeout_ms=args.timeout_ms)
     ring = mkrt.RingAttention(world, timeout_ms=args.timeout_ms)
     moe = mkrt.MoE(world, experts=2 * world.size, capacity=48, timeout_ms=args.timeout_ms)
+    moe_fused = mkrt.MoE(world, experts=2 * world.size, capacity=48, timeout_ms=args.timeout_ms,
+                         fused_experts=True)
     gar_outs = lambda: [cupy.empty((m, n), bfloat16) for _ in world.local]          # noqa: E731
     table = {
         "gemm_allreduce_fused": (lambda out: fused(a, b, out=out), gar_outs(), gar_check),
@@ -150,6 +152,10 @@ def ops(world, args):
         "moe": (lambda out: moe(*(moe_dev[name] for name in ("x", "ids", "weights", "w1", "w2")),
                                 out=out),
                 [cupy.empty((48, 256), bfloat16) for _ in world.local], moe_check),
+        # the whole call in one launch per rank
+        "moe_fused": (lambda out: moe_fused(*(moe_dev[name] for name in ("x", "ids", "weights", "w1", "w2")),
+                                            out=out),
+                      [cupy.empty((48, 256), bfloat16) for _ in world.local], moe_check),
         "allgather_world": (lambda out: gather(x, out=out),
                             [cupy.empty((world.size, args.gather_elems), np.float32)
                              for _ in world.local], gather_check),
