@@ -510,6 +510,9 @@ __device__ __forceinline__ void consume_tile(const Pipeline<Cfg>& pipe, const Wo
         if (blocks == 1 && warp_leader) mbarrier_arrive(pipe.q_empty);
         KeyBlock block = work.first_block(tile);
         softmax_block<Cfg>(s, state, rescale, tile, block, scale_log2, who);
+        // A resumed visit's O was summed against the kept row maxima: bring it to this
+        // block's (the loop below rescales only what this visit adds; a fresh tile's O is 0).
+        if constexpr (Resumes<Work>::value) rescale_output<Cfg>(state, rescale);
         for (int j = 1; j < blocks; ++j) {
             const int previous = stage;
             const u32 previous_phase = phase;
