@@ -43,6 +43,9 @@ def parse():
                         choices=["separate", "fused"],
                         help="the experts' stage: three launches (separate) or one (fused: "
                              "MoE(fused_experts=True)); a row each, timed in the same rounds")
+    parser.add_argument("--route-ctas", nargs="+", type=int, default=[],
+                        help="with --experts-kernels fused: also time these routing-CTA counts "
+                             "(MoE(route_ctas=)), a row each")
     parser.add_argument("--out", default="")
     parser.add_argument("--plot", default="", help="PNG of the rows in --out (after the run)")
     parser.add_argument("--plot-only", action="store_true",
@@ -116,6 +119,11 @@ def main():
                 weights = [torch.rand(tokens, k, device="cuda") for _ in range(W)]
                 ops = {kind: mkrt.MoE(world, experts=experts, capacity=tokens, timeout_ms=30000,
                                       fused_experts=kind == "fused") for kind in args.experts_kernels}
+                if "fused" in args.experts_kernels:
+                    for count in args.route_ctas:
+                        ops[f"fused_r{count}"] = mkrt.MoE(world, experts=experts, capacity=tokens,
+                                                          timeout_ms=30000, fused_experts=True,
+                                                          route_ctas=count)
                 outputs = {kind: op(x, ids, weights, w1, w2) for kind, op in ops.items()}
                 world.synchronize()
 
@@ -170,7 +178,7 @@ def main():
                     error = max(((torch.from_dlpack(y).float() - e.float()).abs().max()
                                  / e.float().abs().max()).item() for y, e in zip(ys, expected))
                     ours = ms_of[kind]
-                    name = case + ("_fused" if kind == "fused" else "")
+                    name = case + ("" if kind == "separate" else f"_{kind}")
                     row = record("moe", name, "tflops", flops / ours / 1e9, flops / theirs / 1e9,
                                  "TFLOP/s", ms=ours, baseline_ms=theirs, max_rel_error=error,
                                  correct=error < 3e-2, layout=layout, experts_kernel=kind,

@@ -26,7 +26,8 @@
 # 4. the proxy's and gemm_allreduce's 2x2 GPU tests (the ce transport's signals now wait
 #    with their puts, 61ca72f);
 # 5. where the gathered ring's time goes on 1x2 and 1x4.
-# D (one call, when the budget allows only one): MoE's and grouped_mlp's GPU tests, the
+# E (next): the K/V-slot fix, the fused MoE's 2x2 failure, routing CTAs 4/8/16 on 1x4.
+# D (ran at d26052d: experiments/results/pending_device_run_d26052d.log): MoE's and grouped_mlp's GPU tests, the
 # AllGather+GEMM and ring tests, grouped_mlp --quick, MoE 1x4 fused or not, the ring on 2x2.
 # C:
 # 1. MoE's GPU tests, fused_experts among them, and mkrt.grouped_mlp's;
@@ -44,6 +45,20 @@ ring() {    # layouts, extra options
         --out $OUT/ring_attention.jsonl 2>&1 | grep -v Warning | grep -v "return torch" | \
         grep -v "F.scaled_dot" | tee -a $LOG
 }
+if [ "$1" = E ]; then
+    # after D (run at d26052d): the K/V-slot fix (ba47dba), the fused MoE's 2x2 failure, its
+    # routing CTAs on Qwen3
+    timeout ${PROBE_S:-60} python3 experiments/slots_probe.py 2>&1 | grep "call0" | tee -a $LOG
+    timeout ${SLOT_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_ring_attention_gpu.py -k slots \
+        -p no:cacheprovider --tb=line 2>&1 | grep -E "^/|passed|failed" | tee -a $LOG
+    timeout ${MOE_TEST_S:-60} python3 -m pytest -q -m gpu tests/test_moe.py -k "keep_one_epoch and 2x2" \
+        -p no:cacheprovider --tb=short 2>&1 | grep -E "test_moe.py:[0-9]+|^E  " | head -12 | tee -a $LOG
+    timeout ${MOE_S:-150} python3 experiments/moe.py --layouts 1x4 --models qwen3_30b_a3b mixtral_8x7b \
+        --tokens 1024 --experts-kernels separate fused --route-ctas 8 16 --out $OUT/moe.jsonl 2>&1 | \
+        grep -v Warning | tee -a $LOG
+    echo "E done at $SECONDS s" | tee -a $LOG
+    exit 0
+fi
 if [ "$1" = D ]; then
     # one call for a short budget: the newest code's GPU tests first, then one number each
     timeout ${MOE_TEST_S:-150} python3 -m pytest -q -m gpu tests/test_moe_experts.py tests/test_moe.py \

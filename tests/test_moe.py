@@ -177,6 +177,9 @@ def test_op_checks_its_world_and_options():
             assert callable(getattr(op, name)), name
         assert M.MoE(world, experts=6, capacity=1 << 24).receive_rows == 1 << 26
         assert M.MoE(world, experts=6, capacity=16, fused_experts=True).fused_experts
+        assert M.MoE(world, experts=6, capacity=16, fused_experts=True, route_ctas=8).route_ctas == 8
+        with pytest.raises(ValueError, match="route_ctas"):
+            M.MoE(world, experts=6, capacity=16, route_ctas=0)
         with pytest.raises((TypeError, ValueError), match="fused_experts"):
             M.MoE(world, experts=6, capacity=16, fused_experts="yes")
     finally:

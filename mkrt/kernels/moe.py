@@ -966,13 +966,15 @@ class MoE(Op):
     a few routing CTAs dispatch, then combine; the others run the experts as
     :func:`mkrt.grouped_mlp` does, SwiGLU in the w1 GEMM's epilogue and the w2 GEMM's tiles
     starting as their rows' SwiGLU lands, never writing the [rows, 2I] product) instead of
-    five; off until measured against them."""
+    five; off until measured against them. ``route_ctas``: the fused launch's routing CTAs
+    (default :func:`fused_route_ctas`'s)."""
 
     name = "moe"
 
     def __init__(self, world=None, *, experts: int, capacity: int, receive_rows: int | None = None,
                  ctas: int = 16, timeout_ms: float | None = None, validate: bool = True,
-                 muted_rank: int | None = None, fused_experts: bool = False):
+                 muted_rank: int | None = None, fused_experts: bool = False,
+                 route_ctas: int | None = None):
         super().__init__(world, timeout_ms=timeout_ms)
         area = self.name
         W = self.world.size
@@ -992,6 +994,7 @@ class MoE(Op):
         self.ctas = checks.integer(ctas, "ctas", area, low=1, high=64)
         self.validate = checks.flag(validate, "validate", area)
         self.fused_experts = checks.flag(fused_experts, "fused_experts", area)
+        self.route_ctas = checks.integer(route_ctas, "route_ctas", area, low=1, high=1024, optional=True)
         muted = checks.integer(muted_rank, "muted_rank", area, low=0, high=W - 1, optional=True)
         self.muted_rank = -1 if muted is None else muted
         self.experts_per_rank = self.experts // W
@@ -1256,7 +1259,10 @@ class MoE(Op):
             if sms < 2:
                 raise ValueError(f"mkrt.moe: fused_experts needs 2 SMs per rank (one routing CTA, "
                                  f"one for the experts); rank {info.rank} has {sms}")
-            route_ctas = fused_route_ctas(sms, self.ctas)
+            route_ctas = fused_route_ctas(sms, self.ctas) if self.route_ctas is None else self.route_ctas
+            if route_ctas >= sms:
+                raise ValueError(f"mkrt.moe: route_ctas={route_ctas} leaves no CTA for the experts on "
+                                 f"rank {info.rank}'s {sms} SMs")
             words = self._expert_words.get(info.rank)
             size = experts_module.counter_words(self.receive_rows, self.experts_per_rank, spec.block_m)
             if words is None or words.size < size:
