@@ -120,7 +120,7 @@ struct ExpertsWork {
 };
 
 template <class Cfg>
-struct ExpertsEpilogue {
+struct ExpertsEpilogue : gemm::PlainStores {
     typedef __nv_bfloat16 T;
     T* act;
     T* out;
@@ -128,11 +128,6 @@ struct ExpertsEpilogue {
     u64* counters;
     u64 epoch;
     int rows, inter, hidden;
-
-    template <int CONSUMERS>
-    __device__ __forceinline__ void finish(const gemm::ConsumerThread<CONSUMERS>&) const {}
-    template <int CONSUMERS>
-    __device__ __forceinline__ void complete(const gemm::ConsumerThread<CONSUMERS>&) const {}
 
     template <class Acc, int CONSUMERS>
     __device__ __forceinline__ void operator()(const gemm::Tile& tile, const Acc& acc,
@@ -178,7 +173,7 @@ __device__ __forceinline__ void run_experts(
                                 group_m2, tiles_n1, (hidden + Cfg::BN - 1) / Cfg::BN, inter, hidden,
                                 (inter + Cfg::BK - 1) / Cfg::BK, words + COUNTERS,
                                 (epoch << COUNT_BITS) + (u64)tiles_n1, ctx};
-    const ExpertsEpilogue<Cfg> epilogue{act, out, offsets, words + COUNTERS, epoch, rows, inter, hidden};
+    const ExpertsEpilogue<Cfg> epilogue{{}, act, out, offsets, words + COUNTERS, epoch, rows, inter, hidden};
     gemm::run_tiles<Cfg>(tma_x, tma_w1, hidden, work, epilogue, dynamic_smem, tma_act, tma_w2);
 }
 

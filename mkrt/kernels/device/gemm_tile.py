@@ -285,6 +285,15 @@ template <> struct Pack<__half> {
 // last tile (drain asynchronous stores, say), and complete(who): after it returns, this
 // thread's writes of the current tile are done (FlagEpilogue calls it before the flag).
 
+// An epilogue whose stores are plain (nothing to drain): finish and complete do nothing.
+// (Epilogues may inherit these; aggregate initialisation then starts with {} for the base.)
+struct PlainStores {
+    template <int CONSUMERS>
+    __device__ __forceinline__ void finish(const ConsumerThread<CONSUMERS>&) const {}
+    template <int CONSUMERS>
+    __device__ __forceinline__ void complete(const ConsumerThread<CONSUMERS>&) const {}
+};
+
 template <class T, int BM, int BN>
 struct StoreEpilogue {
     T* out;
