@@ -296,10 +296,12 @@ def test_a_muted_rank_ends_in_comm_timeout(make_world, layout, fused):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("layout", ["1x4", "2x2"])
-def test_fused_calls_and_dispatch_combine_alone_keep_one_epoch(make_world, layout):
-    """An op with the whole call in one launch, then dispatch() and combine() alone (their
-    own launches), then the one launch again: each right (the launches share epochs)."""
+def test_fused_calls_and_dispatch_combine_alone_keep_one_epoch(make_world, layout, fused):
+    """An op with the whole call in one launch (or five, fused=False), then dispatch() and
+    combine() alone (their own launches), then the call again: each right (the launches
+    share epochs)."""
     import cupy
 
     import mkrt
@@ -307,7 +309,7 @@ def test_fused_calls_and_dispatch_combine_alone_keep_one_epoch(make_world, layou
     world = make_world(layout)
     tokens, k, H, I, experts = [40, 0, 77, 13], 2, 128, 64, 8
     dev, expected = _problem(cupy, world, tokens, k, H, I, experts, "zipf", seed=6)
-    op = mkrt.MoE(world, experts=experts, capacity=80, timeout_ms=10000, fused_experts=True)
+    op = mkrt.MoE(world, experts=experts, capacity=80, timeout_ms=10000, fused_experts=fused)
 
     def check(ys):
         for y, want in zip(ys, expected):
