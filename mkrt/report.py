@@ -1042,8 +1042,8 @@ PIECES = [
           "(`experiments/moe.py`; GPU tests pass on 1x2, 1x3, 1x4, 2x1, 2x2, 3x1, 2x3)", "moe",
           lambda rows: family_lines(rows, lambda r: f"{r.get('layout', '?')} emulated",
                                     against="of host splits + copies + torch._grouped_mm")),
-    Piece("not yet", "MoE in one kernel measured (moe_fused and grouped_mlp are built, not "
-          "yet run on a GPU), the role queues and controller in the "
+    Piece("not yet", "MoE in one kernel as the default (moe_fused runs, loses to the five "
+          "launches on Qwen3-30B-A3B and fails one 2x2 test), the role queues and controller in the "
           "kernels other than gemm_allreduce / gemm_reducescatter, a run on RDMA hardware "
           "(InfiniBand, RoCE or EFA: worlds have run over mkrt's loopback NIC only, as RC queue "
           "pairs and as an EFA endpoint), a stream-K that pays below 4 waves (split-K pays for "
