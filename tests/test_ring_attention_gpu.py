@@ -33,14 +33,10 @@ def shards(world, x, causal):
 
 def captured(world, call):
     """(stream, graph) of `call` captured after one eager call of it."""
-    import cupy
+    from mkrt.bench import capture_graph
     call()
     world.synchronize()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        call()
-        graph = stream.end_capture()
+    graph, stream = capture_graph(call)
     return stream, graph
 
 

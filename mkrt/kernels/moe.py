@@ -53,7 +53,6 @@ no wait cycle, no buffer reused before its reader is done); ``landing`` and
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
 import numpy as np
@@ -1286,13 +1285,8 @@ class MoE(Op):
         now = (received.data.ptr, w1.data.ptr, w2.data.ptr, act.data.ptr)
         if pointers == now:
             return
-        block_m, block_n = self._tile
-        R, G, H, I = self.receive_rows, self.experts_per_rank, shape.hidden, shape.inter
-        maps = {"tma_x": (now[0], H, R, block_m), "tma_w1": (now[1], H, G * 2 * I, block_n // 2),
-                "tma_act": (now[3], I, R, block_m), "tma_w2": (now[2], I, G * H, block_n)}
-        for name, (pointer, inner, outer, box) in maps.items():
-            descriptor = gemm_module.tma_descriptor_2d(pointer, "bf16", inner, outer, inner * 2, 64, box)
-            ctypes.memmove(launch.params.address(name), descriptor.address, 128)
+        experts_module.write_maps(launch.params, *now, self.receive_rows, self.experts_per_rank,
+                                  shape.hidden, shape.inter, self._tile)
         launch.params.set(act=now[3])
         prepared[2] = now
 

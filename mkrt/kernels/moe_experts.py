@@ -364,6 +364,21 @@ def check_operands(x_shape, w1_shape, w2_shape, x_dtype, w1_dtype, w2_dtype,
 
 # ---- launcher -----------------------------------------------------------------------------
 
+def write_maps(params, x_ptr: int, w1_ptr: int, w2_ptr: int, act_ptr: int, rows: int, groups: int,
+               hidden: int, inter: int, tile: tuple[int, int]) -> None:
+    """Encode the experts' four TMA maps into `params` (fields tma_x, tma_w1, tma_act, tma_w2;
+    moe_experts and moe_fused alike): x [rows, H] and act [rows, I] in boxes of BM rows, w1 as
+    [G * 2I, H] in halves of BN / 2 rows (gate, up), w2 as [G * H, I] in boxes of BN rows."""
+    block_m, block_n = tile
+    maps = {"tma_x": (x_ptr, hidden, rows, block_m),
+            "tma_w1": (w1_ptr, hidden, groups * 2 * inter, block_n // 2),
+            "tma_act": (act_ptr, inter, rows, block_m),
+            "tma_w2": (w2_ptr, inter, groups * hidden, block_n)}
+    for name, (pointer, inner, outer, box) in maps.items():
+        descriptor = gemm_module.tma_descriptor_2d(pointer, "bf16", inner, outer, inner * 2, 64, box)
+        ctypes.memmove(params.address(name), descriptor.address, 128)
+
+
 class ExpertsLaunch:
     """The launch for one signature (device, rows, groups, H, I, tile, grid): its parameters,
     TMA maps (rebuilt when a pointer changes) and, per stream, its counter words."""
@@ -390,14 +405,10 @@ class ExpertsLaunch:
 
     def patch(self, x_ptr: int, w1_ptr: int, w2_ptr: int, act_ptr: int, out_ptr: int,
               offsets_ptr: int, context: dict) -> None:
-        params, spec = self.launch.params, self.spec
+        params = self.launch.params
         if self._maps != (x_ptr, w1_ptr, w2_ptr, act_ptr):
-            R, G, H, I = self.rows, self.groups, self.hidden, self.inter
-            maps = {"tma_x": (x_ptr, H, R, spec.block_m), "tma_w1": (w1_ptr, H, G * 2 * I, spec.block_n // 2),
-                    "tma_act": (act_ptr, I, R, spec.block_m), "tma_w2": (w2_ptr, I, G * H, spec.block_n)}
-            for name, (pointer, inner, outer, box) in maps.items():
-                descriptor = gemm_module.tma_descriptor_2d(pointer, "bf16", inner, outer, inner * 2, 64, box)
-                ctypes.memmove(params.address(name), descriptor.address, 128)
+            write_maps(params, x_ptr, w1_ptr, w2_ptr, act_ptr, self.rows, self.groups, self.hidden,
+                       self.inter, (self.spec.block_m, self.spec.block_n))
             self._maps = (x_ptr, w1_ptr, w2_ptr, act_ptr)
         params.set(act=act_ptr, out=out_ptr, offsets=offsets_ptr, **context)
 
@@ -417,12 +428,14 @@ _STATUS: dict = {}          # device -> StatusBlock of the function form's launc
 
 
 def prepared(device: int, rows: int, groups: int, hidden: int, inter: int, sms: int,
-             tile: tuple[int, int] | None = None) -> ExpertsLaunch:
-    """The launch for this signature, built (compiled, loaded) on first use."""
-    tile = tile or choose_tile(rows, groups)
-    key = (device, rows, groups, hidden, inter, tile, sms)
+             block_m: int | None = None, block_n: int | None = None) -> ExpertsLaunch:
+    """The launch for this signature, built (compiled, loaded) on first use; keyed by the tile
+    as asked for, so choose_tile runs once per signature, not per call."""
+    key = (device, rows, groups, hidden, inter, block_m, block_n, sms)
     launch = _LAUNCHES.get(key)
     if launch is None:
+        chosen = choose_tile(rows, groups)
+        tile = (block_m or chosen[0], block_n or chosen[1])
         # never more CTAs than the tiles of the first GEMM at its fullest
         most_tiles = (-(-rows // tile[0]) + groups) * -(-inter // (tile[1] // 2))
         launch = _LAUNCHES[key] = ExpertsLaunch(device, rows, groups, hidden, inter, tile,
@@ -492,9 +505,7 @@ def grouped_mlp(x, w1, w2, offsets, out=None, *, act=None, block_m: int | None =
     status = _status(device)
     status.raise_if_failed()            # an earlier launch's wait gave up
     status.timeout_ms[0] = timeout_ms
-    chosen = choose_tile(rows, groups)
-    tile = (block_m or chosen[0], block_n or chosen[1])
-    launch = prepared(device, rows, groups, hidden, inter, int(sms), tile)
+    launch = prepared(device, rows, groups, hidden, inter, int(sms), block_m, block_n)
     with cupy.cuda.Device(device):
         out_view = views.get("out")
         if out_view is None:
